@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Launches training through torchrun. All arguments go to train.py.
+#   NGPU=8 ./run_train.sh --config llama3_8b_fp8      one process per GPU (NCCL)
+#   NPROC=2 ./run_train.sh --parallelism.dp_shard 2  CPU processes (gloo) when there is no GPU
+#   LOG_RANK=0,1 shows those ranks' output (default 0). CONFIG=name is the same as --config name.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+py="$("$root/scripts/setup_env.sh")"
+nproc="${NGPU:-${NPROC:-1}}"
+log_rank="${LOG_RANK:-0}"
+extra=()
+if [ -n "${CONFIG:-}" ]; then extra+=(--config "$CONFIG"); fi
+# Help-like flags need no process group: run them in-process for a quick answer.
+for a in "$@"; do
+  case "$a" in
+    --help|-h|--print-config|--list-configs|--print-fp8-plan|--estimate-memory)
+      exec "$py" "$root/train.py" "${extra[@]}" "$@";;
+  esac
+done
+exec "$py" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
+  --local-ranks-filter "$log_rank" --role rank --tee 3 \
+  "$root/train.py" "${extra[@]}" "$@"

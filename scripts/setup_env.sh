@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Prints the path of a Python interpreter that has torchtitan_lite's dependencies, creating
+# ./.venv on first use. Used by run_train.sh and scripts/run_tests.sh so that both work on a
+# fresh machine. Set TTL_PYTHON to force an interpreter.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+probe='import torch, torchao, datasets, sentencepiece, tensorboard, safetensors, pytest, torchtitan_lite'
+stamp_of() { sha256sum "$root/pyproject.toml" | cut -c1-16; }
+
+if [ -n "${TTL_PYTHON:-}" ]; then echo "$TTL_PYTHON"; exit 0; fi
+venv="$root/.venv"
+if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.ttl_stamp" 2>/dev/null)" = "$(stamp_of)" ] \
+   && (cd "$root" && "$venv/bin/python" -c "$probe") >/dev/null 2>&1; then
+  echo "$venv/bin/python"; exit 0
+fi
+
+echo "[setup] creating $venv (first use; about a minute)" >&2
+python3 -m venv "$venv" >&2
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
+  # Without a GPU take the CPU wheel explicitly: an unpinned torch resolves to a multi-GB CUDA build.
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    "${pip[@]}" "torch>=2.13,<2.15" >&2
+  else
+    "${pip[@]}" "torch==2.13.0" >&2
+  fi
+fi
+"${pip[@]}" -e "$root[test]" >&2
+stamp_of > "$venv/.ttl_stamp"
+echo "$venv/bin/python"

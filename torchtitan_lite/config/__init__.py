@@ -1,0 +1,3 @@
+from torchtitan_lite.config.configurable import Configurable
+
+__all__ = ["Configurable"]

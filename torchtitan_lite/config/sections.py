@@ -1,0 +1,91 @@
+"""Config sections that configure the training job itself rather than a buildable component."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    dump_folder: str = "./outputs"
+    """Root folder of the run's outputs: config.toml, tb/ (TensorBoard), checkpoint/, profiles/."""
+    description: str = ""
+    """Free text describing the run; saved with the config."""
+    save_config: bool = True
+    """Write the resolved config to <dump_folder>/config.toml at start."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "llama3"
+    """Model family, a key of models.MODEL_SPECS."""
+    flavor: str = "debug"
+    """Size preset from the family's flavor table (debug, 1B, 3B, 8B, 70B, 405B for llama3)."""
+    n_layers: int | None = None
+    """Override the flavor's number of transformer blocks (e.g. an 8B-width model that fits one GPU)."""
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    steps: int = 300
+    """Number of optimizer steps to train."""
+    seq_len: int = 256
+    """Tokens per training sample (windows of seq_len + 1 tokens are packed from the corpus)."""
+    local_batch_size: int = 8
+    """Samples per data-parallel rank per micro-batch."""
+    global_batch_size: int = -1
+    """Samples per optimizer step over all data-parallel ranks; -1 means local_batch_size x dp degree.
+    A multiple of that product turns on gradient accumulation."""
+    max_norm: float = 1.0
+    """Gradient-norm clipping threshold; 0 disables clipping (the norm is still logged)."""
+    seed: int | None = 0
+    """Random seed for model init, data order and dropout-free sampling; None leaves RNGs unseeded."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every this many steps (automatic GC is disabled); 0 keeps it automatic."""
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicate degree (HSDP when > 1 together with dp_shard > 1)."""
+    dp_shard: int = -1
+    """FSDP sharding degree; -1 takes what is left of the world size after the other degrees."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    enable_sequence_parallel: bool = True
+    """With TP, shard norms and residual activations along the sequence dimension."""
+    enable_loss_parallel: bool = True
+    """With TP, compute cross-entropy on vocab-sharded logits without gathering them."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """'default' reshards every block but the last (its params are needed again at once in backward)."""
+    fsdp_cpu_offload: bool = False
+    """Keep sharded params, grads and optimizer states on CPU (CUDA only)."""
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointConfig:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none, full (every block), or selective."""
+    selective_option: str = "op"
+    """With mode=selective: 'op' saves matmul/attention outputs and recomputes the rest; an integer N
+    checkpoints every Nth block fully."""
+
+
+@dataclass(kw_only=True)
+class CompileConfig:
+    enable: bool = False
+    """torch.compile each transformer block and the loss."""
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile when enabled: 'model' (per transformer block) and/or 'loss'."""
+    backend: str = "inductor"
+    """torch.compile backend."""
+    fullgraph: bool = True
+    """Require each compiled block to be one graph (fails loudly on graph breaks)."""
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    deterministic: bool = False
+    """Use deterministic algorithms (slower); for bitwise-reproducible runs."""
+    detect_anomaly: bool = False
+    """Enable autograd anomaly detection (very slow; finds the op that produced a NaN)."""
