@@ -1,0 +1,52 @@
+"""Causal grouped-query self-attention with rotary embeddings."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.llama3.args import Llama3ModelArgs
+from models.llama3.init import trunc_normal_
+from models.llama3.rope import apply_rotary_emb
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[batch, seq, kv_heads, head_dim] -> [batch, seq, kv_heads * n_rep, head_dim]; head h reads kv head h // n_rep."""
+    if n_rep == 1:
+        return x
+    bsz, seqlen, n_kv_heads, head_dim = x.shape
+    return x[:, :, :, None, :].expand(bsz, seqlen, n_kv_heads, n_rep, head_dim).reshape(
+        bsz, seqlen, n_kv_heads * n_rep, head_dim
+    )
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Llama3ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def init_weights(self, out_proj_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            trunc_normal_(linear.weight, std=0.02)
+        trunc_normal_(self.wo.weight, std=out_proj_std)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # Head counts come from the projections' outputs, not from the args: under tensor parallelism each
+        # rank holds n_heads / tp query heads and n_kv_heads / tp key/value heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q = apply_rotary_emb(q, rope_cache)
+        k = apply_rotary_emb(k, rope_cache)
+        # Explicit repetition instead of SDPA's enable_gqa: on CUDA enable_gqa is only served by the flash
+        # and math kernels, so float32 runs would fall back to the memory-hungry math kernel.
+        n_rep = q.shape[2] // k.shape[2]
+        k = repeat_kv(k, n_rep)
+        v = repeat_kv(v, n_rep)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

@@ -1,0 +1,91 @@
+"""Rotary position embeddings in Meta's Llama convention: channels (2i, 2i+1) of a head form one pair.
+
+The Hugging Face checkpoints pair channel i with i + head_dim/2 instead ("rotate_half"); the state-dict
+adapter permutes the rows of wq / wk so that both conventions compute the same attention scores.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from models.llama3.args import RopeScaling
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequency of each channel pair, float32 [head_dim / 2], Llama 3.1 scaling applied if given."""
+    exponents = torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    return _llama31_scale(inv_freq, scaling)
+
+
+def _llama31_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Same float32 operations, in the same order, as the reference per-frequency loop of Llama 3.1.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, smoothed)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """Float32 table [max_seq_len, head_dim / 2, 2] holding (cos, sin) of position * frequency."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rotary_emb(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, seq, heads, head_dim] by its positions 0..seq-1; computed in float32, returned in x.dtype.
+
+    The head count is read from x, so tensor-parallel ranks holding a slice of the heads work unchanged.
+    """
+    seqlen = x.shape[1]
+    cos, sin = cache[:seqlen].unbind(-1)
+    cos = cos.view(1, seqlen, 1, -1)
+    sin = sin.view(1, seqlen, 1, -1)
+    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RotaryEmbedding(nn.Module):
+    """Owns the float32 (cos, sin) table as a non-persistent buffer that dtype casts cannot degrade.
+
+    The table is derived state, so after every `_apply` (`.to(dtype)`, `.bfloat16()`, `.to(device)`,
+    `to_empty`) it is recomputed in float32 on the buffer's new device instead of being cast: a bf16 table
+    would rotate late positions by visibly wrong angles, and `to_empty` would leave it uninitialised.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_seq_len = max_seq_len
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("cache", self._compute(device=None), persistent=False)
+
+    def _compute(self, device: torch.device | str | None) -> torch.Tensor:
+        return rope_cache(self.head_dim, self.max_seq_len, self.theta, self.scaling, device)
+
+    def reset_cache(self, device: torch.device | str | None = None) -> None:
+        """Recompute the table on `device` (default: where it is now)."""
+        self.cache = self._compute(self.cache.device if device is None else device)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.reset_cache()
+        return self
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}, scaling={self.scaling}"
