@@ -1,0 +1,91 @@
+"""Hugging Face Llama folders: ``config.json`` + ``model.safetensors`` in and out.
+
+Name mapping and the q/k rotary layout change belong to the model's state-dict adapter
+(``to_hf`` / ``from_hf`` / ``hf_config_dict``); this module only moves tensors and files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def save_hf(out_dir: str, state_dict: dict[str, torch.Tensor], adapter: Any, dtype: torch.dtype) -> None:
+    """Write ``state_dict`` (this project's names, full unsharded tensors) as a Hugging Face folder.
+
+    Files go to a temporary sibling folder that is renamed at the end, so ``out_dir`` is either
+    absent or whole.
+    """
+    hf_state = adapter.to_hf(state_dict)
+    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in hf_state.items()}
+    config = dict(adapter.hf_config_dict())
+    config["torch_dtype"] = _DTYPE_NAMES[dtype]
+    tmp = f"{out_dir.rstrip(os.sep)}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    save_file(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def read_hf_config(hf_dir: str) -> dict[str, Any]:
+    path = os.path.join(hf_dir, CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist; a Hugging Face model folder needs {CONFIG_NAME} "
+                                f"and {WEIGHTS_NAME}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_hf(hf_dir: str) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face folder (one ``model.safetensors`` or an index of shards), HF names."""
+    files = _weight_files(hf_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors reports truncation as several error types
+            raise ValueError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+    return tensors
+
+
+def check_hf_config(hf_dir: str, config: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Fail on the first architecture field of ``config.json`` that differs from ``expected``."""
+    for key, want in expected.items():
+        if key in ("torch_dtype", "architectures", "transformers_version") or key not in config:
+            continue
+        if config[key] != want:
+            raise ValueError(f"{os.path.join(hf_dir, CONFIG_NAME)}: {key}={config[key]!r} but the chosen model "
+                             f"configuration has {key}={want!r}; pick the --config that matches this model")
+
+
+def _weight_files(hf_dir: str) -> list[str]:
+    single = os.path.join(hf_dir, WEIGHTS_NAME)
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(hf_dir, WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(hf_dir, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{index} lists weight files that do not exist: {missing}")
+        return files
+    raise FileNotFoundError(f"{hf_dir} has neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}")

@@ -1,0 +1,119 @@
+"""On-disk layout of a run's checkpoints: ``<folder>/step-<N>/`` plus a completeness marker.
+
+A checkpoint folder counts as complete only once ``step-<N>/.complete`` exists. The marker is
+written (atomically: temporary file + rename) after every rank's shards and DCP's ``.metadata``
+are on disk, so a process killed mid-save leaves a folder without a marker, which loading ignores.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
+
+MARKER_NAME = ".complete"
+DCP_METADATA_NAME = ".metadata"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class Marker:
+    """What a complete checkpoint holds; stored as JSON in ``step-<N>/.complete``."""
+
+    step: int
+    world_size: int
+    states: list[str]
+    model_only: bool
+    time: float
+
+    @staticmethod
+    def read(checkpoint_dir: str) -> "Marker | None":
+        path = os.path.join(checkpoint_dir, MARKER_NAME)
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path) as f:
+                return Marker(**json.load(f))
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"checkpoint marker {path} is unreadable ({e}); delete it to treat "
+                             f"{checkpoint_dir} as incomplete") from e
+
+    def write(self, checkpoint_dir: str) -> None:
+        path = os.path.join(checkpoint_dir, MARKER_NAME)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def new_marker(step: int, world_size: int, states: list[str], model_only: bool) -> Marker:
+    return Marker(step=step, world_size=world_size, states=sorted(states), model_only=model_only, time=time.time())
+
+
+def step_dir(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step-{step}")
+
+
+def hf_export_dir(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step-{step}-hf")
+
+
+def is_dcp_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, DCP_METADATA_NAME))
+
+
+def scan_steps(folder: str) -> tuple[list[int], list[int]]:
+    """(complete, incomplete) step numbers found in ``folder``, each sorted ascending."""
+    if not os.path.isdir(folder):
+        return [], []
+    complete, incomplete = [], []
+    for name in os.listdir(folder):
+        match = _STEP_DIR.match(name)
+        if match is None or not os.path.isdir(os.path.join(folder, name)):
+            continue
+        step = int(match.group(1))
+        has_marker = os.path.isfile(os.path.join(folder, name, MARKER_NAME))
+        (complete if has_marker else incomplete).append(step)
+    return sorted(complete), sorted(incomplete)
+
+
+def describe_steps(folder: str) -> str:
+    complete, incomplete = scan_steps(folder)
+    text = f"complete steps in {folder}: {complete or 'none'}"
+    if incomplete:
+        text += f"; incomplete (no {MARKER_NAME} marker, never loaded): {incomplete}"
+    return text
+
+
+def purge_old(folder: str, keep_latest_k: int, protected: set[int]) -> list[int]:
+    """Delete complete checkpoints beyond the newest ``keep_latest_k`` plus unfinished folders
+    older than the newest complete one (leftovers of crashed saves). Never touches ``protected``.
+
+    Returns the purged step numbers.
+    """
+    complete, incomplete = scan_steps(folder)
+    if keep_latest_k <= 0 or not complete:
+        return []
+    newest = complete[-1]
+    doomed = [s for s in complete[:-keep_latest_k]] + [s for s in incomplete if s < newest]
+    purged = []
+    for step in sorted(doomed):
+        if step in protected:
+            continue
+        path = step_dir(folder, step)
+        # The marker goes first so an interrupted purge never leaves a "complete" partial folder.
+        marker = os.path.join(path, MARKER_NAME)
+        if os.path.exists(marker):
+            os.remove(marker)
+        shutil.rmtree(path, ignore_errors=True)
+        purged.append(step)
+    if purged:
+        logger.info("purged checkpoints %s from %s (keep_latest_k=%d)", purged, folder, keep_latest_k)
+    return purged

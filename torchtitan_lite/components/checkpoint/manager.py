@@ -1,0 +1,388 @@
+"""Saves and restores the whole training state with torch.distributed.checkpoint (DCP).
+
+Each checkpoint is ``<dump_folder>/<folder>/step-<N>/``: every rank writes its shards, DCP's
+coordinator (rank 0) writes ``.metadata`` once all ranks reported their writes, and only then rank 0
+writes the ``.complete`` marker. DCP's final gather is the barrier that makes this safe: rank 0 gets
+past ``dcp.save`` (or its async future resolves) only after every rank finished writing. Loading
+considers only folders with the marker; rank 0 scans the folder and broadcasts what it found, so all
+ranks load the same step even on filesystems with lagging metadata caches.
+
+Model and optimizer state are sharded tensors that DCP reshards on load (save on FSDP 2, load on
+1 process or FSDP x TP). Per-rank state that is not a sharded tensor (``dataloader``,
+``train_state`` with its RNGs) is stored under rank-unique keys ``<name>.rank<r>``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from torchtitan_lite.components.checkpoint import hf_io
+from torchtitan_lite.components.checkpoint.layout import (
+    MARKER_NAME,
+    Marker,
+    describe_steps,
+    hf_export_dir,
+    new_marker,
+    purge_old,
+    scan_steps,
+    step_dir,
+)
+from torchtitan_lite.components.checkpoint.stateful import decode, encode
+from torchtitan_lite.components.checkpoint.verify import (
+    CheckpointError,
+    check_compatible,
+    describe_failure,
+    read_metadata,
+    saved_state_names,
+    saved_tensor_shape,
+)
+from torchtitan_lite.config import Configurable
+from torchtitan_lite.distributed import utils as dist_utils
+
+logger = logging.getLogger(__name__)
+# A run without a process group is a normal single-process run here, not a mistake worth a warning.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+PER_RANK_STATES = ("dataloader", "train_state")
+"""States that differ per rank and are not sharded tensors; each rank saves and restores its own copy."""
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class CheckpointManager(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        enable: bool = False
+        """Save checkpoints, and resume from the latest complete one in the run's folder at start."""
+        folder: str = "checkpoint"
+        """Checkpoint folder under job.dump_folder; each checkpoint is <folder>/step-<N>/."""
+        interval: int = 500
+        """Save every this many steps; the last step is always saved."""
+        keep_latest_k: int = 0
+        """Keep only the newest k complete checkpoints (older ones are deleted after a new one completes);
+        0 keeps all. The checkpoint this run resumed from is never deleted."""
+        load_step: int = -1
+        """Resume from this step's checkpoint instead of the latest complete one; -1 = latest."""
+        async_mode: Literal["disabled", "async"] = "disabled"
+        """'async' copies state to CPU and writes in a background thread while training goes on
+        (over a separate gloo process group); a save waits for the previous one to finish first."""
+        last_save_model_only: bool = False
+        """The final checkpoint holds only the model weights (in export_dtype), for export and inference."""
+        last_save_in_hf: bool = False
+        """Also write the final model as Hugging Face config.json + model.safetensors to <folder>/step-<N>-hf/."""
+        export_dtype: Literal["float32", "bfloat16"] = "float32"
+        """Dtype of model-only checkpoints (seed, last_save_model_only) and of the Hugging Face export."""
+        initial_load_path: str | None = None
+        """DCP checkpoint folder to initialise from when the run's folder has no complete checkpoint yet
+        (a seed checkpoint, or the output of scripts/convert_from_hf.py)."""
+        initial_load_model_only: bool = True
+        """Load only the model from initial_load_path (the optimizer, data and step start fresh)."""
+        exclude_from_loading: list[str] = field(default_factory=list)
+        """State names not restored on resume (model, optimizer, lr_scheduler, dataloader, train_state,
+        grad_scaler); they start fresh."""
+        create_seed_checkpoint: bool = False
+        """Write a model-only step-0 checkpoint right after initialisation and exit. Run it on 1 process:
+        sharded initialisation draws different random numbers, the 1-process seed is layout-independent."""
+
+        def __post_init__(self) -> None:
+            if self.interval <= 0:
+                raise ValueError(f"checkpoint.interval={self.interval} must be > 0; use e.g. 500 "
+                                 f"(the last step is always saved)")
+            if self.keep_latest_k < 0:
+                raise ValueError(f"checkpoint.keep_latest_k={self.keep_latest_k} must be >= 0 (0 keeps all)")
+            if self.load_step < -1:
+                raise ValueError(f"checkpoint.load_step={self.load_step} must be a step >= 0, or -1 for the latest")
+            if self.create_seed_checkpoint and not self.enable:
+                raise ValueError("checkpoint.create_seed_checkpoint=True needs checkpoint.enable=True")
+            if self.initial_load_path == "":
+                raise ValueError("checkpoint.initial_load_path='' is empty; give a DCP folder or leave it unset")
+            if self.last_save_in_hf and not self.enable:
+                raise ValueError("checkpoint.last_save_in_hf=True needs checkpoint.enable=True")
+
+    def __init__(self, config: "CheckpointManager.Config", *, dump_folder: str, states: dict[str, Stateful],
+                 model_args: Any = None, model_spec: Any = None) -> None:
+        self.config = config
+        self.folder = os.path.join(dump_folder, config.folder)
+        self.states = dict(states)
+        self.rank, self.world_size = dist_utils.rank(), dist_utils.world_size()
+        unknown = sorted(set(config.exclude_from_loading) - set(self.states))
+        if unknown:
+            raise ValueError(f"checkpoint.exclude_from_loading has unknown state(s) {unknown}; "
+                             f"valid: {sorted(self.states)}")
+        if config.create_seed_checkpoint and self.world_size > 1:
+            raise ValueError(f"checkpoint.create_seed_checkpoint=True runs on 1 process (world size is "
+                             f"{self.world_size}) so the seed does not depend on the parallel layout; "
+                             f"launch with NGPU=1 / a single process")
+        self.hf_adapter = None
+        if config.last_save_in_hf:
+            adapter_cls = getattr(model_spec, "state_dict_adapter_cls", None)
+            if adapter_cls is None or model_args is None:
+                raise ValueError("checkpoint.last_save_in_hf=True needs a model with a Hugging Face state-dict "
+                                 "adapter; this model has none, set checkpoint.last_save_in_hf=False")
+            self.hf_adapter = adapter_cls(model_args)
+        # Background saves talk over their own gloo group so they never interleave with the
+        # training loop's collectives on the default group.
+        self._save_group = None
+        if config.enable and config.async_mode == "async" and dist.is_initialized():
+            self._save_group = dist.new_group(backend="gloo")
+        self._pending: Future | None = None
+        self._loaded_step: int | None = None
+        self._last_saved_step: int | None = None
+
+    # ----------------------------------------------------------------------------------------------
+    # Loading
+
+    def load(self) -> int:
+        """Restore the latest complete checkpoint (or ``load_step``); returns its step, 0 when none."""
+        cfg = self.config
+        if not cfg.enable or cfg.create_seed_checkpoint:
+            return 0
+        complete, incomplete = self._agreed_scan()
+        if incomplete:
+            logger.warning("ignoring checkpoint folder(s) without a %s marker (interrupted saves): %s",
+                           MARKER_NAME, [step_dir(self.folder, s) for s in incomplete])
+        if cfg.load_step >= 0:
+            if cfg.load_step not in complete:
+                raise CheckpointError(f"checkpoint.load_step={cfg.load_step}: there is no complete "
+                                      f"{step_dir(self.folder, cfg.load_step)}; {describe_steps(self.folder)}")
+            step = cfg.load_step
+        elif complete:
+            step = complete[-1]
+        elif cfg.initial_load_path is not None:
+            return self._initial_load(cfg.initial_load_path)
+        else:
+            logger.info("no checkpoint in %s: starting from step 0", self.folder)
+            return 0
+
+        path = step_dir(self.folder, step)
+        marker = Marker.read(path)
+        wanted = [n for n in self.states if n not in cfg.exclude_from_loading]
+        absent = [n for n in wanted if n not in marker.states]
+        if absent:
+            logger.info("%s holds only %s; %s start fresh", path, marker.states, absent)
+        start = time.perf_counter()
+        self._load_from(path, [n for n in wanted if n in marker.states], marker.world_size)
+        self._loaded_step = step
+        logger.info("resumed from %s in %.1fs", path, time.perf_counter() - start)
+        return step
+
+    def _initial_load(self, path: str) -> int:
+        metadata = read_metadata(path)
+        marker = Marker.read(path)
+        if self.config.initial_load_model_only:
+            names = ["model"]
+        else:
+            saved = saved_state_names(metadata)
+            names = [n for n in self.states if n not in self.config.exclude_from_loading and n in saved]
+        saved_world = marker.world_size if marker else _count_rank_keys(metadata)
+        restored = self._load_from(path, names, saved_world)
+        logger.info("initialised %s from %s", names, path)
+        if "train_state" in restored:
+            return int(restored["train_state"]["step"])
+        return 0
+
+    def _load_from(self, path: str, names: list[str], saved_world_size: int | None) -> dict[str, Any]:
+        """DCP-load ``names`` from ``path`` after checking the folder; returns decoded per-rank states."""
+        metadata = read_metadata(path)
+        target: dict[str, Any] = {}
+        per_rank_keys: dict[str, str] = {}
+        for name in names:
+            if name not in PER_RANK_STATES:
+                target[name] = self.states[name].state_dict()
+                continue
+            key = self._per_rank_source(path, metadata, name, saved_world_size)
+            if key is None:
+                continue
+            shape = saved_tensor_shape(metadata, f"{name}.{key}")
+            if shape is None:
+                raise CheckpointError(f"checkpoint {path} has no {name!r} state for {key} (it holds "
+                                      f"{sorted(saved_state_names(metadata))})")
+            target[name] = {key: torch.empty(shape, dtype=torch.uint8)}
+            per_rank_keys[name] = key
+        check_compatible(path, metadata, target, exact_prefixes=("model.",) if "model" in target else ())
+        try:
+            dcp.load(target, checkpoint_id=path, planner=_WeightsOnlyLoadPlanner(), no_dist=not dist.is_initialized())
+        except CheckpointException as e:
+            raise CheckpointError(f"loading checkpoint {path} failed: {describe_failure(e)}") from e
+        restored = {}
+        for name, value in target.items():
+            if name in per_rank_keys:
+                restored[name] = decode(value[per_rank_keys[name]])
+                self.states[name].load_state_dict(restored[name])
+            else:
+                self.states[name].load_state_dict(value)
+        return restored
+
+    def _per_rank_source(self, path: str, metadata, name: str, saved_world_size: int | None) -> str | None:
+        own = f"rank{self.rank}"
+        if saved_world_size == self.world_size:
+            return own
+        if name == "dataloader":
+            logger.warning("%s was saved by %s rank(s), this run has %s: data loader positions do not "
+                           "reshard, so the data loader starts from the beginning of its shard",
+                           path, saved_world_size, self.world_size)
+            return None
+        # The step is the same on every rank; RNG streams come from rank 0 where this rank has none.
+        return own if saved_tensor_shape(metadata, f"{name}.{own}") is not None else "rank0"
+
+    def _agreed_scan(self) -> tuple[list[int], list[int]]:
+        found = [scan_steps(self.folder) if self.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
+
+    def last_complete_step(self) -> int | None:
+        """Newest step with a complete checkpoint in this run's folder, None when there is none."""
+        if not self.config.enable:
+            return None
+        complete, _ = scan_steps(self.folder)
+        return complete[-1] if complete else None
+
+    # ----------------------------------------------------------------------------------------------
+    # Saving
+
+    def save(self, step: int, *, last_step: bool = False, force: bool = False, model_only: bool = False) -> bool:
+        """Save when ``step`` is a multiple of ``interval``, or ``last_step`` / ``force``; collective.
+
+        Returns whether a checkpoint was started. ``model_only`` saves only the model in export_dtype
+        (the seed checkpoint); ``last_save_model_only`` applies it to the last step.
+        """
+        cfg = self.config
+        if not cfg.enable or step == self._last_saved_step:
+            return False
+        if not (force or last_step or step % cfg.interval == 0):
+            return False
+        model_only = model_only or (last_step and cfg.last_save_model_only)
+        self.wait()
+        start = time.perf_counter()
+        state = self._state_to_save(model_only)
+        path = step_dir(self.folder, step)
+        self._prepare_folder(path)
+        marker = new_marker(step, self.world_size, list(state), model_only)
+        no_dist = not dist.is_initialized()
+        if cfg.async_mode == "async":
+            upload = dcp.async_save(state, checkpoint_id=path, process_group=self._save_group, no_dist=no_dist)
+            self._pending = self._then_mark_complete(upload, path, marker)
+            logger.info("staged checkpoint %s in %.1fs; writing in the background", path, time.perf_counter() - start)
+        else:
+            try:
+                dcp.save(state, checkpoint_id=path, no_dist=no_dist)
+            except CheckpointException as e:
+                raise RuntimeError(f"saving checkpoint {path} failed ({describe_failure(e)}); the previous "
+                                   f"complete checkpoint is kept: {describe_steps(self.folder)}") from e
+            self._mark_complete(path, marker)
+            logger.info("saved checkpoint %s in %.1fs", path, time.perf_counter() - start)
+        if last_step and self.hf_adapter is not None:
+            self._export_hf(step)
+        self._last_saved_step = step
+        return True
+
+    def _state_to_save(self, model_only: bool) -> dict[str, Any]:
+        if model_only:
+            dtype = EXPORT_DTYPES[self.config.export_dtype]
+            model = self.states["model"].state_dict()
+            return {"model": {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.items()}}
+        state = {}
+        for name, obj in self.states.items():
+            if name in PER_RANK_STATES:
+                state[name] = {f"rank{self.rank}": encode(obj.state_dict())}
+            else:
+                state[name] = obj.state_dict()
+        return state
+
+    def _prepare_folder(self, path: str) -> None:
+        if self.rank == 0 and os.path.exists(path):
+            # Re-saving a step (a resumed run that went back): the old folder must not keep its
+            # marker while being overwritten, and stale shard files must not linger.
+            logger.warning("overwriting existing checkpoint folder %s", path)
+            marker = os.path.join(path, MARKER_NAME)
+            if os.path.exists(marker):
+                os.remove(marker)
+            shutil.rmtree(path)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _mark_complete(self, path: str, marker: Marker) -> None:
+        if self.rank != 0:
+            return
+        marker.write(path)
+        protected = {marker.step} | ({self._loaded_step} if self._loaded_step is not None else set())
+        purge_old(self.folder, self.config.keep_latest_k, protected)
+
+    def _then_mark_complete(self, upload: Future, path: str, marker: Marker) -> Future:
+        done: Future = Future()
+
+        def finish(f: Future) -> None:
+            try:
+                f.result()
+                self._mark_complete(path, marker)
+                done.set_result(marker.step)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                done.set_exception(e)
+
+        upload.add_done_callback(finish)
+        return done
+
+    def wait(self) -> None:
+        """Block until a background save has finished and its marker is written."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        try:
+            pending.result()
+        except (Exception, CheckpointException) as e:
+            raise RuntimeError(f"background checkpoint save failed ({describe_failure(e)}); the previous "
+                               f"complete checkpoint is kept: {describe_steps(self.folder)}") from e
+
+    def _export_hf(self, step: int) -> None:
+        dtype = EXPORT_DTYPES[self.config.export_dtype]
+        full: dict[str, torch.Tensor] = {}
+        for key, value in self.states["model"].state_dict().items():
+            # full_tensor is collective: every rank gathers each tensor in the same order.
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            if self.rank == 0:
+                full[key] = value.detach().to(device="cpu", dtype=dtype)
+        if self.rank == 0:
+            out = hf_export_dir(self.folder, step)
+            hf_io.save_hf(out, full, self.hf_adapter, dtype)
+            logger.info("exported Hugging Face model to %s", out)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def close(self) -> None:
+        """Wait for a background save; call once at the end of training (also after a seed save)."""
+        self.wait()
+        if self._save_group is not None:
+            dist.destroy_process_group(self._save_group)
+            self._save_group = None
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor entries with ``weights_only=False``; this one does not."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _count_rank_keys(metadata) -> int | None:
+    ranks = [k for k in metadata.state_dict_metadata if k.startswith("train_state.rank")]
+    return len(ranks) or None

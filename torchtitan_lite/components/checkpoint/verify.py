@@ -1,0 +1,116 @@
+"""Checks a DCP folder against the state about to be loaded, before any byte is read into it.
+
+DCP's own failures for corrupt or mismatched input are assertion texts deep inside a collective;
+these checks run first and name the file and the mismatch instead: an unreadable ``.metadata``,
+keys the checkpoint lacks or holds in excess, a tensor of another shape (a checkpoint from another
+model flavor), and shard files that are missing or shorter than ``.metadata`` says.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from torchtitan_lite.components.checkpoint.layout import DCP_METADATA_NAME, is_dcp_folder
+
+_SHOWN = 5
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder cannot serve the requested load; the message names file and mismatch."""
+
+
+def read_metadata(path: str) -> Metadata:
+    if not is_dcp_folder(path):
+        hint = ""
+        if os.path.isdir(path) and any(n.startswith("step-") for n in os.listdir(path)):
+            hint = f" It holds step-<N> folders: point at one of them, e.g. {path}/step-<N>."
+        elif os.path.isfile(os.path.join(path, "config.json")):
+            hint = " It looks like a Hugging Face folder: convert it with scripts/convert_from_hf.py first."
+        raise CheckpointError(f"{path} is not a DCP checkpoint folder: {os.path.join(path, DCP_METADATA_NAME)} "
+                              f"does not exist.{hint}")
+    metadata_path = os.path.join(path, DCP_METADATA_NAME)
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:  # a truncated pickle raises any of several types
+        raise CheckpointError(f"checkpoint metadata {metadata_path} is unreadable or truncated "
+                              f"({type(e).__name__}: {e}); the checkpoint is corrupt, load another step") from e
+
+
+def check_compatible(path: str, metadata: Metadata, state: dict[str, Any], *, exact_prefixes: tuple[str, ...] = ()) -> None:
+    """Raise ``CheckpointError`` unless every key of ``state`` (nested, flattened the way DCP does)
+    exists in the checkpoint with the same shape and its data files are whole.
+
+    Keys under ``exact_prefixes`` (e.g. ``"model."``) must also not exist in excess in the checkpoint.
+    """
+    flat, _ = flatten_state_dict(state)
+    saved = metadata.state_dict_metadata
+    for key, value in flat.items():
+        entry = saved.get(key)
+        if entry is None or not isinstance(value, torch.Tensor):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {path}: {key!r} is a tensor of shape {tuple(value.shape)} here "
+                                  f"but a non-tensor value in the checkpoint")
+        if tuple(entry.size) != tuple(value.shape):
+            raise CheckpointError(
+                f"checkpoint {path}: shape mismatch for {key!r}: checkpoint has {tuple(entry.size)}, this run "
+                f"expects {tuple(value.shape)}. The checkpoint was written for another model configuration "
+                f"(flavor, vocabulary or n_layers); load it with the configuration that wrote it")
+    missing = [k for k in flat if k not in saved]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} lacks {len(missing)} key(s) this run needs, first {missing[:_SHOWN]}. It was "
+            f"written for another model or optimizer configuration; use the matching configuration, or list "
+            f"the state in checkpoint.exclude_from_loading to start it fresh")
+    for prefix in exact_prefixes:
+        extra = [k for k in saved if k.startswith(prefix) and k not in flat]
+        if extra:
+            raise CheckpointError(
+                f"checkpoint {path} holds {len(extra)} {prefix.rstrip('.')} key(s) this run does not have, first "
+                f"{extra[:_SHOWN]}. It was written for a larger or different model; use the matching configuration")
+    check_data_files(path, metadata, set(flat))
+
+
+def check_data_files(path: str, metadata: Metadata, keys: set[str]) -> None:
+    """Every shard file holding one of ``keys`` exists and is at least as long as ``.metadata`` says."""
+    needed_bytes: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn in keys:
+            end = info.offset + info.length
+            needed_bytes[info.relative_path] = max(needed_bytes.get(info.relative_path, 0), end)
+    for relative_path, needed in sorted(needed_bytes.items()):
+        file = os.path.join(path, relative_path)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"checkpoint data file {file} is missing ({DCP_METADATA_NAME} lists it); "
+                                  f"the checkpoint is incomplete, load another step")
+        size = os.path.getsize(file)
+        if size < needed:
+            raise CheckpointError(f"checkpoint data file {file} is truncated: {size} bytes, {DCP_METADATA_NAME} "
+                                  f"expects at least {needed}; the checkpoint is corrupt, load another step")
+
+
+def saved_tensor_shape(metadata: Metadata, key: str) -> tuple[int, ...] | None:
+    entry = metadata.state_dict_metadata.get(key)
+    return tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+
+
+def saved_state_names(metadata: Metadata) -> set[str]:
+    """Top-level state names (``model``, ``optimizer`` ...) present in a checkpoint."""
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def describe_failure(e: BaseException) -> str:
+    """One line per failing rank from DCP's CheckpointException (a BaseException carrying tracebacks)."""
+    if not isinstance(e, CheckpointException):
+        return f"{type(e).__name__}: {e}"
+    parts = []
+    for rank, (exc, _) in sorted(e.failures.items()):
+        text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        parts.append(f"rank {rank}: {type(exc).__name__}: {text}")
+    return "; ".join(parts)
