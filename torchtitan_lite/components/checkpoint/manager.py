@@ -25,8 +25,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
@@ -45,6 +43,7 @@ from torchtitan_lite.components.checkpoint.layout import (
 from torchtitan_lite.components.checkpoint.stateful import decode, encode
 from torchtitan_lite.components.checkpoint.verify import (
     CheckpointError,
+    WeightsOnlyLoadPlanner,
     check_compatible,
     describe_failure,
     read_metadata,
@@ -216,7 +215,7 @@ class CheckpointManager(Configurable):
             per_rank_keys[name] = key
         check_compatible(path, metadata, target, exact_prefixes=("model.",) if "model" in target else ())
         try:
-            dcp.load(target, checkpoint_id=path, planner=_WeightsOnlyLoadPlanner(), no_dist=not dist.is_initialized())
+            dcp.load(target, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=not dist.is_initialized())
         except CheckpointException as e:
             raise CheckpointError(f"loading checkpoint {path} failed: {describe_failure(e)}") from e
         restored = {}
@@ -370,17 +369,6 @@ class CheckpointManager(Configurable):
         if self._save_group is not None:
             dist.destroy_process_group(self._save_group)
             self._save_group = None
-
-
-class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner unpickles non-tensor entries with ``weights_only=False``; this one does not."""
-
-    def load_bytes(self, read_item, value) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def _count_rank_keys(metadata) -> int | None:

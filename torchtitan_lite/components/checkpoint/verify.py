@@ -4,6 +4,7 @@ DCP's own failures for corrupt or mismatched input are assertion texts deep insi
 these checks run first and name the file and the mismatch instead: an unreadable ``.metadata``,
 keys the checkpoint lacks or holds in excess, a tensor of another shape (a checkpoint from another
 model flavor), and shard files that are missing or shorter than ``.metadata`` says.
+``WeightsOnlyLoadPlanner`` then reads non-tensor entries without unpickling arbitrary objects.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import os
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -114,3 +116,14 @@ def describe_failure(e: BaseException) -> str:
         text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         parts.append(f"rank {rank}: {type(exc).__name__}: {text}")
     return "; ".join(parts)
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor entries with ``weights_only=False``; this one does not."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

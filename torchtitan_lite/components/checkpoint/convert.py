@@ -1,0 +1,77 @@
+"""Offline conversion between DCP checkpoints and Hugging Face folders (used by scripts/convert_*_hf.py).
+
+Both directions run on CPU in one process and never instantiate real weights beyond the ones
+converted: the expected keys and shapes come from a model built on the ``meta`` device.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchtitan_lite.components.checkpoint import hf_io
+from torchtitan_lite.components.checkpoint.layout import new_marker
+from torchtitan_lite.components.checkpoint.manager import EXPORT_DTYPES
+from torchtitan_lite.components.checkpoint.verify import (
+    WeightsOnlyLoadPlanner,
+    check_compatible,
+    read_metadata,
+    saved_tensor_shape,
+)
+
+logger = logging.getLogger(__name__)
+
+VOCAB_KEY = "tok_embeddings.weight"
+
+
+def resolve_model(config_name: str, *, vocab_size: int) -> tuple[Any, Any]:
+    """(model spec, model args) of a registered config, with the vocabulary size the weights have.
+
+    The vocabulary comes from the weights rather than the tokenizer: training grows the flavor's
+    vocabulary to the tokenizer's, and the weights record the outcome.
+    """
+    import config_registry
+    from models import build_model_args, get_model_spec
+
+    cfg = config_registry.get(config_name)
+    spec = get_model_spec(cfg.model.name)
+    args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=vocab_size)
+    return spec, args
+
+
+def checkpoint_vocab_size(checkpoint_dir: str) -> int:
+    shape = saved_tensor_shape(read_metadata(checkpoint_dir), f"model.{VOCAB_KEY}")
+    if shape is None:
+        raise ValueError(f"{checkpoint_dir} holds no model.{VOCAB_KEY}; it is not a Llama-style model checkpoint")
+    return shape[0]
+
+
+def dcp_to_hf(checkpoint_dir: str, spec: Any, args: Any, out_dir: str, dtype_name: str) -> None:
+    """Model weights of a DCP checkpoint (any layout it was saved with) -> Hugging Face folder."""
+    metadata = read_metadata(checkpoint_dir)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    target = {"model": {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()}}
+    check_compatible(checkpoint_dir, metadata, target, exact_prefixes=("model.",))
+    dcp.load(target, checkpoint_id=checkpoint_dir, planner=WeightsOnlyLoadPlanner(), no_dist=True)
+    hf_io.save_hf(out_dir, target["model"], spec.state_dict_adapter_cls(args), EXPORT_DTYPES[dtype_name])
+    logger.info("wrote %s/{%s,%s}", out_dir, hf_io.CONFIG_NAME, hf_io.WEIGHTS_NAME)
+
+
+def hf_to_dcp(hf_dir: str, spec: Any, args: Any, out_dir: str) -> None:
+    """Hugging Face folder -> model-only DCP checkpoint (with its completeness marker), usable as
+    ``checkpoint.initial_load_path``. Tensors keep the dtype they have in the safetensors files."""
+    adapter = spec.state_dict_adapter_cls(args)
+    hf_io.check_hf_config(hf_dir, hf_io.read_hf_config(hf_dir), adapter.hf_config_dict())
+    state = adapter.from_hf(hf_io.load_hf(hf_dir))
+    with torch.device("meta"):
+        expected = spec.model_cls(args).state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"{hf_dir} converts to a state without {missing[:5]}; pick the --config of this model")
+    dcp.save({"model": state}, checkpoint_id=out_dir, no_dist=True)
+    new_marker(0, 1, ["model"], model_only=True).write(out_dir)
+    logger.info("wrote DCP seed checkpoint %s", out_dir)
+
