@@ -10,8 +10,16 @@ class ConfigError(ValueError):
 
 
 def closest(word: str, candidates: Iterable[str], *, n: int = 3) -> list[str]:
-    """The candidates that look most like ``word`` (difflib ratio >= 0.6), best first."""
-    return difflib.get_close_matches(word, list(candidates), n=n, cutoff=0.6)
+    """The candidates that look most like ``word``, best first.
+
+    difflib ratio >= 0.6, and within 0.1 of the best match so a clear winner comes alone.
+    """
+    scored = sorted(
+        ((difflib.SequenceMatcher(None, word, c).ratio(), c) for c in dict.fromkeys(candidates)),
+        key=lambda sc: -sc[0],
+    )
+    scored = [(score, c) for score, c in scored if score >= 0.6]
+    return [c for score, c in scored[:n] if score >= scored[0][0] - 0.1]
 
 
 def did_you_mean(suggestions: list[str]) -> str:
