@@ -1,0 +1,126 @@
+"""Precision section: validation, 'auto' resolution, FSDP policy, autocast contexts, loss-scaler choice."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+
+from torchtitan_lite.components.grad_scaler import GradScaler
+from torchtitan_lite.components.precision import Precision
+
+
+def _build(fsdp: bool = False, device: str = "cpu", **fields) -> Precision:
+    return Precision.Config(**fields).build(device=device, fsdp_enabled=fsdp)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"param_dtype": "fp16"}, "precision.param_dtype='fp16' is not one of: auto, float32, bfloat16, float16"),
+        ({"reduce_dtype": "auto"}, "precision.reduce_dtype='auto' is not one of: float32, bfloat16, float16"),
+        ({"loss_scaling": "static"}, "precision.loss_scaling='static' is not one of: auto, dynamic, none"),
+        ({"init_scale": 0.0}, "precision.init_scale=0.0 must be > 0"),
+        ({"growth_factor": 1.0}, "precision.growth_factor=1.0 must be > 1"),
+        ({"backoff_factor": 1.0}, "precision.backoff_factor=1.0 must be between 0 and 1"),
+        ({"growth_interval": 0}, "precision.growth_interval=0 must be >= 1"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Precision.Config(**fields)
+
+
+def test_auto_is_bfloat16_on_cpu_with_a_logged_reason(caplog):
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        precision = _build(param_dtype="auto")
+    assert precision.param_dtype == torch.bfloat16
+    assert "precision.param_dtype=auto: bfloat16 on CPU" in caplog.text
+
+
+@pytest.mark.parametrize("capability, expected", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),
+                                                  ((7, 5), torch.float32)])
+def test_auto_on_cuda_depends_on_native_bfloat16(monkeypatch, caplog, capability, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        precision = _build(param_dtype="auto", device="cuda")
+    assert precision.param_dtype == expected
+    if expected == torch.float32:
+        assert ("precision.param_dtype=auto: float32, because FakeGPU has no native bfloat16 "
+                "(compute capability < 8.0)") in caplog.text
+
+
+def test_auto_on_an_unknown_device_type_falls_back_to_float32(caplog):
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        precision = _build(param_dtype="auto", device="meta")
+    assert precision.param_dtype == torch.float32
+    assert "bfloat16 support on device type 'meta' is not known here" in caplog.text
+
+
+@pytest.mark.parametrize("param, reduce", [("float32", "float32"), ("bfloat16", "float32"), ("float16", "float32"),
+                                           ("bfloat16", "bfloat16")])
+def test_mp_policy_carries_the_resolved_dtypes(param, reduce):
+    policy = _build(fsdp=True, param_dtype=param, reduce_dtype=reduce).mp_policy()
+    assert policy.param_dtype == getattr(torch, param)
+    assert policy.reduce_dtype == getattr(torch, reduce)
+    assert policy.output_dtype is None
+    assert policy.cast_forward_inputs is True
+
+
+def _autocast_dtype(ctx) -> torch.dtype | None:
+    with ctx:
+        return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+def test_autocast_is_the_non_fsdp_equivalent_of_param_casting():
+    assert _autocast_dtype(_build(param_dtype="bfloat16").autocast()) == torch.bfloat16
+    assert _autocast_dtype(_build(param_dtype="float16").autocast()) == torch.float16
+    assert _autocast_dtype(_build(param_dtype="float32").autocast()) is None
+    # FSDP casts parameters itself: autocast on top would be redundant.
+    assert isinstance(_build(fsdp=True, param_dtype="bfloat16").autocast(), contextlib.nullcontext)
+
+
+def test_master_weights_stay_float32_under_autocast():
+    model = torch.nn.Linear(16, 16)
+    with _build(param_dtype="bfloat16").autocast():
+        out = model(torch.randn(2, 16))
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16
+    assert model.weight.dtype == torch.float32 and model.weight.grad.dtype == torch.float32
+
+
+def test_eval_autocast_follows_mixed_precision_eval():
+    assert _autocast_dtype(_build(param_dtype="bfloat16").eval_autocast()) == torch.bfloat16
+    assert _autocast_dtype(_build(param_dtype="bfloat16", mixed_precision_eval=False).eval_autocast()) is None
+
+
+def test_float32_eval_with_fsdp_low_precision_is_an_error():
+    with pytest.raises(ValueError, match=r"precision.mixed_precision_eval=False \(float32 evaluation\) cannot be "
+                                         r"honoured with FSDP: FSDP casts parameters to param_dtype=bfloat16"):
+        _build(fsdp=True, param_dtype="bfloat16", mixed_precision_eval=False)
+    _build(fsdp=True, param_dtype="float32", mixed_precision_eval=False)  # nothing to honour: fine
+
+
+@pytest.mark.parametrize(
+    "param, scaling, expected",
+    [("float16", "auto", True), ("bfloat16", "auto", False), ("float32", "auto", False),
+     ("float16", "none", False), ("bfloat16", "dynamic", True)],
+)
+def test_loss_scaling_resolution(param, scaling, expected):
+    scaler = _build(param_dtype=param, loss_scaling=scaling, init_scale=1024.0, growth_interval=7).grad_scaler()
+    assert (scaler is not None) == expected
+    if expected:
+        assert isinstance(scaler, GradScaler)
+        assert scaler.scale_value == 1024.0 and scaler.growth_interval == 7
+
+
+def test_questionable_combinations_are_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        _build(param_dtype="float16", loss_scaling="none")
+        _build(param_dtype="bfloat16", loss_scaling="dynamic")
+        _build(param_dtype="bfloat16", reduce_dtype="bfloat16")
+    assert "param_dtype=float16 with loss_scaling=none: small gradients underflow" in caplog.text
+    assert "loss_scaling=dynamic with param_dtype=bfloat16: loss scaling only matters for float16" in caplog.text
+    assert "precision.reduce_dtype=bfloat16 has no effect without FSDP" in caplog.text

@@ -1,0 +1,186 @@
+"""The precision policy: parameter / compute dtype, gradient-reduction dtype, FP16 loss scaling.
+
+Master weights and optimizer states always stay in float32. Low precision is applied on the fly:
+
+- with FSDP2, ``mp_policy()`` makes FSDP cast the all-gathered parameters to ``param_dtype`` for
+  forward/backward and reduce-scatter gradients in ``reduce_dtype``;
+- without FSDP (one device, or TP only), ``autocast()`` is the equivalent: ``torch.autocast`` runs
+  matmul-like ops in ``param_dtype`` while the parameters themselves stay float32. It is not
+  bit-identical to FSDP's casting: autocast keeps numerically sensitive ops (softmax, norms,
+  reductions) in float32, whereas FSDP casts every parameter, norms included.
+
+FP8 is orthogonal: the float8 converter swaps Linears on top of this 16/32-bit policy.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import ContextManager, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from torchtitan_lite.components.grad_scaler import GradScaler
+from torchtitan_lite.config import Configurable
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PARAM_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+REDUCE_DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+LOSS_SCALING_CHOICES = ("auto", "dynamic", "none")
+
+
+class Precision(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+        """Compute dtype of parameters in forward/backward (master weights stay float32). 'auto' picks
+        bfloat16 on CPU and on CUDA GPUs with native bfloat16 (Ampere and newer), float32 elsewhere
+        (the reason is logged). float16 needs loss scaling (see loss_scaling)."""
+        reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+        """Dtype of the FSDP gradient reduce-scatter / all-reduce. float32 keeps gradient sums exact
+        enough for long runs; only meaningful with FSDP (without FSDP gradients stay float32)."""
+        loss_scaling: Literal["auto", "dynamic", "none"] = "auto"
+        """'auto' = dynamic loss scaling exactly when param_dtype is float16; 'dynamic' forces it on;
+        'none' turns it off (float16 without scaling loses small gradients to underflow)."""
+        init_scale: float = 2.0**16
+        """Initial loss scale for dynamic loss scaling."""
+        growth_factor: float = 2.0
+        """Factor the loss scale grows by after growth_interval steps without overflow (> 1)."""
+        backoff_factor: float = 0.5
+        """Factor the loss scale shrinks by when a gradient overflows; that step is skipped (0..1)."""
+        growth_interval: int = 2000
+        """Consecutive overflow-free steps before the loss scale grows."""
+        mixed_precision_eval: bool = True
+        """Run validation forward passes in param_dtype like training (True) or in float32 (False).
+        float32 evaluation needs the non-FSDP path: FSDP casts parameters to param_dtype in every forward."""
+
+        def __post_init__(self) -> None:
+            _check_choice("precision.param_dtype", self.param_dtype, PARAM_DTYPE_CHOICES)
+            _check_choice("precision.reduce_dtype", self.reduce_dtype, REDUCE_DTYPE_CHOICES)
+            _check_choice("precision.loss_scaling", self.loss_scaling, LOSS_SCALING_CHOICES)
+            if not self.init_scale > 0:
+                raise ValueError(f"precision.init_scale={self.init_scale} must be > 0; the default is 65536")
+            if not self.growth_factor > 1.0:
+                raise ValueError(f"precision.growth_factor={self.growth_factor} must be > 1; the default is 2.0")
+            if not 0.0 < self.backoff_factor < 1.0:
+                raise ValueError(
+                    f"precision.backoff_factor={self.backoff_factor} must be between 0 and 1 (exclusive); "
+                    f"the default is 0.5"
+                )
+            if self.growth_interval < 1:
+                raise ValueError(f"precision.growth_interval={self.growth_interval} must be >= 1; the default is 2000")
+
+    def __init__(self, config: "Precision.Config", *, device: torch.device | str, fsdp_enabled: bool) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.fsdp_enabled = fsdp_enabled
+        self.param_dtype = _resolve_param_dtype(config.param_dtype, self.device)
+        self.reduce_dtype = DTYPES[config.reduce_dtype]
+        self.loss_scaling = (
+            config.loss_scaling == "dynamic" or (config.loss_scaling == "auto" and self.param_dtype == torch.float16)
+        )
+        self._check_combination()
+
+    def _check_combination(self) -> None:
+        cfg = self.config
+        if self.param_dtype == torch.float16 and cfg.loss_scaling == "none":
+            logger.warning("precision.param_dtype=float16 with loss_scaling=none: small gradients underflow to zero "
+                           "in float16; use loss_scaling=auto unless this is deliberate")
+        if self.param_dtype != torch.float16 and cfg.loss_scaling == "dynamic":
+            logger.warning("precision.loss_scaling=dynamic with param_dtype=%s: loss scaling only matters for "
+                           "float16, it is applied anyway", _name(self.param_dtype))
+        if not self.fsdp_enabled and cfg.reduce_dtype != "float32":
+            logger.info("precision.reduce_dtype=%s has no effect without FSDP: gradients stay float32",
+                        cfg.reduce_dtype)
+        if self.fsdp_enabled and not cfg.mixed_precision_eval and self.param_dtype != torch.float32:
+            raise ValueError(
+                f"precision.mixed_precision_eval=False (float32 evaluation) cannot be honoured with FSDP: FSDP casts "
+                f"parameters to param_dtype={_name(self.param_dtype)} in every forward, evaluation included. "
+                f"Set precision.mixed_precision_eval=True, or precision.param_dtype=float32"
+            )
+
+    # ----------------------------------------------------------------------------------------------
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """FSDP2 policy: cast params to param_dtype for compute, reduce gradients in reduce_dtype.
+
+        Outputs keep param_dtype (output_dtype=None); the loss upcasts the logits itself.
+        """
+        return MixedPrecisionPolicy(
+            param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, output_dtype=None, cast_forward_inputs=True
+        )
+
+    def autocast(self) -> ContextManager[None]:
+        """Context for the training forward: torch.autocast in param_dtype on the non-FSDP path.
+
+        With FSDP, or in float32, it does nothing: FSDP's mp_policy already casts the parameters.
+        """
+        if self.fsdp_enabled or self.param_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.param_dtype)
+
+    def eval_autocast(self) -> ContextManager[None]:
+        """Context for validation forwards: like ``autocast()``, or float32 when mixed_precision_eval=False."""
+        if not self.config.mixed_precision_eval:
+            return contextlib.nullcontext()
+        return self.autocast()
+
+    def grad_scaler(self, process_group: dist.ProcessGroup | None = None) -> GradScaler | None:
+        """A dynamic loss scaler when loss scaling is on, else None.
+
+        ``process_group`` is the group over which an overflow on any rank makes every rank skip;
+        None means all ranks (the default group) once a process group exists.
+        """
+        if not self.loss_scaling:
+            return None
+        cfg = self.config
+        return GradScaler(
+            init_scale=cfg.init_scale, growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
+            growth_interval=cfg.growth_interval, device=self.device, process_group=process_group,
+        )
+
+    def describe(self) -> str:
+        scaling = f", dynamic loss scaling from {self.config.init_scale:g}" if self.loss_scaling else ""
+        path = "FSDP mixed-precision policy" if self.fsdp_enabled else "autocast"
+        return f"param {_name(self.param_dtype)}, reduce {_name(self.reduce_dtype)} via {path}{scaling}"
+
+
+def _resolve_param_dtype(choice: str, device: torch.device) -> torch.dtype:
+    if choice != "auto":
+        dtype = DTYPES[choice]
+        if dtype == torch.bfloat16 and device.type == "cuda" and not _cuda_native_bf16(device):
+            logger.warning("precision.param_dtype=bfloat16 on %s, which has no native bfloat16: it is emulated and "
+                           "slow; consider float16 with loss scaling", torch.cuda.get_device_name(device))
+        return dtype
+    if device.type == "cpu":
+        # CPUs compute bfloat16 correctly everywhere (fast with AVX512-BF16/AMX, emulated otherwise).
+        logger.info("precision.param_dtype=auto: bfloat16 on CPU")
+        return torch.bfloat16
+    if device.type == "cuda":
+        if _cuda_native_bf16(device):
+            logger.info("precision.param_dtype=auto: bfloat16 on %s", torch.cuda.get_device_name(device))
+            return torch.bfloat16
+        logger.info("precision.param_dtype=auto: float32, because %s has no native bfloat16 (compute "
+                    "capability < 8.0); set float16 explicitly for FP16 with loss scaling",
+                    torch.cuda.get_device_name(device))
+        return torch.float32
+    logger.info("precision.param_dtype=auto: float32, because bfloat16 support on device type '%s' is not "
+                "known here; set bfloat16 explicitly if the device supports it", device.type)
+    return torch.float32
+
+
+def _cuda_native_bf16(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{field_name}={value!r} is not one of: {', '.join(choices)}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
