@@ -400,6 +400,16 @@ def test_initial_load_path_that_is_not_dcp(tmp_path):
         Run(str(tmp_path / "run"), initial_load_path=str(tmp_path / "other" / "checkpoint")).ckpt.load()
 
 
+def test_initial_load_path_without_model_state(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    foreign = str(tmp_path / "foreign")
+    dcp.save(Tiny().state_dict(), checkpoint_id=foreign, no_dist=True)  # flat keys, no "model." prefix
+    with pytest.raises(CheckpointError, match=r"foreign holds none of the states \['model'\] \(its top-level "
+                                              r"names are \['w1', 'w2'\]\)"):
+        Run(str(tmp_path / "run"), initial_load_path=foreign).ckpt.load()
+
+
 def test_pickled_objects_in_checkpoints_are_refused(tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -173,9 +173,11 @@ class CheckpointManager(Configurable):
         wanted = [n for n in self.states if n not in cfg.exclude_from_loading]
         absent = [n for n in wanted if n not in marker.states]
         if absent:
-            logger.info("%s holds only %s; %s start fresh", path, marker.states, absent)
+            # A seed (step 0) or a model-only final save: expected for the former, notable for the latter.
+            log = logger.info if step == 0 else logger.warning
+            log("%s holds only %s; %s start fresh", path, marker.states, absent)
         start = time.perf_counter()
-        self._load_from(path, [n for n in wanted if n in marker.states], marker.world_size)
+        self._load_from(path, read_metadata(path), [n for n in wanted if n in marker.states], marker.world_size)
         self._loaded_step = step
         logger.info("resumed from %s in %.1fs", path, time.perf_counter() - start)
         return step
@@ -183,21 +185,22 @@ class CheckpointManager(Configurable):
     def _initial_load(self, path: str) -> int:
         metadata = read_metadata(path)
         marker = Marker.read(path)
-        if self.config.initial_load_model_only:
-            names = ["model"]
-        else:
-            saved = saved_state_names(metadata)
-            names = [n for n in self.states if n not in self.config.exclude_from_loading and n in saved]
+        candidates = ["model"] if self.config.initial_load_model_only else list(self.states)
+        saved = saved_state_names(metadata)
+        names = [n for n in candidates if n not in self.config.exclude_from_loading and n in saved]
+        if not names:
+            raise CheckpointError(f"checkpoint.initial_load_path={path} holds none of the states {candidates} "
+                                  f"(its top-level names are {sorted(saved)}); write it with this project's "
+                                  f"checkpointing or scripts/convert_from_hf.py")
         saved_world = marker.world_size if marker else _count_rank_keys(metadata)
-        restored = self._load_from(path, names, saved_world)
+        restored = self._load_from(path, metadata, names, saved_world)
         logger.info("initialised %s from %s", names, path)
         if "train_state" in restored:
             return int(restored["train_state"]["step"])
         return 0
 
-    def _load_from(self, path: str, names: list[str], saved_world_size: int | None) -> dict[str, Any]:
+    def _load_from(self, path: str, metadata, names: list[str], saved_world_size: int | None) -> dict[str, Any]:
         """DCP-load ``names`` from ``path`` after checking the folder; returns decoded per-rank states."""
-        metadata = read_metadata(path)
         target: dict[str, Any] = {}
         per_rank_keys: dict[str, str] = {}
         for name in names:
