@@ -78,10 +78,14 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self._tie_embeddings()
+        self.tie_embeddings()
         self.init_weights()
 
-    def _tie_embeddings(self) -> None:
+    def tie_embeddings(self) -> None:
+        """Make output share tok_embeddings.weight when the args tie them (no-op otherwise or when already shared).
+
+        Call again after anything that replaces parameters, e.g. tensor parallelism distributing each
+        module separately, and before fully_shard so that FSDP sees one parameter."""
         if self.args.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
@@ -89,16 +93,17 @@ class Transformer(nn.Module):
         # Moving off the meta device gives each module its own new Parameter, which would silently
         # untie a shared embedding; restore the sharing after every conversion.
         super()._apply(fn, recurse)
-        self._tie_embeddings()
+        self.tie_embeddings()
         return self
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """Initialise every parameter in place and recompute the rotary table on `buffer_device`.
 
-        Untied embeddings get normal(0, 1): each block reads the residual stream through an RMSNorm, so
-        its scale does not matter there (torchtitan's choice). A tied matrix is also the output projection,
-        so it gets the output's std dim**-0.5, which starts logits near unit scale.
+        Untied embeddings get normal(0, 1) (torchtitan's choice): every block reads the residual stream
+        through an RMSNorm, so the scale costs nothing there, and a unit-scale stream keeps the first updates
+        of the small-init projections gentle relative to it. A tied matrix is also the output projection,
+        so it gets the output's std dim**-0.5 instead, which starts the logits near unit scale.
         """
         self.rope.reset_cache(buffer_device)
         out_std = self.args.dim ** -0.5
