@@ -1,0 +1,194 @@
+"""FP8 training: swap ``nn.Linear`` for torchao's ``Float8Linear`` (torchao.float8, torchao 0.18).
+
+Each converted Linear casts its input, weight and output gradient to float8 (e4m3 / e5m2) with
+dynamic scales computed from the current amax, runs the three GEMMs of forward/backward with
+``torch._scaled_mm``, and keeps its master weight in high precision. Recipes:
+
+- tensorwise: one scale per tensor; fastest; supports FP8 FSDP all-gather.
+- rowwise: one scale per row, power-of-2 scales; more accurate with outliers, somewhat slower.
+- rowwise_with_gw_hp: rowwise, but the weight-gradient GEMM stays in high precision; most accurate.
+
+Every rule that would otherwise silently do nothing is explicit here (errors name the fix).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn as nn
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+from torchtitan_lite.components.quantization.float8_plan import (
+    AUTO_FILTER_SMALL_KN,
+    PlanRow,
+    float8_plan,
+    format_float8_plan,
+)
+from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.protocols.model_converter import ModelConverter
+
+logger = logging.getLogger(__name__)
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+_FIELD = "model_converters.converters[float8]"
+# FP8 tensor cores arrived with Ada (sm_89) and Hopper (sm_90).
+MIN_FP8_CAPABILITY = (8, 9)
+
+
+class Float8LinearConverter(ModelConverter):
+    @dataclass(kw_only=True)
+    class Config(ModelConverter.Config):
+        kind: ClassVar[str] = "float8"
+        swaps: ClassVar[str | None] = "nn.Linear"
+
+        recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+        """FP8 scaling recipe: tensorwise (fastest, supports FP8 all-gather), rowwise (per-row scales,
+        more accurate), rowwise_with_gw_hp (rowwise with the weight-gradient GEMM in high precision)."""
+        enable_fsdp_float8_all_gather: bool = False
+        """All-gather FSDP-sharded weights in float8 (half the bytes of bf16). Tensorwise only; has no
+        effect without FSDP sharding."""
+        precompute_float8_dynamic_scale_for_fsdp: bool = False
+        """Compute the float8 scales of all FSDP weights with one all-reduce right after each optimizer
+        step instead of one per layer during forward. Needs enable_fsdp_float8_all_gather."""
+        filter_fqns: list[str] = field(default_factory=list)
+        """Linears whose FQN contains any entry stay in high precision (e.g. 'output'). The entry
+        'auto_filter_small_kn' also skips layers too small to gain from FP8 for the recipe (torchao's
+        size rules). Linears with in/out features not divisible by 16 are always skipped."""
+        emulate: bool = False
+        """Emulate FP8 GEMMs in high precision: FP8 numerics on GPUs without FP8 tensor cores (testing
+        only; slower than BF16)."""
+
+        def __post_init__(self) -> None:
+            if self.recipe_name not in RECIPES:
+                raise ValueError(f"{_FIELD}.recipe_name={self.recipe_name!r} is not one of: {', '.join(RECIPES)}")
+            for entry in self.filter_fqns:
+                if not isinstance(entry, str) or not entry:
+                    raise ValueError(f"{_FIELD}.filter_fqns entry {entry!r} would match every module; "
+                                     f"use non-empty FQN substrings such as 'output'")
+            if self.enable_fsdp_float8_all_gather and self.recipe_name != "tensorwise":
+                raise ValueError(
+                    f"{_FIELD}: enable_fsdp_float8_all_gather=True needs recipe_name='tensorwise', got "
+                    f"{self.recipe_name!r} (rowwise scales differ per row, so a sharded weight cannot be "
+                    f"all-gathered as one float8 tensor). Set enable_fsdp_float8_all_gather=false or use "
+                    f"recipe_name='tensorwise'"
+                )
+            if self.precompute_float8_dynamic_scale_for_fsdp and not self.enable_fsdp_float8_all_gather:
+                raise ValueError(
+                    f"{_FIELD}: precompute_float8_dynamic_scale_for_fsdp=True needs "
+                    f"enable_fsdp_float8_all_gather=True (the precomputed scales are those of the float8 "
+                    f"all-gathered weights). Set enable_fsdp_float8_all_gather=true or "
+                    f"precompute_float8_dynamic_scale_for_fsdp=false"
+                )
+            if AUTO_FILTER_SMALL_KN in self.filter_fqns and self.recipe_name == "rowwise_with_gw_hp":
+                raise ValueError(
+                    f"{_FIELD}.filter_fqns: {AUTO_FILTER_SMALL_KN!r} has no size rule for recipe_name="
+                    f"'rowwise_with_gw_hp' (torchao defines them for tensorwise and rowwise only). Remove it and "
+                    f"list small layers in filter_fqns, or use recipe_name='rowwise'"
+                )
+
+    def __init__(self, config: "Float8LinearConverter.Config", *, parallel_dims: Any, job_config: Any) -> None:
+        super().__init__(config, parallel_dims=parallel_dims, job_config=job_config)
+        self.fsdp_sharded = bool(parallel_dims is not None and parallel_dims.fsdp_enabled)
+        self.fsdp_float8_all_gather = config.enable_fsdp_float8_all_gather and self.fsdp_sharded
+        self.precompute_scales = config.precompute_float8_dynamic_scale_for_fsdp and self.fsdp_sharded
+        if config.enable_fsdp_float8_all_gather and not self.fsdp_sharded:
+            logger.warning("%s: enable_fsdp_float8_all_gather%s has no effect without FSDP sharding; ignoring",
+                           _FIELD, " and precompute_float8_dynamic_scale_for_fsdp"
+                           if config.precompute_float8_dynamic_scale_for_fsdp else "")
+        self._check_precision(job_config)
+        self._check_compile(job_config)
+        self._check_hardware()
+        # A fresh torchao config; our own config object is never modified.
+        self.float8_config = dataclasses.replace(
+            Float8LinearConfig.from_recipe_name(config.recipe_name),
+            enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather,
+            emulate=config.emulate,
+        )
+        self.plan: list[PlanRow] | None = None
+
+    # ----------------------------------------------------------------------------------------------
+    # Cross-section rules
+
+    def _check_precision(self, job_config: Any) -> None:
+        param_dtype = job_config.precision.param_dtype
+        recipe = self.config.recipe_name
+        if param_dtype == "float16" and recipe != "tensorwise":
+            raise ValueError(
+                f"{_FIELD}.recipe_name={recipe!r} cannot be combined with precision.param_dtype=float16: the "
+                f"rowwise FP8 GEMM writes only bfloat16, so torchao computes each float16 Linear output in "
+                f"bfloat16 and casts it to float16, which gives the output bfloat16's precision and float16's "
+                f"range (inf above 65504). Use precision.param_dtype=bfloat16 (every FP8-capable GPU has it "
+                f"natively, and it needs no loss scaling) or recipe_name='tensorwise'"
+            )
+        if param_dtype == "float16":
+            logger.warning("FP8 with precision.param_dtype=float16 trains with loss scaling, but every FP8-capable "
+                           "GPU supports bfloat16, which needs none; prefer precision.param_dtype=bfloat16")
+        autocast_path = not self.fsdp_sharded and param_dtype != "float32"
+        if recipe == "rowwise_with_gw_hp" and autocast_path and dist_utils.device_type() == "cpu":
+            raise ValueError(
+                f"{_FIELD}.recipe_name='rowwise_with_gw_hp' fails on CPU without FSDP when "
+                f"precision.param_dtype={param_dtype}: torchao's Float8Linear casts its input only under CUDA "
+                f"autocast, so under CPU autocast the high-precision weight-gradient matmul mixes a float32 "
+                f"input with {'bfloat16' if param_dtype == 'auto' else param_dtype} gradients. Use FSDP "
+                f"(parallelism.dp_shard > 1), precision.param_dtype=float32, or recipe_name='rowwise'"
+            )
+
+    def _check_compile(self, job_config: Any) -> None:
+        compile_cfg = job_config.compile
+        if not compile_cfg.enable or "model" not in compile_cfg.components:
+            logger.warning(
+                "FP8 training without torch.compile of the model is usually slower than BF16: the float8 "
+                "casts and amax/scale computations run as separate eager kernels. Set compile.enable=true "
+                "(with 'model' in compile.components) for speed"
+            )
+
+    def _check_hardware(self) -> None:
+        if self.config.emulate:
+            logger.info("%s.emulate=True: FP8 numerics emulated in high precision (for testing; slower than BF16)",
+                        _FIELD)
+            return
+        if dist_utils.device_type() != "cuda":
+            return  # torch._scaled_mm has a CPU implementation
+        capability = torch.cuda.get_device_capability()
+        if capability < MIN_FP8_CAPABILITY:
+            raise ValueError(
+                f"{_FIELD}: {torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) has "
+                f"no FP8 tensor cores (needs {MIN_FP8_CAPABILITY[0]}.{MIN_FP8_CAPABILITY[1]}+, Ada or Hopper). "
+                f"Set {_FIELD}.emulate=true to emulate FP8 numerics (slower than BF16), or remove the float8 converter"
+            )
+
+    # ----------------------------------------------------------------------------------------------
+    # Converter protocol
+
+    def convert(self, model: nn.Module) -> None:
+        """Swap the planned Linears of ``model`` (in place) for ``Float8Linear``."""
+        if isinstance(model, nn.Linear):
+            raise ValueError("the float8 converter swaps Linears inside a model in place; pass the parent module")
+        self.plan = float8_plan(model, self.config)
+        planned = {row.fqn for row in self.plan if row.recipe is not None}
+        convert_to_float8_training(model, config=self.float8_config,
+                                   module_filter_fn=lambda _module, fqn: fqn in planned)
+        if dist_utils.is_rank0():
+            logger.info("%s", self.explain(model))
+
+    def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
+        """Refresh the float8 scales of FSDP-sharded weights (one batched amax all-reduce per part)."""
+        if not self.precompute_scales:
+            return
+        for part in model_parts:
+            precompute_float8_dynamic_scale_for_fsdp(part)
+
+    def explain(self, model: nn.Module) -> str:
+        """The FP8 plan of ``model`` as a table, with the FP8 share of training FLOPs."""
+        rows = float8_plan(model, self.config)
+        seq_len = self.job_config.training.seq_len
+        flops_fn = getattr(model, "flops_per_token", None)
+        model_flops = flops_fn(seq_len) if callable(flops_fn) else None
+        settings = (f"recipe {self.config.recipe_name}, FSDP float8 all-gather "
+                    f"{'on' if self.fsdp_float8_all_gather else 'off'}, precomputed scales "
+                    f"{'on' if self.precompute_scales else 'off'}{', emulated' if self.config.emulate else ''}")
+        return f"float8 converter ({settings})\n" + format_float8_plan(
+            rows, seq_len=seq_len, model_flops_per_token=model_flops)

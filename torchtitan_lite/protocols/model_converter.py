@@ -1,0 +1,138 @@
+"""Model converters: module swaps applied to the meta-device model before parallelisation.
+
+A converter (e.g. FP8 training via torchao ``Float8Linear``) is configured by a typed entry of
+``model_converters.converters``. Each entry's config class declares a ``kind`` (the name used on the
+command line, ``--model_converters.converters float8``, and in TOML,
+``[[model_converters.converters]] kind = "float8"``); ``ModelConverter.Config.registry()`` maps kinds
+to config classes for the parser.
+
+Lifecycle in the trainer::
+
+    converters = cfg.model_converters.build(parallel_dims=..., config=cfg)
+    converters.convert(model)                     # meta model, before TP / AC / compile / FSDP
+    optimizers.register_step_post_hook(lambda *_: converters.post_optimizer_hook(model_parts))
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch.nn as nn
+
+from torchtitan_lite.config import Configurable
+from torchtitan_lite.distributed import utils as dist_utils
+
+logger = logging.getLogger(__name__)
+
+
+class ModelConverter(Configurable):
+    """Protocol of a converter: ``convert(model)`` in place, ``post_optimizer_hook(model_parts)`` after
+    every optimizer step, ``explain(model)`` says what ``convert`` does (or did) to each module."""
+
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        kind: ClassVar[str] = ""
+        """Name of the converter in CLI/TOML; every concrete converter config sets its own."""
+        swaps: ClassVar[str | None] = None
+        """Module type the converter replaces (e.g. 'nn.Linear'): two converters swapping the same
+        type cannot be combined, since a module can be converted only once."""
+        _registry: ClassVar[dict[str, type["ModelConverter.Config"]]] = {}
+
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            kind = cls.__dict__.get("kind")
+            if not kind:
+                return
+            known = ModelConverter.Config._registry.get(kind)
+            if known is not None and known.__qualname__ != cls.__qualname__:
+                raise TypeError(f"model converter kind {kind!r} is already used by {known.__module__}.{known.__qualname__}")
+            ModelConverter.Config._registry[kind] = cls
+
+        @classmethod
+        def registry(cls) -> dict[str, type["ModelConverter.Config"]]:
+            """Every converter kind -> its config class."""
+            import torchtitan_lite.components.quantization  # noqa: F401  (defines the built-in kinds)
+
+            return dict(ModelConverter.Config._registry)
+
+        def build(self, *, parallel_dims: Any, config: Any) -> "ModelConverter":
+            """Build the converter; ``config`` is the root ``Trainer.Config`` (cross-section checks)."""
+            owner = type(self)._owner
+            if owner is None:
+                raise TypeError(f"{type(self).__qualname__} has no converter class to build")
+            return owner(self, parallel_dims=parallel_dims, job_config=config)
+
+    def __init__(self, config: "ModelConverter.Config", *, parallel_dims: Any, job_config: Any) -> None:
+        self.config = config
+        self.parallel_dims = parallel_dims
+        self.job_config = job_config
+
+    def convert(self, model: nn.Module) -> None:
+        raise NotImplementedError
+
+    def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
+        raise NotImplementedError
+
+    def explain(self, model: nn.Module) -> str:
+        raise NotImplementedError
+
+
+class ModelConvertersContainer(Configurable):
+    """Applies the configured converters in order and forwards the post-optimizer hook to each."""
+
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        converters: list[ModelConverter.Config] = field(default_factory=list)
+        """Converters applied in order, e.g. --model_converters.converters float8 or TOML
+        [[model_converters.converters]] with kind = "float8" and the converter's fields."""
+        print_after_conversion: bool = False
+        """Log the model's module tree after conversion (rank 0)."""
+
+        def __post_init__(self) -> None:
+            _check_converters(self.converters)
+
+        def build(self, *, parallel_dims: Any, config: Any) -> "ModelConvertersContainer":
+            """Build every converter in order; ``config`` is the root ``Trainer.Config``."""
+            return ModelConvertersContainer(self, parallel_dims=parallel_dims, job_config=config)
+
+    def __init__(self, config: "ModelConvertersContainer.Config", *, parallel_dims: Any, job_config: Any) -> None:
+        self.config = config
+        # Checked again: registry functions may append entries after the config was constructed.
+        _check_converters(config.converters)
+        self.converters = [c.build(parallel_dims=parallel_dims, config=job_config) for c in config.converters]
+
+    def convert(self, model: nn.Module) -> None:
+        for converter in self.converters:
+            converter.convert(model)
+        if self.converters and self.config.print_after_conversion and dist_utils.is_rank0():
+            logger.info("model after conversion:\n%s", model)
+
+    def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
+        for converter in self.converters:
+            converter.post_optimizer_hook(model_parts)
+
+    def explain(self, model: nn.Module) -> str:
+        if not self.converters:
+            return "no model converters configured (model_converters.converters is empty)"
+        return "\n\n".join(converter.explain(model) for converter in self.converters)
+
+
+def _check_converters(converters: list[ModelConverter.Config]) -> None:
+    swapped_by: dict[str, tuple[int, str]] = {}
+    for i, entry in enumerate(converters):
+        if not isinstance(entry, ModelConverter.Config) or not type(entry).kind:
+            raise ValueError(
+                f"model_converters.converters[{i}] is a {type(entry).__name__}, not a converter config; "
+                f"use one of: {', '.join(sorted(ModelConverter.Config.registry()))}"
+            )
+        swaps = type(entry).swaps
+        if swaps is None:
+            continue
+        if swaps in swapped_by:
+            j, other = swapped_by[swaps]
+            raise ValueError(
+                f"model_converters.converters[{j}] ({other}) and [{i}] ({entry.kind}) both convert {swaps} modules, "
+                f"and a module can be converted only once; keep one of them"
+            )
+        swapped_by[swaps] = (i, entry.kind)
