@@ -1,0 +1,214 @@
+import logging
+import math
+import os
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from torchtitan_lite.components import device_peaks, metrics
+from torchtitan_lite.components.device_peaks import gpu_bf16_peak_flops, measure_cpu_matmul_tflops
+from torchtitan_lite.components.metrics import MetricsProcessor
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _build(tmp_path, clock=None, **config_kwargs):
+    config_kwargs.setdefault("cpu_peak_tflops", 10.0)
+    config_kwargs.setdefault("enable_tensorboard", False)
+    return MetricsProcessor.Config(**config_kwargs).build(
+        dump_folder=str(tmp_path), device="cpu", num_flops_per_token=6e9, dp_degree=4, rank=0,
+        clock=clock or FakeClock(),
+    )
+
+
+def test_tokens_per_second_tflops_and_mfu_arithmetic(tmp_path, caplog):
+    clock = FakeClock()
+    processor = _build(tmp_path, clock)
+    processor.record_tokens(600)
+    processor.record_tokens(400)
+    clock.now += 2.0
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        values = processor.log(1, loss=2.0, grad_norm=0.5, lr=1e-3)
+    # 1000 tokens in 2 s = 500 tok/s per device; x 6e9 FLOPs/token = 3 TFLOP/s; of a 10 TFLOP/s peak = 30%.
+    # Exact binary-representable arithmetic except the 1e12 scalings: compare at 1e-12.
+    assert values["tokens_per_second"] == pytest.approx(500.0, rel=1e-12)
+    assert values["tflops"] == pytest.approx(3.0, rel=1e-12)
+    assert values["mfu"] == pytest.approx(30.0, rel=1e-12)
+    assert values["memory_gib"] > 0  # peak RSS of this process
+    assert "tok/s 500 (global 2,000)" in caplog.text  # 4 data-parallel ranks
+    assert "mfu 30.00%" in caplog.text and "loss   2.0000" in caplog.text
+
+    # The window restarts after each log.
+    processor.record_tokens(100)
+    clock.now += 1.0
+    assert processor.log(2, loss=2.0, grad_norm=0.5, lr=1e-3)["tokens_per_second"] == pytest.approx(100.0)
+
+
+def test_tensor_parallel_ranks_share_tokens(tmp_path):
+    clock = FakeClock()
+    processor = MetricsProcessor.Config(cpu_peak_tflops=10.0, enable_tensorboard=False).build(
+        dump_folder=str(tmp_path), device="cpu", num_flops_per_token=6e9, tp_degree=2, rank=0, clock=clock
+    )
+    processor.record_tokens(1000)
+    clock.now += 1.0
+    values = processor.log(1, loss=1.0, grad_norm=1.0, lr=1.0)
+    assert values["tokens_per_second"] == pytest.approx(500.0)
+    assert values["mfu"] == pytest.approx(30.0)
+
+
+def test_excluded_time_does_not_count(tmp_path):
+    clock = FakeClock()
+    processor = _build(tmp_path, clock)
+    processor.record_tokens(1000)
+    clock.now += 1.0
+    with processor.exclude_from_throughput():
+        clock.now += 5.0  # e.g. validation
+    values = processor.log(10, loss=1.0, grad_norm=1.0, lr=1.0)
+    assert values["tokens_per_second"] == pytest.approx(1000.0)
+
+
+def test_tensorboard_scalars_read_back(tmp_path):
+    clock = FakeClock()
+    processor = _build(tmp_path, clock, enable_tensorboard=True)
+    logged = {}
+    for step, loss in ((1, 4.0), (10, 3.0), (20, 2.5)):
+        processor.record_tokens(2000)
+        clock.now += 4.0
+        logged[step] = processor.log(step, loss=loss, grad_norm=loss / 10, lr=1e-3 * step,
+                                     extra={"loss_scale": 2.0**step})
+    processor.log_validation(20, 2.75)
+    processor.close()
+
+    events = EventAccumulator(os.path.join(str(tmp_path), "tb"))
+    events.Reload()
+    expected_tags = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_second", "train/tflops",
+                     "train/mfu", "train/memory_gib", "train/loss_scale", "val/loss"}
+    assert set(events.Tags()["scalars"]) == expected_tags
+
+    def read(tag):
+        return {e.step: e.value for e in events.Scalars(tag)}
+
+    # TensorBoard stores float32: compare at float32 resolution.
+    assert read("train/loss") == {1: 4.0, 10: 3.0, 20: 2.5}
+    assert read("train/lr") == pytest.approx({1: 1e-3, 10: 1e-2, 20: 2e-2}, rel=1e-6)
+    assert read("train/grad_norm") == pytest.approx({1: 0.4, 10: 0.3, 20: 0.25}, rel=1e-6)
+    assert read("train/tokens_per_second") == {1: 500.0, 10: 500.0, 20: 500.0}
+    assert read("train/tflops") == pytest.approx({1: 3.0, 10: 3.0, 20: 3.0}, rel=1e-6)
+    assert read("train/mfu") == pytest.approx({1: 30.0, 10: 30.0, 20: 30.0}, rel=1e-6)
+    assert read("train/memory_gib") == pytest.approx({s: v["memory_gib"] for s, v in logged.items()}, rel=1e-6)
+    assert read("train/loss_scale") == {1: 2.0, 10: 1024.0, 20: 2.0**20}
+    assert read("val/loss") == {20: 2.75}
+
+
+def test_log_schedule_step_one_every_log_freq_and_forced(tmp_path):
+    processor = _build(tmp_path, log_freq=5)
+    logged = [s for s in range(1, 13) if processor.maybe_log(s, loss=1.0, grad_norm=1.0, lr=1.0) is not None]
+    assert logged == [1, 5, 10]
+    assert processor.maybe_log(12, loss=1.0, grad_norm=1.0, lr=1.0, force=True) is not None
+
+
+def test_extra_keys_may_not_shadow_builtin_metrics(tmp_path):
+    processor = _build(tmp_path)
+    with pytest.raises(ValueError, match=r"extra metric 'loss' clashes with a built-in train/loss"):
+        processor.log(1, loss=1.0, grad_norm=1.0, lr=1.0, extra={"loss": 2.0})
+
+
+def test_console_colors(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        _build(tmp_path, enable_color=True).log(1, loss=1.0, grad_norm=1.0, lr=1.0)
+        assert "\033[31mstep      1\033[0m" in caplog.records[-1].getMessage()  # caplog.text strips colors
+        _build(tmp_path, enable_color=False).log_validation(3, 1.5)
+        assert caplog.records[-1].getMessage() == "step      3  validation loss   1.5000"
+
+
+def test_other_ranks_stay_silent_unless_tensorboard_is_per_rank(tmp_path, caplog):
+    quiet = MetricsProcessor.Config(cpu_peak_tflops=1.0).build(
+        dump_folder=str(tmp_path), device="cpu", num_flops_per_token=1.0, rank=1
+    )
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        quiet.log(1, loss=1.0, grad_norm=1.0, lr=1.0)
+    assert quiet.writer is None and caplog.text == "" and not (tmp_path / "tb").exists()
+
+    per_rank = MetricsProcessor.Config(cpu_peak_tflops=1.0, rank_0_only=False).build(
+        dump_folder=str(tmp_path), device="cpu", num_flops_per_token=1.0, rank=1
+    )
+    per_rank.log(1, loss=1.0, grad_norm=1.0, lr=1.0)
+    per_rank.close()
+    assert os.listdir(tmp_path / "tb" / "rank_1")
+
+
+def test_cpu_peak_is_measured_once_when_not_given(tmp_path, monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(metrics, "_MEASURED_CPU_TFLOPS", {})
+    monkeypatch.setattr(device_peaks, "measure_cpu_matmul_tflops", lambda dtype: calls.append(dtype) or 2.0)
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        first = _build(tmp_path, cpu_peak_tflops=None)
+        second = _build(tmp_path, cpu_peak_tflops=None)
+    assert calls == [torch.bfloat16]
+    assert first.peak_flops == second.peak_flops == 2e12
+    assert "CPU peak for MFU measured with a bfloat16 matmul benchmark: 2.000 TFLOP/s" in caplog.text
+
+
+def test_unknown_device_peak_warns_and_omits_mfu(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        processor = MetricsProcessor.Config(enable_tensorboard=False).build(
+            dump_folder=str(tmp_path), device="meta", num_flops_per_token=1.0, rank=0
+        )
+    assert "no known BF16 peak for meta: MFU is not reported" in caplog.text
+    values = processor.log(1, loss=1.0, grad_norm=1.0, lr=1.0)
+    assert "mfu" not in values and "tflops" in values
+
+
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA B200", 2250.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA L40", 181.0),
+        ("NVIDIA L4", 121.0),
+        ("AMD Instinct MI300X", 1307.0),
+        ("NVIDIA A10G", None),
+        ("Tesla V100-SXM2-16GB", None),
+    ],
+)
+def test_gpu_peak_table(name, tflops):
+    expected = None if tflops is None else tflops * 1e12
+    assert gpu_bf16_peak_flops(name) == expected
+
+
+def test_device_peak_flops_has_no_cpu_entry():
+    assert device_peaks.device_peak_flops("cpu") is None
+
+
+def test_cpu_matmul_benchmark_returns_a_plausible_rate():
+    tflops = measure_cpu_matmul_tflops(torch.float32, budget_s=0.05)
+    # Anything from a slow shared core (~1 GFLOP/s) to a large server (~100 TFLOP/s).
+    assert math.isfinite(tflops) and 1e-3 < tflops < 100
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"log_freq": 0}, r"metrics.log_freq must be >= 1, got 0"),
+        ({"save_tb_folder": ""}, r"metrics.save_tb_folder must be a folder name"),
+        ({"cpu_peak_tflops": 0.0}, r"metrics.cpu_peak_tflops must be > 0 or None"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MetricsProcessor.Config(**kwargs)

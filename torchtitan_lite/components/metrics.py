@@ -1,0 +1,262 @@
+"""Training metrics: one console line and TensorBoard scalars every ``log_freq`` steps.
+
+Per logged step: loss, lr, grad norm, tokens/s per device (and for the whole job on the console),
+achieved TFLOP/s per device, MFU against the device's dense BF16 peak (``device_peaks``), and peak
+memory since the previous log (CUDA: max allocated, with max reserved on the console; CPU: the
+process's peak resident set size, which never goes down). Throughput is averaged over the steps
+since the previous log; time spent inside ``exclude_from_throughput()`` (validation, checkpoints)
+is not counted.
+
+TensorBoard tags: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_second``,
+``train/tflops``, ``train/mfu`` (percent; omitted when the peak is unknown), ``train/memory_gib``,
+``train/<key>`` for each extra value, and ``val/loss``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from torchtitan_lite.components import device_peaks
+from torchtitan_lite.config import Configurable
+from torchtitan_lite.distributed import utils as dist_utils
+
+logger = logging.getLogger("torchtitan_lite")
+
+GIB = 1024**3
+
+# One measurement per process and dtype: every MetricsProcessor built afterwards reuses it.
+_MEASURED_CPU_TFLOPS: dict[torch.dtype, float] = {}
+
+_COLORS = {"step": "\033[31m", "loss": "\033[36m", "memory": "\033[33m", "throughput": "\033[34m",
+           "mfu": "\033[35m", "reset": "\033[0m"}
+_PLAIN = {key: "" for key in _COLORS}
+
+
+class MetricsProcessor(Configurable):
+    """Turns per-step numbers into throughput, MFU and memory figures on console and TensorBoard."""
+
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        log_freq: int = 10
+        """Log every this many steps (and at step 1 and the last step)."""
+        enable_tensorboard: bool = True
+        """Write TensorBoard scalars to <dump_folder>/<save_tb_folder>."""
+        save_tb_folder: str = "tb"
+        """TensorBoard folder under the dump folder."""
+        rank_0_only: bool = True
+        """Only rank 0 writes TensorBoard; otherwise every rank writes to <save_tb_folder>/rank_<r>.
+        The console line is printed by rank 0 either way."""
+        enable_color: bool | None = None
+        """Color the console line; None colors when stdout is a terminal."""
+        cpu_peak_tflops: float | None = None
+        """Peak TFLOP/s of a CPU device for MFU (the training compute dtype); None measures it once at
+        start with a ~0.5 s matmul benchmark."""
+
+        def __post_init__(self) -> None:
+            if self.log_freq < 1:
+                raise ValueError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
+            if not self.save_tb_folder:
+                raise ValueError("metrics.save_tb_folder must be a folder name, got an empty string; the default is 'tb'")
+            if self.cpu_peak_tflops is not None and not self.cpu_peak_tflops > 0:
+                raise ValueError(
+                    f"metrics.cpu_peak_tflops must be > 0 or None (measure it), got {self.cpu_peak_tflops}"
+                )
+
+    def __init__(
+        self,
+        config: "MetricsProcessor.Config",
+        *,
+        dump_folder: str,
+        device: torch.device | str,
+        num_flops_per_token: float,
+        dp_degree: int = 1,
+        tp_degree: int = 1,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        rank: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """
+        Args:
+            num_flops_per_token: training FLOPs (forward + backward) per token of the model.
+            dp_degree: data-parallel ranks; each sees different tokens (global tokens/s).
+            tp_degree: ranks that compute on the same tokens (tensor parallel); per-device tokens/s
+                divides by it.
+            compute_dtype: dtype of the CPU matmul benchmark when cpu_peak_tflops is not given.
+            rank: this process's rank (default: from the process group).
+            clock: seconds as a float; a fake clock makes throughput deterministic in tests.
+        """
+        self.config = config
+        self.device = torch.device(device)
+        self.num_flops_per_token = num_flops_per_token
+        self.dp_degree = dp_degree
+        self.tp_degree = tp_degree
+        self.rank = dist_utils.rank() if rank is None else rank
+        self.clock = clock
+        self.console = self.rank == 0
+        self.writer = self._build_writer(dump_folder)
+        self.peak_flops = self._peak_flops(compute_dtype) if (self.console or self.writer) else None
+        color = sys.stdout.isatty() if config.enable_color is None else config.enable_color
+        self.colors = _COLORS if color else _PLAIN
+        self._tokens = 0
+        self._excluded_s = 0.0
+        self._interval_start = clock()
+
+    # ----------------------------------------------------------------------------------------------
+    # Construction
+
+    def _build_writer(self, dump_folder: str):
+        cfg = self.config
+        if not cfg.enable_tensorboard or (cfg.rank_0_only and self.rank != 0):
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        folder = os.path.join(dump_folder, cfg.save_tb_folder)
+        if not cfg.rank_0_only:
+            folder = os.path.join(folder, f"rank_{self.rank}")
+        logger.info("TensorBoard scalars go to %s", folder)
+        return SummaryWriter(log_dir=folder)
+
+    def _peak_flops(self, compute_dtype: torch.dtype) -> float | None:
+        if self.device.type == "cpu":
+            if self.config.cpu_peak_tflops is not None:
+                return self.config.cpu_peak_tflops * 1e12
+            if compute_dtype not in _MEASURED_CPU_TFLOPS:
+                tflops = device_peaks.measure_cpu_matmul_tflops(compute_dtype)
+                _MEASURED_CPU_TFLOPS[compute_dtype] = tflops
+                logger.info(
+                    "CPU peak for MFU measured with a %s matmul benchmark: %.3f TFLOP/s "
+                    "(set metrics.cpu_peak_tflops to fix it)", str(compute_dtype).removeprefix("torch."), tflops,
+                )
+            return _MEASURED_CPU_TFLOPS[compute_dtype] * 1e12
+        peak = device_peaks.device_peak_flops(self.device)
+        if peak is None:
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+            logger.warning(
+                "no known BF16 peak for %s: MFU is not reported (TFLOP/s is); add the device to "
+                "torchtitan_lite/components/device_peaks.py", name,
+            )
+        return peak
+
+    # ----------------------------------------------------------------------------------------------
+    # What the loop calls
+
+    def record_tokens(self, n_tokens: int) -> None:
+        """Count input tokens this rank processed (call once per micro-batch)."""
+        self._tokens += n_tokens
+
+    @contextlib.contextmanager
+    def exclude_from_throughput(self) -> Iterator[None]:
+        """Time spent inside (validation, checkpoint saves) does not count against tokens/s."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self._excluded_s += self.clock() - start
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.config.log_freq == 0
+
+    def maybe_log(
+        self, step: int, *, loss: float, grad_norm: float, lr: float,
+        extra: dict[str, float] | None = None, force: bool = False,
+    ) -> dict[str, float] | None:
+        """``log`` on logging steps (step 1, every log_freq steps) or when forced (the last step)."""
+        if not (force or self.should_log(step)):
+            return None
+        return self.log(step, loss=loss, grad_norm=grad_norm, lr=lr, extra=extra)
+
+    def log(
+        self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None
+    ) -> dict[str, float]:
+        """Log one step's numbers with the throughput since the previous log; returns what was computed.
+
+        Every rank must call it on the same steps (it resets the throughput window and CUDA peak
+        memory stats); only rank 0 prints and, unless rank_0_only=False, writes TensorBoard.
+        """
+        now = self.clock()
+        elapsed = max(now - self._interval_start - self._excluded_s, 1e-9)
+        tokens_per_s = self._tokens / elapsed / self.tp_degree
+        flops = tokens_per_s * self.num_flops_per_token
+        memory, reserved = self._peak_memory_gib()
+        values = {
+            "loss": float(loss),
+            "lr": float(lr),
+            "grad_norm": float(grad_norm),
+            "tokens_per_second": tokens_per_s,
+            "tflops": flops / 1e12,
+            "memory_gib": memory,
+        }
+        if self.peak_flops is not None:
+            values["mfu"] = 100.0 * flops / self.peak_flops
+        for key, value in (extra or {}).items():
+            if key in values:
+                raise ValueError(f"extra metric {key!r} clashes with a built-in train/{key} metric; rename it")
+            values[key] = float(value)
+
+        if self.writer is not None:
+            for key, value in values.items():
+                self.writer.add_scalar(f"train/{key}", value, step)
+            self.writer.flush()
+        if self.console:
+            global_tokens_per_s = self._tokens * self.dp_degree / elapsed
+            logger.info(self._console_line(step, values, global_tokens_per_s, reserved, extra or {}))
+
+        self._tokens = 0
+        self._excluded_s = 0.0
+        self._interval_start = now
+        return values
+
+    def log_validation(self, step: int, loss: float) -> None:
+        if self.writer is not None:
+            self.writer.add_scalar("val/loss", float(loss), step)
+            self.writer.flush()
+        if self.console:
+            c = self.colors
+            logger.info(f"{c['step']}step {step:>6}{c['reset']}  {c['loss']}validation loss {loss:8.4f}{c['reset']}")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _peak_memory_gib(self) -> tuple[float, float | None]:
+        if self.device.type == "cuda":
+            allocated = torch.cuda.max_memory_allocated(self.device) / GIB
+            reserved = torch.cuda.max_memory_reserved(self.device) / GIB
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return allocated, reserved
+        # ru_maxrss is KiB on Linux and bytes on macOS.
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return rss / GIB, None
+
+    def _console_line(
+        self, step: int, values: dict[str, float], global_tokens_per_s: float, reserved: float | None,
+        extra: dict[str, float],
+    ) -> str:
+        c = self.colors
+        memory = f"memory {values['memory_gib']:.2f}GiB"
+        if reserved is not None:
+            memory += f" (reserved {reserved:.2f}GiB)"
+        parts = [
+            f"{c['step']}step {step:>6}{c['reset']}",
+            f"{c['loss']}loss {values['loss']:8.4f}{c['reset']}",
+            f"grad_norm {values['grad_norm']:7.4f}",
+            f"lr {values['lr']:.3e}",
+            f"{c['memory']}{memory}{c['reset']}",
+            f"{c['throughput']}tok/s {values['tokens_per_second']:,.0f} (global {global_tokens_per_s:,.0f})"
+            f"  tflops {values['tflops']:.2f}{c['reset']}",
+        ]
+        if "mfu" in values:
+            parts.append(f"{c['mfu']}mfu {values['mfu']:.2f}%{c['reset']}")
+        parts += [f"{key} {value:.4g}" for key, value in extra.items()]
+        return "  ".join(parts)
