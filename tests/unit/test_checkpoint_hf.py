@@ -15,7 +15,7 @@ from torchtitan_lite.components.checkpoint import CheckpointError, CheckpointMan
 from torchtitan_lite.components.checkpoint import convert, hf_io
 
 SPEC = get_model_spec("llama3")
-ARGS = build_model_args(SPEC, "debug", n_layers=2)
+ARGS = build_model_args(SPEC, "debug", n_layers=1, vocab_size=512)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -45,7 +45,7 @@ def test_last_save_in_hf_writes_adapter_names_and_config(tmp_path):
     save_dcp(tmp_path, m, last_save_in_hf=True, export_dtype="bfloat16")
     out = tmp_path / "checkpoint" / "step-3-hf"
     config = json.loads((out / "config.json").read_text())
-    assert (config["num_hidden_layers"], config["hidden_size"], config["torch_dtype"]) == (2, 256, "bfloat16")
+    assert (config["num_hidden_layers"], config["hidden_size"], config["torch_dtype"]) == (1, 256, "bfloat16")
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
         assert len(list(f.keys())) == len(m.state_dict())
@@ -79,16 +79,16 @@ def test_dcp_to_hf_with_the_wrong_flavor_names_the_mismatch(tmp_path):
     ckpt = save_dcp(tmp_path, model(0))
     wider = dataclasses.replace(ARGS, dim=128, n_heads=4, n_kv_heads=2)
     with pytest.raises(CheckpointError, match=r"shape mismatch for 'model\.tok_embeddings\.weight': checkpoint "
-                                              r"has \(2048, 256\), this run expects \(2048, 128\)"):
+                                              r"has \(512, 256\), this run expects \(512, 128\)"):
         convert.dcp_to_hf(ckpt, SPEC, wider, str(tmp_path / "hf"), "float32")
     assert not os.path.exists(tmp_path / "hf")
 
 
 def test_hf_to_dcp_rejects_a_config_of_another_model(tmp_path):
     convert.dcp_to_hf(save_dcp(tmp_path, model(0)), SPEC, ARGS, str(tmp_path / "hf"), "float32")
-    deeper = dataclasses.replace(ARGS, n_layers=3)
-    with pytest.raises(ValueError, match=r"hf/config\.json: num_hidden_layers=2 but the chosen model "
-                                         r"configuration has num_hidden_layers=3"):
+    deeper = dataclasses.replace(ARGS, n_layers=2)
+    with pytest.raises(ValueError, match=r"hf/config\.json: num_hidden_layers=1 but the chosen model "
+                                         r"configuration has num_hidden_layers=2"):
         convert.hf_to_dcp(str(tmp_path / "hf"), SPEC, deeper, str(tmp_path / "seed"))
 
 
@@ -109,12 +109,12 @@ def _script(name: str):
 
 
 def test_scripts_convert_both_ways(tmp_path, monkeypatch):
-    # The registry config resolves to the debug flavor with 2 layers; the vocabulary comes from the weights.
+    # The registry config resolves to the debug flavor with 1 layer; the vocabulary comes from the weights.
     seen = []
 
     def resolve(name, *, vocab_size):
         seen.append((name, vocab_size))
-        return SPEC, build_model_args(SPEC, "debug", n_layers=2, vocab_size=vocab_size)
+        return SPEC, build_model_args(SPEC, "debug", n_layers=1, vocab_size=vocab_size)
 
     original = model(0)
     ckpt = save_dcp(tmp_path / "run", original)
@@ -123,7 +123,7 @@ def test_scripts_convert_both_ways(tmp_path, monkeypatch):
     monkeypatch.setattr(from_hf, "resolve_model", resolve)
     to_hf.main(["--checkpoint", ckpt, "--config", "llama3_debug", "--dtype", "float32", "--output", str(tmp_path / "hf")])
     from_hf.main(["--hf-dir", str(tmp_path / "hf"), "--config", "llama3_debug", "--output", str(tmp_path / "seed")])
-    assert seen == [("llama3_debug", 2048), ("llama3_debug", 2048)]
+    assert seen == [("llama3_debug", 512), ("llama3_debug", 512)]
     fresh = model(1)
     CheckpointManager.Config(enable=True, initial_load_path=str(tmp_path / "seed")).build(
         dump_folder=str(tmp_path / "next"), states={"model": ModelWrapper(fresh)}).load()
