@@ -1,0 +1,165 @@
+"""Command line -> resolved config and the action to run.
+
+    train.py [--config NAME] [--config-file FILE.toml] [--section.field VALUE ...] [ACTION]
+
+Settings are layered: the registered config function < the TOML file < ``--section.field`` flags.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from torchtitan_lite.config.docs import fields_help_text
+from torchtitan_lite.config.errors import ConfigError, closest, did_you_mean
+from torchtitan_lite.config.overrides import Override, apply_overrides, overrides_from_dict
+from torchtitan_lite.config.toml_io import load_toml_overrides
+
+if TYPE_CHECKING:
+    from config_registry import ConfigRegistry
+
+DEFAULT_CONFIG = "llama3_debug"
+HELP_FLAGS = ("-h", "--help")
+VALUE_FLAGS = {
+    "--config": ("NAME", f"registered config to start from (default: {DEFAULT_CONFIG}); see --list-configs"),
+    "--config-file": ("FILE", "TOML file of overrides applied on top of it, e.g. a run's saved config.toml"),
+}
+ACTION_FLAGS = {
+    "--list-configs": ("list_configs", "list the registered configs and exit"),
+    "--print-config": ("print_config", "print the resolved config as TOML (loadable with --config-file) and exit"),
+    "--print-fp8-plan": ("print_fp8_plan", "explain which Linear layers get which float8 recipe, and why; exit"),
+    "--estimate-memory": ("estimate_memory", "estimate per-device memory for the resolved config and exit"),
+}
+ACTIONS = ("train", "help", *(action for action, _ in ACTION_FLAGS.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class CliResult:
+    """What the command line asks for."""
+
+    config: Any | None
+    """The resolved root config; None for the actions that need none (help, list_configs)."""
+    action: str
+    """One of ACTIONS: train, help, print_config, list_configs, print_fp8_plan, estimate_memory."""
+    config_name: str
+    """The registered config the resolved config starts from."""
+
+
+@dataclasses.dataclass
+class _Argv:
+    config: str | None = None
+    config_file: str | None = None
+    actions: list[str] = dataclasses.field(default_factory=list)
+    overrides: list[Override] = dataclasses.field(default_factory=list)
+
+
+def parse_cli(
+    argv: list[str], *, default_config: str = DEFAULT_CONFIG, registry: ConfigRegistry | None = None
+) -> CliResult:
+    """Resolve ``argv`` (without the program name) into a config and an action.
+
+    ``registry`` defaults to the ``config_registry`` package. Raises ConfigError for anything the
+    user must fix; its message is meant to be printed as is.
+    """
+    if any(arg in HELP_FLAGS for arg in argv):
+        return CliResult(None, "help", default_config)  # help must work even when the rest is wrong
+    args = _split_argv(argv)
+    name = args.config or default_config
+    action = _single_action(args.actions)
+    if action == "list_configs":
+        return CliResult(None, action, name)
+    registry = registry or _default_registry()
+    overrides = []
+    if args.config_file is not None:
+        overrides += overrides_from_dict(load_toml_overrides(args.config_file), origin=args.config_file)
+    config = apply_overrides(registry.get(name), overrides + args.overrides, base_label=f"config '{name}'")
+    return CliResult(config, action, name)
+
+
+def main_help_text(root_cls: type) -> str:
+    """``--help`` text: usage, the command-line flags, then every config field with type, default and doc."""
+    flags = [("-h, --help", "show this help and exit")]
+    flags += [(f"{flag} {metavar}", doc) for flag, (metavar, doc) in VALUE_FLAGS.items()]
+    flags += [(flag, doc) for flag, (_, doc) in ACTION_FLAGS.items()]
+    width = max(len(flag) for flag, _ in flags)
+    return "\n".join([
+        "usage: train.py [--config NAME] [--config-file FILE] [--section.field VALUE ...] [ACTION]",
+        "",
+        f"Settings are layered: the registered config (--config, default {DEFAULT_CONFIG}) < the TOML file of",
+        "--config-file < --section.field flags (also --section.field=VALUE).",
+        "Values: bools true/false/yes/no/1/0 (a bare bool flag means true); none or null for optional fields;",
+        "lists a,b or [a, b] ('' is empty); typed lists take kind names and their entries' fields by index",
+        "(--model_converters.converters float8 --model_converters.converters.0.recipe_name rowwise).",
+        "",
+        "options:",
+        *(f"  {flag.ljust(width)}  {doc}" for flag, doc in flags),
+        "",
+        "config fields:",
+        fields_help_text(root_cls),
+    ])
+
+
+def list_configs_text(registry: ConfigRegistry | None = None) -> str:
+    """``name  first-docstring-line`` for every registered config, one per line."""
+    entries = (registry or _default_registry()).describe()
+    if not entries:
+        return "no configs are registered"
+    width = max(len(name) for name, _ in entries)
+    return "\n".join(f"{name.ljust(width)}  {doc}".rstrip() for name, doc in entries)
+
+
+def _split_argv(argv: list[str]) -> _Argv:
+    parsed = _Argv()
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith("--"):
+            raise ConfigError(f"unexpected argument {token!r}: values follow their flag, as in "
+                              f"--training.steps 10 (see --help)")
+        flag, eq, inline = token.partition("=")
+        value = inline if eq else None
+        takes_value = flag in VALUE_FLAGS or "." in flag
+        if value is None and takes_value and i < len(argv) and not argv[i].startswith("--"):
+            value = argv[i]
+            i += 1
+        _record(parsed, flag, value)
+    return parsed
+
+
+def _record(parsed: _Argv, flag: str, value: str | None) -> None:
+    if flag in ACTION_FLAGS:
+        if value is not None:
+            raise ConfigError(f"{flag} takes no value, got {value!r}")
+        parsed.actions.append(ACTION_FLAGS[flag][0])
+    elif flag in VALUE_FLAGS:
+        metavar = VALUE_FLAGS[flag][0]
+        if value is None:
+            raise ConfigError(f"{flag} needs a value: {flag} {metavar}")
+        attr = flag[2:].replace("-", "_")
+        if getattr(parsed, attr) is not None:
+            raise ConfigError(f"{flag} is given twice ({getattr(parsed, attr)!r} and {value!r}); give it once")
+        setattr(parsed, attr, value)
+    elif "." in flag:
+        key = flag[2:]
+        if "" in key.split("."):
+            raise ConfigError(f"malformed flag '{flag}': expected --section.field")
+        parsed.overrides.append(Override(key, value))
+    else:
+        known = ["--help", *VALUE_FLAGS, *ACTION_FLAGS]
+        raise ConfigError(f"unknown flag '{flag}'{did_you_mean(closest(flag, known))}; valid flags: "
+                          f"{', '.join(known)}, and --section.field VALUE to set a config field (see --help)")
+
+
+def _single_action(actions: list[str]) -> str:
+    distinct = list(dict.fromkeys(actions))
+    if len(distinct) > 1:
+        flags = [flag for flag, (action, _) in ACTION_FLAGS.items() if action in distinct]
+        raise ConfigError(f"choose one action, got {' and '.join(flags)}")
+    return distinct[0] if distinct else "train"
+
+
+def _default_registry() -> ConfigRegistry:
+    # Imported here: the registry's modules import the trainer, which imports this package.
+    import config_registry
+
+    return config_registry.DEFAULT_REGISTRY
