@@ -102,7 +102,7 @@ def purge_old(folder: str, keep_latest_k: int, protected: set[int]) -> list[int]
     if keep_latest_k <= 0 or not complete:
         return []
     newest = complete[-1]
-    doomed = [s for s in complete[:-keep_latest_k]] + [s for s in incomplete if s < newest]
+    doomed = complete[:-keep_latest_k] + [s for s in incomplete if s < newest]
     purged = []
     for step in sorted(doomed):
         if step in protected:
