@@ -38,7 +38,8 @@ def test_docs_of_nested_config_class():
 
 
 def test_inherited_fields_keep_their_docs():
-    assert field_docs(ScaleConfig) == {"enabled": "Whether this converter runs.", "factor": "Multiplier applied to the weights."}
+    assert field_docs(ScaleConfig) == {
+        "enabled": "Whether this converter runs.", "factor": "Multiplier applied to the weights."}
 
 
 def test_multiline_doc_is_cleaned():
@@ -68,7 +69,8 @@ def test_help_lists_typed_list_kinds_and_their_fields():
     assert "  --model_converters.converters quant  Quantize Linear layers." in lines
     assert ("  --model_converters.converters.N.recipe_name  {tensorwise,rowwise}  (default: 'tensorwise')  "
             "Scaling recipe.") in lines
-    assert "  --model_converters.converters.N.factor  float  (default: 2.0)  Multiplier applied to the weights." in lines
+    assert ("  --model_converters.converters.N.factor  float  (default: 2.0)  "
+            "Multiplier applied to the weights.") in lines
 
 
 def test_help_defaults_come_from_the_parent_default_factory():

@@ -1,11 +1,9 @@
-import tomllib
-
 import pytest
 from test_config_toys import QuantConfig, ScaleConfig, ToyTrainer
 
 from torchtitan_lite.config.errors import ConfigError
 from torchtitan_lite.config.overrides import apply_overrides, overrides_from_dict
-from torchtitan_lite.config.toml_io import config_to_dict, config_to_toml, load_toml_overrides
+from torchtitan_lite.config.toml_io import config_to_dict, config_to_toml, load_toml_overrides, tomllib
 
 
 def unusual_config() -> ToyTrainer.Config:
@@ -46,7 +44,8 @@ def test_toml_layout():
     assert text.startswith("[training]\nsteps = 7\nmax_norm = 1e-08\nseed = \"none\"\n")
     assert 'factors = [inf, 2.5]' in text
     assert "\n[training.schedule]\nwarmup = 0\nratio = 1e+20\n" in text
-    assert '\n[model_converters]\nprint_after_conversion = true\n\n[[model_converters.converters]]\nkind = "quant"\n' in text
+    assert ('\n[model_converters]\nprint_after_conversion = true\n\n'
+            '[[model_converters.converters]]\nkind = "quant"\n') in text
     assert '\n[[model_converters.converters]]\nkind = "scale"\nenabled = true\nfactor = 0.25\n' in text
 
 

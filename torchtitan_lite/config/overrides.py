@@ -82,17 +82,18 @@ def _apply(root: Any, override: Override, touched: _Touched) -> None:
     owner, name, chain = _resolve(root, override)
     tp = field_type(type(owner), name)
     base = typed_list_base(tp)
-    if base is not None:
-        entries, entry_fields = _typed_entries(base, override)
-        setattr(owner, name, entries)
+    entry_fields: list[tuple[int, dict]] = []
+    if base is None:
+        value = _leaf_value(tp, override)
     else:
-        setattr(owner, name, _leaf_value(tp, override))
+        value, entry_fields = _typed_entries(base, override)
+    setattr(owner, name, value)
     for obj in chain:
         touched.setdefault(id(obj), (obj, []))[1].append(override.label)
-    if base is not None:
-        for index, fields in entry_fields:
-            for sub in overrides_from_dict(fields, override.origin):
-                _apply(root, Override(f"{override.key}.{index}.{sub.key}", sub.value, override.origin), touched)
+    # Fields written in [[list]] tables go through the same path as any key: same checks, same messages.
+    for index, fields in entry_fields:
+        for sub in overrides_from_dict(fields, override.origin):
+            _apply(root, Override(f"{override.key}.{index}.{sub.key}", sub.value, override.origin), touched)
 
 
 def _resolve(root: Any, override: Override) -> tuple[Any, str, list[Any]]:
