@@ -1,0 +1,140 @@
+"""Validation loss: the training loss definition on held-out data, without gradients.
+
+The value is the token-weighted mean over every validation batch of every data-parallel rank,
+``sum(loss sums) / sum(target tokens)``, exactly how the training loss is normalised, so the two
+curves are comparable. Every call starts the validation data from its beginning, so values at
+different steps are measured on the same tokens.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan_lite.config import Configurable
+
+logger = logging.getLogger("torchtitan_lite")
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ContextFactory = Callable[[], ContextManager]
+
+
+class Validator(Configurable):
+    """Runs the model over the validation split and returns the loss."""
+
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        enable: bool = False
+        """Compute the validation loss during training (every freq steps)."""
+        freq: int = 100
+        """Validate every this many training steps."""
+        steps: int = 20
+        """Validation batches per rank per validation; -1 runs the whole (finite) validation split."""
+
+        def __post_init__(self) -> None:
+            if self.freq < 1:
+                raise ValueError(f"validation.freq must be >= 1, got {self.freq}")
+            if self.steps == 0 or self.steps < -1:
+                raise ValueError(
+                    f"validation.steps must be a positive number of batches or -1 for the whole split, got {self.steps}"
+                )
+
+    def __init__(
+        self,
+        config: "Validator.Config",
+        *,
+        loss_fn: LossFn,
+        device: torch.device | str,
+        dataloader_factory: Callable[[], Iterable[Batch]] | None = None,
+        dataloader: Iterable[Batch] | None = None,
+        dp_group: dist.ProcessGroup | None = None,
+        autocast: ContextFactory | None = None,
+        loss_context: ContextFactory | None = None,
+    ) -> None:
+        """
+        Args:
+            loss_fn: ``(logits, labels) -> (loss_sum, n_tokens)``, the training loss.
+            device: where batches go for the forward.
+            dataloader_factory: returns a fresh validation loader (of ``(inputs, labels)``) per call.
+            dataloader: alternatively, an iterable that starts from its beginning on every ``iter()``.
+            dp_group: data-parallel group to sum losses and tokens over; None for one data-parallel rank.
+            autocast: returns the context the forward runs in (e.g. ``Precision.eval_autocast``).
+            loss_context: returns the context around forward and loss (e.g. tensor-parallel loss_parallel).
+        """
+        self.config = config
+        if (dataloader_factory is None) == (dataloader is None):
+            raise ValueError("Validator needs exactly one of dataloader_factory= or dataloader=")
+        self.dataloader_factory = dataloader_factory if dataloader is None else (lambda: dataloader)
+        self.loss_fn = loss_fn
+        self.device = torch.device(device)
+        self.dp_group = dp_group
+        self.autocast = autocast or contextlib.nullcontext
+        self.loss_context = loss_context or contextlib.nullcontext
+
+    def validate(self, model_parts: list[nn.Module], step: int) -> float:
+        """Validation loss of the model at training step ``step``; the model's train/eval modes are kept."""
+        if len(model_parts) != 1:
+            raise ValueError(
+                f"validation runs a single-module model, got {len(model_parts)} model parts (pipeline stages)"
+            )
+        modes = [part.training for part in model_parts]
+        start = time.perf_counter()
+        try:
+            for part in model_parts:
+                part.eval()
+            with torch.no_grad():
+                loss_sum, tokens, batches = self._sum_over_split(model_parts[0])
+        finally:
+            for part, mode in zip(model_parts, modes):
+                part.train(mode)
+        if tokens == 0:
+            raise RuntimeError(
+                f"validation at step {step} saw no target tokens ({batches} batches): the validation split is "
+                f"empty or all labels are ignored; check the data section's validation split"
+            )
+        loss = loss_sum / tokens
+        logger.debug("validation at step %d: %d batches per rank, %d tokens, loss %.4f, %.1fs",
+                     step, batches, tokens, loss, time.perf_counter() - start)
+        return loss
+
+    def _sum_over_split(self, model: nn.Module) -> tuple[float, int, int]:
+        # float64: a whole split's summed loss keeps full precision.
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        batches = 0
+        data = iter(self.dataloader_factory())
+        while self.config.steps < 0 or batches < self.config.steps:
+            batch = next(data, None)
+            if not self._every_rank_has(batch is not None):
+                break
+            inputs, labels = batch
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with self.autocast(), self.loss_context():
+                logits = model(inputs)
+                loss_sum, n_tokens = self.loss_fn(logits, labels)
+            totals[0] += _full(loss_sum).double()
+            totals[1] += _full(n_tokens).double()
+            batches += 1
+        if self.dp_group is not None:
+            dist.all_reduce(totals, group=self.dp_group)
+        return float(totals[0]), int(totals[1]), batches
+
+    def _every_rank_has(self, has_batch: bool) -> bool:
+        # Ranks may hold different numbers of validation batches; all stop at the shortest so that
+        # collective forwards (FSDP all-gathers) stay in lockstep.
+        if self.dp_group is None:
+            return has_batch
+        flag = torch.tensor([int(has_batch)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.dp_group)
+        return bool(flag.item())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Plain tensor from a replicated DTensor (the loss under tensor-parallel loss_parallel)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
