@@ -1,6 +1,6 @@
 from dataclasses import dataclass, field
 
-from test_config_toys import ScaleConfig, ToyTrainer, Training
+from test_config_toys import ScaleConfig, Schedule, ToyTrainer, Training
 
 from torchtitan_lite.config.docs import field_docs, fields_help_text, undocumented_fields, walk_fields
 from torchtitan_lite.config.field_types import config_fields
@@ -23,6 +23,16 @@ class RootWithGaps:
     part: PartlyDocumented = field(default_factory=lambda: PartlyDocumented(good=5))
     """A section whose default comes from this factory."""
     undocumented_section: Training = field(default_factory=Training)
+
+
+@dataclass(kw_only=True)
+class FieldsAroundASection:
+    first: int = 1
+    """First."""
+    schedule: Schedule = field(default_factory=Schedule)
+    """Nested."""
+    after: int = 2
+    """Declared after the section."""
 
 
 def test_every_toy_field_has_a_doc():
@@ -77,3 +87,8 @@ def test_help_defaults_come_from_the_parent_default_factory():
     lines = fields_help_text(RootWithGaps).splitlines()
     assert "  --part.good  int  (default: 5)  Has a doc spread over two lines." in lines
     assert "  --part.bare  int  (default: 2)" in lines
+
+
+def test_plain_fields_are_listed_before_sections():
+    keys = [d.key for d in walk_fields(FieldsAroundASection)]
+    assert keys == ["first", "after", "schedule", "schedule.warmup", "schedule.ratio"]

@@ -87,20 +87,32 @@ def format_default(value: Any) -> str:
 
 
 def _walk(cls: type, instance: Any, key_prefix: str, flag_prefix: str) -> Iterator[FieldDoc]:
+    # Plain fields first, then sections and typed-list kinds, so no field lands under a sub-heading.
     docs = field_docs(cls)
+    later: list[Iterator[FieldDoc]] = []
     for f, tp in config_fields(cls):
         key, flag = key_prefix + f.name, flag_prefix + f.name
         default = _default(f, instance)
         doc = " ".join(docs.get(f.name, "").split())
         if is_section(tp):
-            yield FieldDoc(key, flag, tp, "", doc, "section")
-            yield from _walk(tp, default if dataclasses.is_dataclass(default) else None, key + ".", flag + ".")
+            later.append(_section(tp, default, key, flag, doc))
             continue
         yield FieldDoc(key, flag, tp, format_default(default), doc, "field")
         if (base := typed_list_base(tp)) is not None:
-            for kind, kind_cls in kinds(base).items():
-                yield FieldDoc(f"{key}[{kind}]", f"{flag} {kind}", kind_cls, "", _class_doc(kind_cls), "kind")
-                yield from _walk(kind_cls, _default_instance(kind_cls), f"{key}[{kind}].", f"{flag}.N.")
+            later.append(_kinds(base, key, flag))
+    for block in later:
+        yield from block
+
+
+def _section(tp: type, default: Any, key: str, flag: str, doc: str) -> Iterator[FieldDoc]:
+    yield FieldDoc(key, flag, tp, "", doc, "section")
+    yield from _walk(tp, default if dataclasses.is_dataclass(default) else None, key + ".", flag + ".")
+
+
+def _kinds(base: type, key: str, flag: str) -> Iterator[FieldDoc]:
+    for kind, kind_cls in kinds(base).items():
+        yield FieldDoc(f"{key}[{kind}]", f"{flag} {kind}", kind_cls, "", _class_doc(kind_cls), "kind")
+        yield from _walk(kind_cls, _default_instance(kind_cls), f"{key}[{kind}].", f"{flag}.N.")
 
 
 def _default(f: dataclasses.Field, instance: Any) -> Any:
