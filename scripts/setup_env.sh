@@ -5,7 +5,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 probe='import torch, torchao, datasets, sentencepiece, tensorboard, safetensors, pytest, torchtitan_lite'
-stamp_of() { sha256sum "$root/pyproject.toml" | cut -c1-16; }
+# Only the dependency lists decide whether the environment must be refreshed.
+stamp_of() { sed -n '/^dependencies/,/^\[tool/p' "$root/pyproject.toml" | sha256sum | cut -c1-16; }
 
 if [ -n "${TTL_PYTHON:-}" ]; then echo "$TTL_PYTHON"; exit 0; fi
 venv="$root/.venv"
