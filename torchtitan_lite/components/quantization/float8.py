@@ -95,9 +95,9 @@ class Float8LinearConverter(ModelConverter):
         self.fsdp_float8_all_gather = config.enable_fsdp_float8_all_gather and self.fsdp_sharded
         self.precompute_scales = config.precompute_float8_dynamic_scale_for_fsdp and self.fsdp_sharded
         if config.enable_fsdp_float8_all_gather and not self.fsdp_sharded:
-            logger.warning("%s: enable_fsdp_float8_all_gather%s has no effect without FSDP sharding; ignoring",
-                           _FIELD, " and precompute_float8_dynamic_scale_for_fsdp"
-                           if config.precompute_float8_dynamic_scale_for_fsdp else "")
+            both = config.precompute_float8_dynamic_scale_for_fsdp
+            logger.warning("%s: enable_fsdp_float8_all_gather%s no effect without FSDP sharding; ignoring", _FIELD,
+                           " and precompute_float8_dynamic_scale_for_fsdp have" if both else " has")
         self._check_precision(job_config)
         self._check_compile(job_config)
         self._check_hardware()

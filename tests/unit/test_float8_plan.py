@@ -1,0 +1,141 @@
+"""FP8 plan: which Linear gets which recipe and why; agreement with torchao's auto filter; the table."""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+from torchao.float8 import _auto_filter_for_recipe
+from torchao.float8.float8_linear import Float8Linear
+
+from torchtitan_lite.components.precision import Precision
+from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+from torchtitan_lite.components.quantization.float8_plan import float8_plan, format_float8_plan, skip_reason
+from torchtitan_lite.config.sections import CompileConfig, TrainingConfig
+
+JOB = SimpleNamespace(precision=Precision.Config(param_dtype="bfloat16"), compile=CompileConfig(enable=True),
+                      training=TrainingConfig(seq_len=32))
+
+
+def _tiny_llama_like() -> nn.Module:
+    with torch.device("meta"):
+        block = nn.ModuleDict({
+            "attention": nn.ModuleDict({"wq": nn.Linear(64, 64, bias=False)}),
+            "feed_forward": nn.ModuleDict({"w1": nn.Linear(64, 24, bias=False)}),
+        })
+        return nn.ModuleDict({"layers": nn.ModuleDict({"0": block}), "output": nn.Linear(64, 256, bias=False)})
+
+
+def _meta(shapes: dict[str, tuple[int, int]]) -> nn.Module:
+    with torch.device("meta"):
+        return nn.ModuleDict({name: nn.Linear(k, n, bias=False) for name, (k, n) in shapes.items()})
+
+
+def _plan(model, **fields):
+    return {row.fqn: (row.recipe, row.reason) for row in float8_plan(model, Float8LinearConverter.Config(**fields))}
+
+
+def test_plan_without_filters_converts_every_aligned_linear():
+    assert _plan(_tiny_llama_like()) == {
+        "layers.0.attention.wq": ("tensorwise", ""),
+        "layers.0.feed_forward.w1": (None, "dims not divisible by 16"),
+        "output": ("tensorwise", ""),
+    }
+
+
+def test_plan_with_filter_fqns_skips_matching_names():
+    assert _plan(_tiny_llama_like(), filter_fqns=["output"], recipe_name="rowwise") == {
+        "layers.0.attention.wq": ("rowwise", ""),
+        "layers.0.feed_forward.w1": (None, "dims not divisible by 16"),
+        "output": (None, "filter_fqns entry 'output'"),
+    }
+    # Substring match: 'attention' catches every projection under it.
+    assert _plan(_tiny_llama_like(), filter_fqns=["attention"])["layers.0.attention.wq"] == (
+        None, "filter_fqns entry 'attention'")
+
+
+def test_auto_filter_tensorwise_thresholds():
+    # torchao tensorwise rule: skip when K <= 4096 and N <= 1024 (K = in_features, N = out_features).
+    model = _meta({"keep_wide_n": (16, 1040), "skip_edge": (4096, 1024), "keep_deep_k": (4112, 16)})
+    assert _plan(model, filter_fqns=["auto_filter_small_kn"]) == {
+        "keep_wide_n": ("tensorwise", ""),
+        "skip_edge": (None, "too small for tensorwise per auto_filter_small_kn (K=4096, N=1024)"),
+        "keep_deep_k": ("tensorwise", ""),
+    }
+
+
+def test_auto_filter_rowwise_thresholds():
+    # torchao rowwise rule: skip when N <= 2048, or K <= 1024, or (N <= 4096 and K <= 2048).
+    model = _meta({"keep": (1040, 4112), "keep_mid": (2064, 2064), "small_n": (4096, 2048),
+                   "small_k": (1024, 8192), "small_both": (2048, 4096)})
+    assert _plan(model, recipe_name="rowwise", filter_fqns=["auto_filter_small_kn"]) == {
+        "keep": ("rowwise", ""),
+        "keep_mid": ("rowwise", ""),
+        "small_n": (None, "too small for rowwise per auto_filter_small_kn (K=4096, N=2048)"),
+        "small_k": (None, "too small for rowwise per auto_filter_small_kn (K=1024, N=8192)"),
+        "small_both": (None, "too small for rowwise per auto_filter_small_kn (K=2048, N=4096)"),
+    }
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_auto_filter_agrees_with_torchao_on_a_grid_of_shapes(recipe):
+    dims = [24, 16, 1008, 1024, 1040, 2048, 2064, 4096, 4112, 8192]
+    torchao_filter = _auto_filter_for_recipe(recipe, ["output"])
+    with torch.device("meta"):
+        for fqn in ("layers.0.w", "output"):
+            for k in dims:
+                for n in dims:
+                    module = nn.Linear(k, n, bias=False)
+                    ours = skip_reason(fqn, k, n, recipe_name=recipe, filter_fqns=["output", "auto_filter_small_kn"])
+                    assert (ours == "") == torchao_filter(module, fqn), (fqn, k, n, ours)
+
+
+def test_converter_swaps_exactly_the_planned_modules_and_leaves_its_config_alone():
+    config = Float8LinearConverter.Config(filter_fqns=["output"])
+    before = dataclasses.asdict(config)
+    model = _tiny_llama_like()
+    converter = config.build(parallel_dims=None, config=JOB)
+    converter.convert(model)
+    swapped = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert swapped == {"layers.0.attention.wq"}
+    assert [row.fqn for row in converter.plan if row.recipe] == ["layers.0.attention.wq"]
+    assert dataclasses.asdict(config) == before
+    # After conversion the plan of the converted model is unchanged (Float8Linear is an nn.Linear).
+    assert float8_plan(model, config) == converter.plan
+
+
+def test_table_lists_every_linear_and_the_fp8_share_of_linear_flops():
+    rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]))
+    table = format_float8_plan(rows)
+    assert table.splitlines() == [
+        "FP8 plan: 1 of 3 Linear layers run in FP8",
+        "fqn                       in  out  fp8 recipe  skipped because",
+        "layers.0.attention.wq     64   64  tensorwise",
+        "layers.0.feed_forward.w1  64   24  -           dims not divisible by 16",
+        "output                    64  256  -           filter_fqns entry 'output'",
+        # 6*64*64 / (6*64*64 + 6*64*24 + 6*64*256) = 4096 / 22016 = 18.6%
+        "FP8 share: 18.6% of all Linear matmul FLOPs (attention and other ops not counted); "
+        "Linear FLOPs counted as 6*in*out per token (fwd+bwd)",
+    ]
+
+
+def test_table_share_relative_to_model_flops_when_given():
+    rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]))
+    last = format_float8_plan(rows, seq_len=32, model_flops_per_token=245760).splitlines()[-1]
+    # 6*64*64 = 24576 of 245760 model FLOPs per token = 10.0%
+    assert last.startswith("FP8 share: 10.0% of the model's training FLOPs per token at seq_len 32 (attention included)")
+
+
+def test_converter_explain_uses_the_models_flops_per_token(caplog):
+    model = _tiny_llama_like()
+    model.flops_per_token = lambda seq_len: 24576 * 4 if seq_len == 32 else 0.0
+    converter = Float8LinearConverter.Config(filter_fqns=["output"]).build(parallel_dims=None, config=JOB)
+    with caplog.at_level("INFO", logger="torchtitan_lite"):
+        converter.convert(model)
+    text = converter.explain(model)
+    assert text.startswith("float8 converter (recipe tensorwise, FSDP float8 all-gather off, precomputed scales off)\n"
+                           "FP8 plan: 1 of 3 Linear layers run in FP8")
+    assert "FP8 share: 25.0% of the model's training FLOPs per token at seq_len 32" in text
+    assert caplog.text.count("FP8 plan: 1 of 3 Linear layers run in FP8") == 1  # logged once, at conversion
