@@ -206,6 +206,7 @@ LOW_BIT_CASES = [
 
 
 @pytest.mark.slow  # torchao compiles its update with inductor: seconds per case on CPU
+@pytest.mark.filterwarnings("ignore:.*_stable_hash_for_caching")
 @pytest.mark.parametrize("low_bit, state_cls, code_dtype, bytes_per_element, mean_error", LOW_BIT_CASES)
 def test_low_bit_states_step_on_cpu_and_are_quantised(low_bit, state_cls, code_dtype, bytes_per_element, mean_error):
     torch.manual_seed(0)
@@ -236,9 +237,10 @@ def test_low_bit_states_step_on_cpu_and_are_quantised(low_bit, state_cls, code_d
 
 
 @pytest.mark.slow  # compiles torchao's update
+@pytest.mark.filterwarnings("ignore:.*_stable_hash_for_caching")
 def test_low_bit_state_survives_state_dict_round_trip():
     torch.manual_seed(0)
-    model = nn.Linear(128, 64, bias=False)
+    model = nn.Linear(128, 128, bias=False)  # the shape compiled above: no new compile
     container = OptimizersContainer.Config(low_bit="adamw8bit").build(model_parts=[model])
     model(torch.randn(4, 128)).sum().backward()
     container.step()
