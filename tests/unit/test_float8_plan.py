@@ -123,7 +123,7 @@ def test_table_lists_every_linear_and_the_fp8_share_of_linear_flops():
 
 def test_table_share_relative_to_model_flops_when_given():
     rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]))
-    last = format_float8_plan(rows, seq_len=32, model_flops_per_token=245760).splitlines()[-1]
+    last = format_float8_plan(rows, seq_len=32, total_flops_per_token=245760).splitlines()[-1]
     # 6*64*64 = 24576 of 245760 model FLOPs per token = 10.0%
     assert last.startswith("FP8 share: 10.0% of the model's training FLOPs per token at seq_len 32 (attention included)")
 
@@ -139,3 +139,15 @@ def test_converter_explain_uses_the_models_flops_per_token(caplog):
                            "FP8 plan: 1 of 3 Linear layers run in FP8")
     assert "FP8 share: 25.0% of the model's training FLOPs per token at seq_len 32" in text
     assert caplog.text.count("FP8 plan: 1 of 3 Linear layers run in FP8") == 1  # logged once, at conversion
+
+
+def test_explain_accepts_explicit_seq_len_and_flops_and_reports_inactive_all_gather():
+    config = Float8LinearConverter.Config(filter_fqns=["output"], enable_fsdp_float8_all_gather=True,
+                                          precompute_float8_dynamic_scale_for_fsdp=True)
+    text = config.build(parallel_dims=None, config=JOB).explain(_tiny_llama_like(), seq_len=8192,
+                                                                 total_flops_per_token=24576 * 2)
+    assert text.splitlines()[0] == ("float8 converter (recipe tensorwise, FSDP float8 all-gather off (no FSDP "
+                                    "sharding), precomputed scales off (no FSDP sharding))")
+    assert "FP8 share: 50.0% of the model's training FLOPs per token at seq_len 8192" in text
+    sharded = config.build(parallel_dims=SimpleNamespace(fsdp_enabled=True), config=JOB).explain(_tiny_llama_like())
+    assert sharded.splitlines()[0] == "float8 converter (recipe tensorwise, FSDP float8 all-gather on, precomputed scales on)"

@@ -181,14 +181,26 @@ class Float8LinearConverter(ModelConverter):
         for part in model_parts:
             precompute_float8_dynamic_scale_for_fsdp(part)
 
-    def explain(self, model: nn.Module) -> str:
-        """The FP8 plan of ``model`` as a table, with the FP8 share of training FLOPs."""
+    def explain(self, model: nn.Module, *, seq_len: int | None = None,
+                total_flops_per_token: float | None = None) -> str:
+        """The FP8 plan of ``model`` as a table, with the FP8 share of training FLOPs.
+
+        ``seq_len`` defaults to training.seq_len; ``total_flops_per_token`` (forward + backward) to
+        ``model.flops_per_token(seq_len)`` when the model has it, else the share is of Linear FLOPs only.
+        """
         rows = float8_plan(model, self.config)
-        seq_len = self.job_config.training.seq_len
+        seq_len = self.job_config.training.seq_len if seq_len is None else seq_len
         flops_fn = getattr(model, "flops_per_token", None)
-        model_flops = flops_fn(seq_len) if callable(flops_fn) else None
-        settings = (f"recipe {self.config.recipe_name}, FSDP float8 all-gather "
-                    f"{'on' if self.fsdp_float8_all_gather else 'off'}, precomputed scales "
-                    f"{'on' if self.precompute_scales else 'off'}{', emulated' if self.config.emulate else ''}")
+        if total_flops_per_token is None and callable(flops_fn):
+            total_flops_per_token = flops_fn(seq_len)
+        cfg = self.config
+
+        def state(active: bool, requested: bool) -> str:
+            return "on" if active else ("off (no FSDP sharding)" if requested else "off")
+
+        settings = (f"recipe {cfg.recipe_name}, FSDP float8 all-gather "
+                    f"{state(self.fsdp_float8_all_gather, cfg.enable_fsdp_float8_all_gather)}, precomputed scales "
+                    f"{state(self.precompute_scales, cfg.precompute_float8_dynamic_scale_for_fsdp)}"
+                    f"{', emulated' if cfg.emulate else ''}")
         return f"float8 converter ({settings})\n" + format_float8_plan(
-            rows, seq_len=seq_len, model_flops_per_token=model_flops)
+            rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token)

@@ -78,19 +78,19 @@ def float8_plan(model: nn.Module, converter_config: Any) -> list[PlanRow]:
     return rows
 
 
-def fp8_flops_share(rows: list[PlanRow], *, model_flops_per_token: float | None = None) -> float:
+def fp8_flops_share(rows: list[PlanRow], *, total_flops_per_token: float | None = None) -> float:
     """Fraction of training FLOPs per token that run in FP8.
 
-    Relative to ``model_flops_per_token`` (the model's total forward+backward FLOPs per token,
+    Relative to ``total_flops_per_token`` (the model's total forward+backward FLOPs per token,
     attention included) when given, else relative to the FLOPs of all Linear layers.
     """
     fp8 = sum(r.train_flops_per_token for r in rows if r.recipe is not None)
-    total = model_flops_per_token if model_flops_per_token else sum(r.train_flops_per_token for r in rows)
+    total = total_flops_per_token if total_flops_per_token else sum(r.train_flops_per_token for r in rows)
     return fp8 / total if total else 0.0
 
 
 def format_float8_plan(rows: list[PlanRow], *, seq_len: int | None = None,
-                       model_flops_per_token: float | None = None) -> str:
+                       total_flops_per_token: float | None = None) -> str:
     """A table of every Linear with its FP8 recipe or skip reason, and the FP8 share of FLOPs."""
     converted = sum(r.recipe is not None for r in rows)
     header = ("fqn", "in", "out", "fp8 recipe", "skipped because")
@@ -102,8 +102,8 @@ def format_float8_plan(rows: list[PlanRow], *, seq_len: int | None = None,
 
     lines = [f"FP8 plan: {converted} of {len(rows)} Linear layers run in FP8", fmt(header)]
     lines += [fmt(line) for line in body]
-    share = fp8_flops_share(rows, model_flops_per_token=model_flops_per_token)
-    if model_flops_per_token:
+    share = fp8_flops_share(rows, total_flops_per_token=total_flops_per_token)
+    if total_flops_per_token:
         at = f" at seq_len {seq_len}" if seq_len is not None else ""
         basis = f"of the model's training FLOPs per token{at} (attention included)"
     else:
