@@ -124,11 +124,18 @@ def test_config_rejects_bad_values(kwargs, message):
         LRSchedulersContainer.Config(**kwargs)
 
 
-def test_build_rejects_schedules_longer_than_training():
-    with pytest.raises(ValueError, match=r"warmup_steps=20 is more than training.steps=10; use at most 10"):
-        _build(LRSchedulersContainer.Config(warmup_steps=20), steps=10)
-    with pytest.raises(ValueError, match=r"warmup_steps=5 plus 8 decay steps .* lower warmup_steps to 2"):
-        _build(LRSchedulersContainer.Config(warmup_steps=5, decay_type="wsd", decay_ratio=0.8), steps=10)
+def test_warmup_longer_than_a_short_run_is_shortened_with_a_warning(caplog):
+    # A short run of a long-run config (--training.steps 10) must train, not fail.
+    with caplog.at_level("WARNING"):
+        _, schedulers = _build(LRSchedulersContainer.Config(warmup_steps=20), steps=10)
+    assert "warmup_steps=20 does not fit in training.steps=10; warming up over 10 steps" in caplog.text
+    assert (schedulers.warmup_steps, schedulers.decay_steps) == (10, 0)
+    assert schedulers.lr_factor(10) == pytest.approx(10 / 11)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _, schedulers = _build(LRSchedulersContainer.Config(warmup_steps=5, decay_type="wsd", decay_ratio=0.8), steps=10)
+    assert "with 8 decay steps; warming up over 2 steps" in caplog.text
+    assert (schedulers.warmup_steps, schedulers.decay_steps) == (2, 8)
     # Warmup may take the whole run.
     _, schedulers = _build(LRSchedulersContainer.Config(warmup_steps=10), steps=10)
     assert schedulers.decay_steps == 0

@@ -20,6 +20,7 @@ are updated in place); the loop calls ``step()`` once after each optimizer step.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -30,6 +31,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtitan_lite.config import Configurable
 
 DecayType = Literal["constant", "linear", "cosine", "wsd"]
+
+logger = logging.getLogger(__name__)
 
 
 class LRSchedulersContainer(Configurable):
@@ -77,10 +80,10 @@ class LRSchedulersContainer(Configurable):
     def __init__(self, config: "LRSchedulersContainer.Config", *, optimizers: Any, training_steps: int) -> None:
         self.config = config
         self.training_steps = training_steps
-        self.decay_steps = _decay_steps(config, training_steps)
+        self.warmup_steps, self.decay_steps = _warmup_and_decay_steps(config, training_steps)
         self.lr_factor = functools.partial(
             lr_factor,
-            warmup_steps=config.warmup_steps,
+            warmup_steps=self.warmup_steps,
             decay_steps=self.decay_steps,
             training_steps=training_steps,
             decay_type=config.decay_type,
@@ -144,27 +147,28 @@ def lr_factor(
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def _decay_steps(config: "LRSchedulersContainer.Config", training_steps: int) -> int:
-    warmup = config.warmup_steps
+def _warmup_and_decay_steps(config: "LRSchedulersContainer.Config", training_steps: int) -> tuple[int, int]:
+    """Warmup and decay lengths for this run; warmup shrinks (with a warning) when the run is shorter.
+
+    A short run of a long-run config (``--training.steps 5``) is a normal thing to ask for, so a
+    warmup that does not fit is shortened rather than refused, as torchtitan does.
+    """
     if training_steps < 1:
         raise ValueError(f"training.steps must be >= 1 to build an LR schedule, got {training_steps}")
-    if warmup > training_steps:
-        raise ValueError(
-            f"lr_scheduler.warmup_steps={warmup} is more than training.steps={training_steps}; "
-            f"use at most {training_steps} warmup steps (typically 1-10% of training)"
+    decay = 0
+    if config.decay_type != "constant":
+        decay = None if config.decay_ratio is None else max(1, round(config.decay_ratio * training_steps))
+    room = training_steps - (decay or 0)
+    warmup = config.warmup_steps
+    if warmup > room:
+        logger.warning(
+            "lr_scheduler.warmup_steps=%s does not fit in training.steps=%s%s; warming up over %s steps",
+            warmup, training_steps, f" with {decay} decay steps" if decay else "", max(room, 0),
         )
-    if config.decay_type == "constant":
-        return 0
-    if config.decay_ratio is None:
-        return training_steps - warmup
-    decay = max(1, round(config.decay_ratio * training_steps))
-    if warmup + decay > training_steps:
-        raise ValueError(
-            f"lr_scheduler.warmup_steps={warmup} plus {decay} decay steps (decay_ratio={config.decay_ratio} "
-            f"of {training_steps}) exceed training.steps={training_steps}; lower warmup_steps to "
-            f"{training_steps - decay} or decay_ratio to {(training_steps - warmup) / training_steps:.3g}"
-        )
-    return decay
+        warmup = max(room, 0)
+    if decay is None:
+        decay = training_steps - warmup
+    return warmup, decay
 
 
 def _set_lr(group: dict[str, Any], lr: float) -> None:
