@@ -1,0 +1,254 @@
+"""The text data loader: documents -> tokens -> packed windows -> batches, with exact resume.
+
+Pipeline per data-parallel rank:
+
+1. ``sources.load_split`` opens the split through ``datasets`` (map-style, or streaming).
+2. ``datasets.distributed.split_dataset_by_node`` gives this rank disjoint documents: a contiguous
+   chunk of the documents for map-style datasets; for streaming datasets whole shards (files) per
+   rank when their number divides by the data-parallel degree, otherwise every
+   ``dp_world_size``-th document.
+3. Documents are read lazily in groups of ``DOCS_PER_ENCODE`` and tokenised with one batched
+   SentencePiece call per group, then packed (see ``packing.py``) into ``seq_len + 1`` windows.
+
+Training (``infinite=True``) loops over epochs forever; with ``data.shuffle`` a map-style training
+split is read in a fresh permutation each epoch, seeded by ``(seed, epoch)``. A finite pass
+(``infinite=False``, e.g. validation) yields every full window once, the last batch possibly holding
+fewer than ``local_batch_size`` windows, and drops the final partial window. Ranks may produce
+different numbers of batches in a finite pass.
+
+``state_dict()`` is the position after the last batch handed out: epoch, documents consumed (or the
+streaming dataset's own resumable state), the shuffle seed and the tokens read but not yet batched.
+It holds only ints, strings, dicts and one tensor, so it loads with ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal
+
+import numpy as np
+import torch
+from datasets import Dataset, IterableDataset
+from datasets.distributed import split_dataset_by_node
+
+from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer, to_batch
+from torchtitan_lite.components.data.sources import DataFormat, DataSourceError, load_split
+from torchtitan_lite.config import Configurable
+
+DOCS_PER_ENCODE = 16
+"""Documents tokenised per SentencePiece call: large enough to amortise the call, small enough that
+the leftover token buffer (saved in checkpoints) stays small."""
+STATE_FORMAT = 1
+
+
+class TextDataLoader(Configurable):
+    """Batches of packed token windows ``(inputs, labels)``, each a LongTensor [B, S] on CPU."""
+
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        dataset: str = "embedded"
+        """'embedded' (the Python standard library's sources, built offline into the cache); a local
+        file or glob (data/*.jsonl, **/*.parquet); a local dataset folder (splits named by file, like a
+        hub repository, or written by save_to_disk); or a Hugging Face hub dataset name."""
+        dataset_config: str | None = None
+        """Configuration (subset) name of a hub dataset or dataset folder; None for the default."""
+        data_format: DataFormat = "auto"
+        """Format of local files: json / jsonl (one JSON record per line or a JSON array), parquet,
+        text (one document per line), csv; 'auto' infers it from the file extension."""
+        text_field: str = "text"
+        """Record field (column) holding the document text."""
+        train_split: str = "train"
+        """Split to train on (for local files and globs: the name the files are loaded under)."""
+        validation_split: str = "validation"
+        """Split to validate on; replaced by validation_files when that is set."""
+        validation_files: str | None = None
+        """Local file or glob of validation documents, used instead of the dataset's validation split
+        (required for validation when dataset is a file or glob). Same format rules as dataset."""
+        streaming: bool = False
+        """Read the source as a streaming IterableDataset (no Arrow cache, no full download first)."""
+        shuffle: bool = True
+        """Read the training split in a new random document order every epoch (seeded by
+        training.seed and the epoch, exactly resumable). Needs a map-style dataset: streaming
+        datasets are read in their stable shard order, so set it to false with streaming."""
+
+        def __post_init__(self) -> None:
+            if not self.dataset:
+                raise ValueError("data.dataset is empty; use 'embedded', a local path or glob, or a hub name")
+            if not self.text_field:
+                raise ValueError("data.text_field is empty; name the field that holds the document text")
+            if self.streaming and self.shuffle:
+                raise ValueError("data.shuffle=True needs a map-style dataset, but data.streaming=True; a "
+                                 "streaming dataset is read in its stable shard order so that it resumes "
+                                 "exactly: set data.shuffle=false (or data.streaming=false)")
+
+    def __init__(
+        self,
+        config: "TextDataLoader.Config",
+        *,
+        tokenizer: Any,
+        dp_rank: int,
+        dp_world_size: int,
+        seq_len: int,
+        local_batch_size: int,
+        split: Literal["train", "validation"] = "train",
+        infinite: bool = True,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(config)
+        _check_build_args(dp_rank, dp_world_size, seq_len, local_batch_size, split)
+        self.tokenizer = tokenizer
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.split, self.infinite = split, infinite
+        documents = load_split(config, split)
+        if isinstance(documents, Dataset) and len(documents) < dp_world_size:
+            raise DataSourceError(
+                f"data-parallel rank {dp_rank} of {dp_world_size} got no documents of split {split!r} of "
+                f"data.dataset={config.dataset!r}: the split has fewer documents than ranks; add data or "
+                f"use fewer data-parallel ranks")
+        self.documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_world_size)
+        self.shuffle = config.shuffle and split == "train"
+        # Without a seed the order is still random but recorded, so a resumed run continues it.
+        self.seed = None if not self.shuffle else seed if seed is not None else int.from_bytes(os.urandom(4), "big")
+        self._epoch = 0
+        self._position = 0  # documents of this epoch already tokenised (map-style)
+        self._stream_state: dict | None = None  # IterableDataset.state_dict() after those documents
+        self._buffer = empty_buffer()
+        self._live_iterator: object | None = None
+
+    # ----------------------------------------------------------------------------------------------
+    # Iteration
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches from the current position on. Only the newest iterator of a loader is usable."""
+        token = object()
+        self._live_iterator = token
+        return self._batches(token)
+
+    def _batches(self, token: object) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        window = self.seq_len + 1
+        needed = self.local_batch_size * window
+        groups = self._document_groups()
+        while True:
+            if self._live_iterator is not token:
+                raise RuntimeError("this data loader iterator is stale: a newer iterator was created or "
+                                   "load_state_dict() was called; call iter(loader) again")
+            while len(self._buffer) < needed:
+                texts = next(groups, None)
+                if texts is None:  # a finite pass ended: the last full windows, then stop
+                    n_windows = len(self._buffer) // window
+                    if n_windows:
+                        windows, self._buffer = cut_windows(self._buffer, n_windows, window)
+                        yield to_batch(windows)
+                    return
+                self._buffer = append_documents(self._buffer, self.tokenizer.encode_batch(texts))
+            windows, self._buffer = cut_windows(self._buffer, self.local_batch_size, window)
+            yield to_batch(windows)
+
+    def _document_groups(self) -> Iterator[list[str]]:
+        """Groups of document texts from the saved position on; advances the position as it goes."""
+        stream = self._stream_groups if isinstance(self.documents, IterableDataset) else self._indexed_groups
+        while True:
+            produced = False
+            for texts in stream():
+                produced = True
+                yield texts
+            if not self.infinite:
+                return
+            if not produced and self._position == 0:
+                raise DataSourceError(f"data-parallel rank {self.dp_rank} read no documents of split "
+                                      f"{self.split!r} of data.dataset={self.config.dataset!r} in a whole "
+                                      f"epoch; add data or use fewer data-parallel ranks")
+            self._epoch, self._position, self._stream_state = self._epoch + 1, 0, None
+
+    def _indexed_groups(self) -> Iterator[list[str]]:
+        """The rest of this epoch of a map-style dataset, in (shuffled) index order."""
+        n = len(self.documents)
+        order = np.random.default_rng([self.seed, self._epoch]).permutation(n) if self.shuffle else None
+        field = self.config.text_field
+        while self._position < n:
+            start, stop = self._position, min(self._position + DOCS_PER_ENCODE, n)
+            rows = self.documents[start:stop] if order is None else self.documents[order[start:stop].tolist()]
+            texts = rows[field]
+            _check_texts(texts, start, self)
+            self._position = stop
+            yield texts
+
+    def _stream_groups(self) -> Iterator[list[str]]:
+        """The rest of this epoch of a streaming dataset, resumed from its own state when saved."""
+        self.documents.set_epoch(self._epoch)
+        self.documents.load_state_dict(self._stream_state)
+        field = self.config.text_field
+        texts: list[str] = []
+        for record in self.documents:
+            texts.append(record[field])
+            if len(texts) == DOCS_PER_ENCODE:
+                yield self._advance_stream(texts)
+                texts = []
+        if texts:
+            yield self._advance_stream(texts)
+
+    def _advance_stream(self, texts: list[str]) -> list[str]:
+        _check_texts(texts, self._position, self)
+        self._position += len(texts)
+        self._stream_state = self.documents.state_dict()
+        return texts
+
+    # ----------------------------------------------------------------------------------------------
+    # Checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "dataset": self.config.dataset,
+            "split": self.split,
+            "streaming": isinstance(self.documents, IterableDataset),
+            "dp_rank": self.dp_rank,
+            "dp_world_size": self.dp_world_size,
+            "seq_len": self.seq_len,
+            "vocab_size": int(self.tokenizer.vocab_size),
+            "shuffle_seed": self.seed,
+            "epoch": self._epoch,
+            "position": self._position,
+            "stream_state": self._stream_state,
+            "buffer": torch.from_numpy(self._buffer.copy()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = self.state_dict()
+        for key in ("format", "dataset", "split", "streaming", "dp_rank", "dp_world_size", "seq_len", "vocab_size"):
+            if state.get(key) != expected[key]:
+                raise ValueError(
+                    f"data loader state was saved with {key}={state.get(key)!r}, this loader has "
+                    f"{key}={expected[key]!r}: a data position is only valid for the same data, tokenizer, "
+                    f"seq_len and data-parallel layout. Restore that setting, or start the data from the "
+                    f"beginning by excluding 'dataloader' from checkpoint loading")
+        if (state["shuffle_seed"] is None) != (self.seed is None):
+            raise ValueError(f"data loader state was saved with data.shuffle={state['shuffle_seed'] is not None}, "
+                             f"this loader has data.shuffle={self.seed is not None}; restore data.shuffle or "
+                             f"exclude 'dataloader' from checkpoint loading")
+        self.seed = state["shuffle_seed"]
+        self._epoch = int(state["epoch"])
+        self._position = int(state["position"])
+        self._stream_state = state["stream_state"]
+        self._buffer = state["buffer"].numpy().astype(self._buffer.dtype, copy=True)
+        self._live_iterator = None
+
+
+def _check_build_args(dp_rank: int, dp_world_size: int, seq_len: int, local_batch_size: int, split: str) -> None:
+    if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank={dp_rank} is not a rank of dp_world_size={dp_world_size}")
+    if seq_len < 1 or local_batch_size < 1:
+        raise ValueError(f"seq_len={seq_len} and local_batch_size={local_batch_size} must be positive")
+    if split not in ("train", "validation"):
+        raise ValueError(f"split={split!r} must be 'train' or 'validation'")
+
+
+def _check_texts(texts: list, first_index: int, loader: TextDataLoader) -> None:
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise DataSourceError(
+                f"document {first_index + i} of data-parallel rank {loader.dp_rank}'s part of split "
+                f"{loader.split!r} of data.dataset={loader.config.dataset!r} has {loader.config.text_field}="
+                f"{text!r} ({type(text).__name__}), not a string; clean the data or set data.text_field to "
+                f"a text field")

@@ -1,0 +1,235 @@
+"""Where documents come from: every source is opened through Hugging Face ``datasets``.
+
+``data.dataset`` names one of four kinds of source:
+
+- ``"embedded"``: the standard-library corpus (see ``corpus.py``), loaded as local JSON-lines files;
+- a local file or glob (``data/*.jsonl``): the ``json`` / ``parquet`` / ``text`` / ``csv`` builder
+  over those files, the format taken from ``data.data_format`` or the file extension;
+- a local directory: a dataset folder, opened exactly like a hub repository
+  (``load_dataset(path)``: splits come from file names such as ``train-*.parquet`` /
+  ``validation.jsonl``), or a folder written by ``Dataset(Dict).save_to_disk``;
+- anything else: a Hugging Face hub dataset name, ``load_dataset(name, dataset_config, split=...)``.
+  Without network access it must already be in the Hugging Face cache (``HF_DATASETS_OFFLINE=1``).
+
+``data.validation_files`` (a file or glob) replaces the validation split of any source. The result is
+a map-style ``Dataset`` or, with ``data.streaming``, an ``IterableDataset``, reduced to the text
+column and checked for the problems that otherwise surface deep inside training.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import datasets
+from datasets import Dataset, DatasetDict, IterableDataset
+
+from torchtitan_lite.components.data.corpus import embedded_corpus
+
+if TYPE_CHECKING:
+    from torchtitan_lite.components.data.dataloader import TextDataLoader
+
+Role = Literal["train", "validation"]
+DataFormat = Literal["auto", "json", "jsonl", "parquet", "text", "csv"]
+
+_BUILDERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "text": "text", "csv": "csv"}
+_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text",
+               ".csv": "csv"}
+_COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+_STRING_DTYPES = ("string", "large_string")
+
+
+class DataSourceError(ValueError):
+    """A data source is missing, empty or not shaped as configured; the message says how to fix it."""
+
+
+def load_split(cfg: "TextDataLoader.Config", role: Role) -> Dataset | IterableDataset:
+    """The documents of ``role`` as a dataset holding only ``cfg.text_field``, checked for usability."""
+    split = cfg.train_split if role == "train" else cfg.validation_split
+    if role == "validation" and cfg.validation_files is not None:
+        where = f"data.validation_files={cfg.validation_files!r}"
+        _reject_dataset_config(cfg, where)
+        ds = _load_files(cfg.validation_files, cfg, split, where)
+    elif cfg.dataset == "embedded":
+        where = "the embedded corpus"
+        _reject_dataset_config(cfg, where)
+        if cfg.data_format != "auto":
+            raise DataSourceError(f"data.data_format={cfg.data_format!r} does not apply to the embedded corpus "
+                                  f"(it is JSON lines); leave data.data_format='auto'")
+        files = embedded_corpus().data_files(role)
+        ds = _load_builder("json", {split: files}, cfg, split, where)
+    elif _is_directory(cfg.dataset):
+        where = f"data.dataset={cfg.dataset!r}"
+        ds = _load_directory(cfg, split, where)
+    elif _is_local_files(cfg.dataset):
+        where = f"data.dataset={cfg.dataset!r}"
+        _reject_dataset_config(cfg, where)
+        if role == "validation":
+            raise DataSourceError(
+                f"{where} is a file or glob, which has no validation split; set data.validation_files "
+                f"to held-out files (e.g. 'data/val-*.jsonl') or disable validation"
+            )
+        ds = _load_files(cfg.dataset, cfg, split, where)
+    else:
+        where = f"hub dataset data.dataset={cfg.dataset!r}"
+        if cfg.data_format != "auto":
+            raise DataSourceError(f"data.data_format={cfg.data_format!r} applies to local files; {where} "
+                                  f"declares its own format, so leave data.data_format='auto'")
+        ds = _call_datasets(
+            lambda: datasets.load_dataset(cfg.dataset, name=cfg.dataset_config, split=split,
+                                          streaming=cfg.streaming),
+            where, split, hint="check the name, data.dataset_config and the split names; without network "
+                               "access the dataset must already be in the Hugging Face cache")
+    return _text_column(ds, cfg.text_field, where, split)
+
+
+def resolve_files(pattern: str, what: str) -> list[str]:
+    """The sorted files a path or glob names (``**`` recurses), or an error saying what matched nothing."""
+    expanded = os.path.expanduser(pattern)
+    if _has_glob(expanded):
+        files = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+    else:
+        files = [expanded] if os.path.isfile(expanded) else []
+    if not files:
+        raise DataSourceError(f"{what} matches no files (relative paths resolve from {os.getcwd()}); "
+                              f"check the path or glob")
+    return files
+
+
+def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
+    """The ``datasets`` builder for ``files``: the configured format, or the one their extension names."""
+    if data_format != "auto":
+        return _BUILDERS[data_format]
+    found = {_format_of(f) for f in files}
+    if None in found or len(found) != 1:
+        extensions = sorted({"".join(Path(f).suffixes[-2:]) for f in files})
+        raise DataSourceError(
+            f"cannot infer the format of {what} from its file extensions {extensions}; set data.data_format "
+            f"to one of json, jsonl, parquet, text, csv (files of one format per source)"
+        )
+    return found.pop()
+
+
+# --------------------------------------------------------------------------------------------------
+# Source kinds
+
+
+def _load_files(pattern: str, cfg: "TextDataLoader.Config", split: str, where: str):
+    files = resolve_files(pattern, where)
+    builder = infer_format(files, cfg.data_format, where)
+    return _load_builder(builder, {split: files}, cfg, split, f"{where} ({len(files)} file(s))")
+
+
+def _load_builder(builder: str, data_files: dict[str, list[str]], cfg, split: str, where: str):
+    return _call_datasets(
+        lambda: datasets.load_dataset(builder, data_files=data_files, split=split, streaming=cfg.streaming),
+        where, split, hint=f"the files must be valid {builder} with one document per "
+                           f"{'line' if builder == 'text' else 'record'}")
+
+
+def _load_directory(cfg, split: str, where: str):
+    path = os.path.expanduser(cfg.dataset)
+    if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
+        return _load_saved(path, cfg, split, where)
+    if cfg.data_format != "auto":
+        builder = _BUILDERS[cfg.data_format]
+        load = lambda: datasets.load_dataset(builder, data_dir=path, split=split, streaming=cfg.streaming)  # noqa: E731
+    else:
+        load = lambda: datasets.load_dataset(path, name=cfg.dataset_config, split=split,  # noqa: E731
+                                             streaming=cfg.streaming)
+    return _call_datasets(load, where, split, hint="a dataset folder names its splits by file name "
+                                                   "(train.jsonl, validation-00000.parquet, ...)")
+
+
+def _load_saved(path: str, cfg, split: str, where: str):
+    """A folder written by ``save_to_disk``: a DatasetDict is indexed by split name."""
+    _reject_dataset_config(cfg, where)
+    saved = _call_datasets(lambda: datasets.load_from_disk(path), where, split, hint="the folder must be "
+                           "written by Dataset.save_to_disk or DatasetDict.save_to_disk")
+    if isinstance(saved, DatasetDict):
+        if split not in saved:
+            raise DataSourceError(f"{where} has splits {sorted(saved)}, not {split!r}; set "
+                                  f"data.train_split / data.validation_split to one of them")
+        saved = saved[split]
+    elif split != cfg.train_split:
+        raise DataSourceError(f"{where} holds a single dataset without splits, used for training; save a "
+                              f"DatasetDict with a {split!r} split or set data.validation_files")
+    # Several shards let split_dataset_by_node hand whole shards to data-parallel ranks.
+    return saved.to_iterable_dataset(num_shards=min(len(saved), 64) or 1) if cfg.streaming else saved
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks
+
+
+def _text_column(ds, field: str, where: str, split: str):
+    columns = ds.column_names
+    if columns is None:  # a streaming source whose schema is only known from its records
+        first = _first_record(ds, where, split)
+        columns = list(first)
+    if field not in columns:
+        raise DataSourceError(f"{where} (split {split!r}) has no field {field!r} (fields: {columns}); set "
+                              f"data.text_field to the field that holds the document text")
+    feature = ds.features[field] if ds.features is not None else None
+    if feature is not None and getattr(feature, "dtype", None) not in _STRING_DTYPES:
+        raise DataSourceError(f"{where} (split {split!r}) field {field!r} holds {feature}, not strings; set "
+                              f"data.text_field to the field that holds the document text")
+    ds = ds.select_columns([field])
+    if isinstance(ds, Dataset) and len(ds) == 0:
+        raise DataSourceError(f"{where} (split {split!r}) has no documents; add data or point data.dataset "
+                              f"at a non-empty source")
+    if isinstance(ds, IterableDataset):
+        _first_record(ds, where, split)
+    return ds
+
+
+def _first_record(ds: IterableDataset, where: str, split: str) -> dict:
+    try:
+        return next(iter(ds))
+    except StopIteration:
+        raise DataSourceError(f"{where} (split {split!r}) has no documents; add data or point data.dataset "
+                              f"at a non-empty source") from None
+
+
+def _call_datasets(load, where: str, split: str, *, hint: str):
+    try:
+        return load()
+    except DataSourceError:
+        raise
+    except Exception as error:  # datasets raises many types; all mean "this source does not load"
+        if "corresponds to no data" in str(error):  # how datasets reports a split without records
+            raise DataSourceError(f"{where} (split {split!r}) has no documents; add data or point "
+                                  f"data.dataset at a non-empty source") from error
+        raise DataSourceError(f"could not load {where} (split {split!r}): {type(error).__name__}: {error}. "
+                              f"{hint}") from error
+
+
+def _reject_dataset_config(cfg, where: str) -> None:
+    if cfg.dataset_config is not None:
+        raise DataSourceError(f"data.dataset_config={cfg.dataset_config!r} selects a configuration of a hub "
+                              f"dataset or dataset folder; {where} has none, so leave it unset")
+
+
+def _format_of(path: str) -> str | None:
+    name = path.lower()
+    for compression in _COMPRESSIONS:
+        name = name.removesuffix(compression)
+    return _EXTENSIONS.get(os.path.splitext(name)[1])
+
+
+def _has_glob(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def _is_directory(dataset: str) -> bool:
+    return os.path.isdir(os.path.expanduser(dataset))
+
+
+def _is_local_files(dataset: str) -> bool:
+    """A glob, an existing file, or something that can only be meant as a path (so a typo is reported
+    as a missing file rather than sent to the hub)."""
+    path = os.path.expanduser(dataset)
+    return (_has_glob(path) or os.path.exists(path) or path.startswith(("/", "./", "../"))
+            or _format_of(path) is not None)
+
