@@ -92,8 +92,8 @@ def test_embedded_corpus_is_split_into_contiguous_chunks(tokenizer):
 def test_more_ranks_than_documents_is_an_error(tmp_path):
     path = tmp_path / "two.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"}\n')
-    with pytest.raises(DataSourceError, match=r"data-parallel rank 2 of 3 got no documents of split 'train'.*fewer "
-                                              r"documents than ranks"):
+    with pytest.raises(DataSourceError, match=r"split 'train' of data.dataset='.*two.jsonl' has 2 document\(s\), "
+                                              r"fewer than the 3 data-parallel ranks"):
         _build(TextDataLoader.Config(dataset=str(path)), CharTokenizer(), rank=2, world=3)
 
 
@@ -224,10 +224,11 @@ def test_only_the_newest_iterator_is_live(tmp_path):
 # Bad documents and arguments
 
 
-def test_null_text_names_the_document(tmp_path):
+@pytest.mark.parametrize("shuffle,streaming", [(False, False), (True, False), (False, True)])
+def test_null_text_names_the_document(tmp_path, shuffle, streaming):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": null}\n')
-    loader = _build(TextDataLoader.Config(dataset=str(path), shuffle=False), CharTokenizer())
+    loader = _build(TextDataLoader.Config(dataset=str(path), shuffle=shuffle, streaming=streaming), CharTokenizer())
     with pytest.raises(DataSourceError, match=r"document 2 of data-parallel rank 0's part of split 'train' of "
                                               r"data.dataset='.*docs.jsonl' has text=None \(NoneType\), not a string"):
         next(iter(loader))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 import torch
@@ -103,9 +103,9 @@ class TextDataLoader(Configurable):
         documents = load_split(config, split)
         if isinstance(documents, Dataset) and len(documents) < dp_world_size:
             raise DataSourceError(
-                f"data-parallel rank {dp_rank} of {dp_world_size} got no documents of split {split!r} of "
-                f"data.dataset={config.dataset!r}: the split has fewer documents than ranks; add data or "
-                f"use fewer data-parallel ranks")
+                f"split {split!r} of data.dataset={config.dataset!r} has {len(documents)} document(s), fewer "
+                f"than the {dp_world_size} data-parallel ranks that each need some; add data or use fewer "
+                f"data-parallel ranks")
         self.documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_world_size)
         self.shuffle = config.shuffle and split == "train"
         # Without a seed the order is still random but recorded, so a resumed run continues it.
@@ -168,9 +168,9 @@ class TextDataLoader(Configurable):
         field = self.config.text_field
         while self._position < n:
             start, stop = self._position, min(self._position + DOCS_PER_ENCODE, n)
-            rows = self.documents[start:stop] if order is None else self.documents[order[start:stop].tolist()]
-            texts = rows[field]
-            _check_texts(texts, start, self)
+            indices = list(range(start, stop)) if order is None else order[start:stop].tolist()
+            texts = self.documents[start:stop][field] if order is None else self.documents[indices][field]
+            _check_texts(texts, indices, self)
             self._position = stop
             yield texts
 
@@ -189,7 +189,7 @@ class TextDataLoader(Configurable):
             yield self._advance_stream(texts)
 
     def _advance_stream(self, texts: list[str]) -> list[str]:
-        _check_texts(texts, self._position, self)
+        _check_texts(texts, range(self._position, self._position + len(texts)), self)
         self._position += len(texts)
         self._stream_state = self.documents.state_dict()
         return texts
@@ -244,11 +244,12 @@ def _check_build_args(dp_rank: int, dp_world_size: int, seq_len: int, local_batc
         raise ValueError(f"split={split!r} must be 'train' or 'validation'")
 
 
-def _check_texts(texts: list, first_index: int, loader: TextDataLoader) -> None:
-    for i, text in enumerate(texts):
+def _check_texts(texts: list, indices: Sequence[int], loader: TextDataLoader) -> None:
+    """Every text is a string; otherwise name the document (its index in this rank's part)."""
+    for index, text in zip(indices, texts):
         if not isinstance(text, str):
             raise DataSourceError(
-                f"document {first_index + i} of data-parallel rank {loader.dp_rank}'s part of split "
+                f"document {index} of data-parallel rank {loader.dp_rank}'s part of split "
                 f"{loader.split!r} of data.dataset={loader.config.dataset!r} has {loader.config.text_field}="
                 f"{text!r} ({type(text).__name__}), not a string; clean the data or set data.text_field to "
                 f"a text field")
