@@ -1,0 +1,102 @@
+"""Activation checkpointing per transformer block: none, full, selective by op, selective every Nth block.
+
+A checkpointed block keeps only its input for backward and recomputes its forward there. Selective by op
+keeps the outputs of the expensive or non-recomputable ops (attention, every other matmul, the float8
+amax reductions that set scales, tensor-parallel reduce-scatters) and recomputes the cheap elementwise
+rest (norms, SiLU, rotary, casts), trading a little memory for most of the recompute cost.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+logger = logging.getLogger(__name__)
+
+_aten = torch.ops.aten
+
+MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._scaled_mm.default})
+"""Matmuls: every second one (in forward order) is recomputed, the others are saved."""
+
+ALWAYS_SAVED_OPS = frozenset({
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # Float8 scales come from amax reductions; saving them keeps recompute from re-reducing whole tensors.
+    _aten.max.default,
+    _aten.amax.default,
+    # A recomputed collective would communicate again (and must match on every rank).
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+})
+
+
+def _op_policy(counts: dict[str, int]):
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in MATMUL_OPS:
+            # Forward and recompute passes count separately so both make the same decisions.
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in ALWAYS_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _selective_op_context():
+    return create_selective_checkpoint_contexts(_op_policy(defaultdict(int)))
+
+
+def apply_ac(model: nn.Module, mode: str, selective_option: str = "op") -> str:
+    """Wrap the blocks of `model.layers` in place; returns a short description for logs.
+
+    mode: 'none' | 'full' | 'selective'. With 'selective', selective_option is 'op' (per-op policy above)
+    or an integer N (checkpoint blocks N-1, 2N-1, ... fully; N=1 is 'full').
+    """
+    if mode == "none":
+        return "none"
+    if mode == "full":
+        wrap, every, what = _full, 1, "full"
+    elif mode == "selective":
+        if selective_option == "op":
+            wrap, every, what = _per_op, 1, "selective op"
+        else:
+            every = _parse_every(selective_option)
+            wrap, what = _full, f"selective every {every} block(s)"
+    else:
+        raise ValueError(f"activation_checkpoint.mode={mode!r} must be 'none', 'full' or 'selective'")
+    wrapped = 0
+    for position, (name, block) in enumerate(list(model.layers.items())):
+        if (position + 1) % every == 0:
+            model.layers.register_module(name, wrap(block))
+            wrapped += 1
+    description = f"{what} ({wrapped}/{len(model.layers)} blocks)"
+    logger.info("activation checkpointing: %s", description)
+    return description
+
+
+def _parse_every(option: str) -> int:
+    try:
+        every = int(option)
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise ValueError(
+            f"activation_checkpoint.selective_option={option!r} must be 'op' or a positive integer N "
+            "(checkpoint every Nth block)"
+        )
+    return every
+
+
+def _full(block: nn.Module) -> nn.Module:
+    # No dropout in the model, so RNG state need not be stashed and restored.
+    return checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def _per_op(block: nn.Module) -> nn.Module:
+    return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_op_context)
+

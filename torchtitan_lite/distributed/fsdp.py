@@ -1,0 +1,73 @@
+"""FSDP2 (`fully_shard`) for Llama: one unit per block, the embedding, the head (norm + output), the root.
+
+Gradients are SUMMED over data-parallel ranks (divide factor 1): the training loop already divides each
+micro-batch loss by the token count of the whole global step, so averaging here would divide twice.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+logger = logging.getLogger(__name__)
+
+ReshardPolicy = Literal["default", "always", "never"]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    fsdp_mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: ReshardPolicy = "default",
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard `model` in place over `fsdp_mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns it.
+
+    reshard_after_forward: 'always' frees every unit's gathered parameters after its forward (re-gathered
+    in backward), 'never' keeps them (ZeRO-2-like memory, no backward all-gather), 'default' reshards all
+    blocks but the last one and keeps the head, whose parameters backward needs immediately.
+    """
+    if cpu_offload and fsdp_mesh.device_type != "cuda":
+        raise ValueError(
+            f"parallelism.fsdp_cpu_offload=true needs CUDA, but the mesh is on {fsdp_mesh.device_type!r}: on a "
+            "CPU-only run parameters already live in host memory; set parallelism.fsdp_cpu_offload=false"
+        )
+    if reshard_after_forward not in ("default", "always", "never"):
+        raise ValueError(
+            f"parallelism.fsdp_reshard_after_forward={reshard_after_forward!r} must be 'default', 'always' or 'never'"
+        )
+    common = dict(mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
+                  offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    always = reshard_after_forward == "always"
+    never = reshard_after_forward == "never"
+
+    blocks = list(model.layers.values())
+    tied = model.output.weight is model.tok_embeddings.weight
+    # A tied matrix can belong to one unit only: it stays with the root together with norm and output.
+    if not tied:
+        fully_shard(model.tok_embeddings, reshard_after_forward=not never, **common)
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=always or (not never and not last), **common)
+    if not tied:
+        fully_shard([model.norm, model.output], reshard_after_forward=always, **common)
+    fully_shard(model, reshard_after_forward=always, **common)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # Plain SUM collectives (no PREMUL_SUM / AVG), which gloo supports and NCCL runs zero-copy.
+            module.set_force_sum_reduction_for_comms(True)
+    if fsdp_mesh.device_type == "cpu":
+        from torchtitan_lite.distributed.float8_allgather import use_byte_view_all_gather
+
+        use_byte_view_all_gather(model)
+    kind = f"HSDP {tuple(fsdp_mesh.shape)}" if fsdp_mesh.ndim == 2 else f"FSDP {fsdp_mesh.size()}"
+    logger.info("applied %s: %d blocks, reshard_after_forward=%s, param_dtype=%s, reduce_dtype=%s%s", kind,
+                len(blocks), reshard_after_forward, common["mp_policy"].param_dtype,
+                common["mp_policy"].reduce_dtype, ", CPU offload" if cpu_offload else "")
+    return model

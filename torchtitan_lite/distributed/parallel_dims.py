@@ -1,0 +1,167 @@
+"""Parallelism degrees and the device meshes built from them.
+
+The world is laid out as a (dp_replicate, dp_shard, tp) grid, tp innermost so that tensor-parallel ranks
+are neighbours (same host on GPU clusters). Every check here is arithmetic on the degrees, so a wrong
+layout fails before any process group exists.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger(__name__)
+
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+
+
+class ParallelDims:
+    """Validated degrees; `build_mesh` then creates the named meshes (none at all for a single process)."""
+
+    def __init__(self, dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> None:
+        for name, value in (("world_size", world_size), ("parallelism.dp_replicate", dp_replicate),
+                            ("parallelism.tp", tp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(dp_shard, int) or (dp_shard < 1 and dp_shard != -1):
+            raise ValueError(
+                f"parallelism.dp_shard={dp_shard!r} must be a positive integer, or -1 to use the ranks left "
+                "after dp_replicate and tp"
+            )
+        if dp_shard == -1:
+            others = dp_replicate * tp
+            if world_size % others != 0:
+                raise ValueError(
+                    f"parallelism.dp_shard=-1 cannot fill world size {world_size}: it is not divisible by "
+                    f"dp_replicate x tp = {dp_replicate} x {tp} = {others}; choose degrees whose product "
+                    f"divides {world_size}"
+                )
+            dp_shard = world_size // others
+        product = dp_replicate * dp_shard * tp
+        if product != world_size:
+            raise ValueError(
+                f"parallelism degrees dp_replicate x dp_shard x tp = {dp_replicate} x {dp_shard} x {tp} = "
+                f"{product} must equal the world size {world_size}; change the degrees (dp_shard=-1 takes "
+                "the rest) or launch with that many processes"
+            )
+        self.dp_replicate = dp_replicate
+        self.dp_shard = dp_shard
+        self.tp = tp
+        self.world_size = world_size
+        self.world_mesh: DeviceMesh | None = None
+        self._dp_mesh: DeviceMesh | None = None
+
+    def validate_for_model(self, args, seq_len: int, *, sequence_parallel: bool = True) -> None:
+        """Check that the model's shapes split over `tp`; `args` needs n_heads, n_kv_heads, tie_word_embeddings."""
+        if self.tp == 1:
+            return
+        n_kv_heads = args.n_kv_heads if args.n_kv_heads is not None else args.n_heads
+        if args.n_heads % self.tp != 0:
+            raise ValueError(
+                f"parallelism.tp={self.tp} must divide the model's n_heads={args.n_heads} (each rank computes "
+                f"whole attention heads); use a tp among the divisors of {args.n_heads}"
+            )
+        if n_kv_heads % self.tp != 0:
+            raise ValueError(
+                f"parallelism.tp={self.tp} must divide the model's n_kv_heads={n_kv_heads} (each rank holds "
+                f"whole key/value heads); use a tp among the divisors of {n_kv_heads}"
+            )
+        if sequence_parallel and seq_len % self.tp != 0:
+            raise ValueError(
+                f"training.seq_len={seq_len} must be divisible by parallelism.tp={self.tp} when sequence "
+                "parallelism shards activations along the sequence; change seq_len or set "
+                "parallelism.enable_sequence_parallel=false"
+            )
+        if getattr(args, "tie_word_embeddings", False):
+            raise ValueError(
+                f"parallelism.tp={self.tp} does not support tied embeddings: the embedding is sharded by "
+                "vocabulary rows and the output projection by vocabulary columns of the same matrix; use "
+                "parallelism.tp=1 (FSDP) for this flavor"
+            )
+
+    # ----------------------------------------------------------------------------------------------
+    # Degrees
+
+    @property
+    def dp_degree(self) -> int:
+        """Data-parallel ranks: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_degree > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters are wrapped by FSDP2 whenever data is parallel (HSDP with shard size 1 is replication)."""
+        return self.dp_degree > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data shard (0..dp_degree-1); tp ranks of one group read the same data."""
+        if self.world_size == 1:
+            return 0
+        return dist.get_rank() // self.tp
+
+    # ----------------------------------------------------------------------------------------------
+    # Meshes
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Create the world mesh (needs the default process group); returns None for a single process."""
+        if self.world_size == 1:
+            return None
+        if not dist.is_initialized() or dist.get_world_size() != self.world_size:
+            actual = dist.get_world_size() if dist.is_initialized() else "no process group"
+            raise RuntimeError(
+                f"ParallelDims was validated for world size {self.world_size} but the process group has "
+                f"{actual}; launch with torchrun --nproc-per-node {self.world_size} (or NPROC/NGPU)"
+            )
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=MESH_DIM_NAMES)
+        self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        self.world_mesh = mesh
+        logger.info("device mesh %s: dp_replicate=%d dp_shard=%d tp=%d",
+                    device_type, self.dp_replicate, self.dp_shard, self.tp)
+        return mesh
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """1-D mesh over all data-parallel ranks, for data loading and token / loss sums."""
+        return self._dp_mesh if self.world_mesh is not None and self.dp_enabled else None
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """dp_shard (FSDP) or (dp_replicate, dp_shard) (HSDP) mesh that parameters are sharded over."""
+        if self.world_mesh is None or not self.fsdp_enabled:
+            return None
+        if self.hsdp_enabled:
+            return self.world_mesh["dp_replicate", "dp_shard"]
+        return self.world_mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.world_mesh["tp"] if self.world_mesh is not None and self.tp_enabled else None
+
+    def describe(self) -> str:
+        """One line naming the active layouts, e.g. 'HSDP 2x2 + TP 2'."""
+        parts = []
+        if self.hsdp_enabled:
+            parts.append(f"HSDP {self.dp_replicate}x{self.dp_shard}")
+        elif self.fsdp_enabled:
+            parts.append(f"FSDP {self.dp_shard}")
+        if self.tp_enabled:
+            parts.append(f"TP {self.tp}")
+        return " + ".join(parts) if parts else "single process"
+
+    def __repr__(self) -> str:
+        return (f"ParallelDims(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp}, "
+                f"world_size={self.world_size})")
