@@ -13,10 +13,12 @@ if [ -n "${CONFIG:-}" ]; then extra+=(--config "$CONFIG"); fi
 # Help-like flags need no process group: run them in-process for a quick answer.
 for a in "$@"; do
   case "$a" in
-    --help|-h|--print-config|--list-configs|--print-fp8-plan|--estimate-memory)
+    --help|-h|--print-config|--list-configs|--print-fp8-plan|--estimate-memory|--check-config)
       exec "$py" "$root/train.py" "${extra[@]}" "$@";;
   esac
 done
+# Validate names, keys, types and parallel degrees before any process group exists.
+WORLD_SIZE="$nproc" "$py" "$root/train.py" "${extra[@]}" "$@" --check-config >/dev/null
 exec "$py" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
   --local-ranks-filter "$log_rank" --role rank --tee 3 \
   "$root/train.py" "${extra[@]}" "$@"

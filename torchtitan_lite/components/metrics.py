@@ -254,7 +254,7 @@ class MetricsProcessor(Configurable):
             f"lr {values['lr']:.3e}",
             f"{c['memory']}{memory}{c['reset']}",
             f"{c['throughput']}tok/s {values['tokens_per_second']:,.0f} (global {global_tokens_per_s:,.0f})"
-            f"  tflops {values['tflops']:.2f}{c['reset']}",
+            f"  tflops {values['tflops']:.3g}{c['reset']}",
         ]
         if "mfu" in values:
             parts.append(f"{c['mfu']}mfu {values['mfu']:.2f}%{c['reset']}")

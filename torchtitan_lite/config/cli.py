@@ -28,6 +28,7 @@ ACTION_FLAGS = {
     "--print-config": ("print_config", "print the resolved config as TOML (loadable with --config-file) and exit"),
     "--print-fp8-plan": ("print_fp8_plan", "explain which Linear layers get which float8 recipe, and why; exit"),
     "--estimate-memory": ("estimate_memory", "estimate per-device memory for the resolved config and exit"),
+    "--check-config": ("check_config", "validate the config and the parallel degrees against WORLD_SIZE, then exit"),
 }
 ACTIONS = ("train", "help", *(action for action, _ in ACTION_FLAGS.values()))
 

@@ -1,0 +1,159 @@
+"""Llama 3 configs. Each public function returns a complete Trainer.Config; variants are small deltas."""
+from __future__ import annotations
+
+from config_registry import register
+from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
+from torchtitan_lite.components.metrics import MetricsProcessor
+from torchtitan_lite.components.optimizer import OptimizersContainer
+from torchtitan_lite.components.precision import Precision
+from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+from torchtitan_lite.components.validate import Validator
+from torchtitan_lite.config.sections import CompileConfig, ModelConfig, TrainingConfig
+from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
+from torchtitan_lite.trainer import Trainer
+
+
+@register
+def llama3_debug() -> Trainer.Config:
+    """Llama 3 debug flavor (~6M params), FP32, on the embedded corpus; trains on a laptop CPU in ~2 min."""
+    return Trainer.Config(
+        model=ModelConfig(flavor="debug"),
+        training=TrainingConfig(steps=200, seq_len=128, local_batch_size=8, max_norm=1.0, seed=0),
+        precision=Precision.Config(param_dtype="float32", reduce_dtype="float32"),
+        optimizer=OptimizersContainer.Config(lr=2e-3, weight_decay=0.1),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=20, decay_type="cosine", min_lr_factor=0.1),
+        validation=Validator.Config(enable=True, freq=100, steps=10),
+        metrics=MetricsProcessor.Config(log_freq=10),
+    )
+
+
+@register
+def llama3_debug_bf16() -> Trainer.Config:
+    """llama3_debug with BF16 parameters / compute and FP32 gradient reduction: the FP8 baseline."""
+    cfg = llama3_debug()
+    cfg.precision = Precision.Config(param_dtype="bfloat16", reduce_dtype="float32")
+    return cfg
+
+
+@register
+def llama3_debug_fp16() -> Trainer.Config:
+    """llama3_debug in FP16 with dynamic loss scaling."""
+    cfg = llama3_debug()
+    cfg.precision = Precision.Config(param_dtype="float16", reduce_dtype="float32", loss_scaling="dynamic")
+    return cfg
+
+
+@register
+def llama3_debug_fp8() -> Trainer.Config:
+    """llama3_debug_bf16 + FP8 tensorwise Linears (output layer kept in BF16)."""
+    cfg = llama3_debug_bf16()
+    cfg.model_converters = ModelConvertersContainer.Config(
+        converters=[Float8LinearConverter.Config(recipe_name="tensorwise", filter_fqns=["output"])]
+    )
+    return cfg
+
+
+@register
+def llama3_debug_fp8_rowwise() -> Trainer.Config:
+    """llama3_debug_bf16 + FP8 rowwise Linears (output layer kept in BF16)."""
+    cfg = llama3_debug_bf16()
+    cfg.model_converters = ModelConvertersContainer.Config(
+        converters=[Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["output"])]
+    )
+    return cfg
+
+
+def _llama3_large(flavor: str, *, lr: float, steps: int = 1000) -> Trainer.Config:
+    """Shared shape of the published flavors: BF16 with FP32 reduction, 8k context, cosine schedule."""
+    return Trainer.Config(
+        model=ModelConfig(flavor=flavor),
+        training=TrainingConfig(steps=steps, seq_len=8192, local_batch_size=1, max_norm=1.0, seed=0),
+        precision=Precision.Config(param_dtype="bfloat16", reduce_dtype="float32"),
+        optimizer=OptimizersContainer.Config(lr=lr, weight_decay=0.1),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_factor=0.1),
+        metrics=MetricsProcessor.Config(log_freq=10),
+    )
+
+
+@register
+def llama3_1b() -> Trainer.Config:
+    """Llama 3.2 1B (tied embeddings), BF16."""
+    return _llama3_large("1B", lr=3e-4)
+
+
+@register
+def llama3_3b() -> Trainer.Config:
+    """Llama 3.2 3B (tied embeddings), BF16."""
+    return _llama3_large("3B", lr=3e-4)
+
+
+@register
+def llama3_8b() -> Trainer.Config:
+    """Llama 3.1 8B, BF16, 8k sequence."""
+    return _llama3_large("8B", lr=3e-4)
+
+
+@register
+def llama3_70b() -> Trainer.Config:
+    """Llama 3.1 70B, BF16, 8k sequence; needs FSDP (and TP) over many GPUs."""
+    cfg = _llama3_large("70B", lr=1.5e-4)
+    cfg.activation_checkpoint.mode = "full"
+    return cfg
+
+
+@register
+def llama3_405b() -> Trainer.Config:
+    """Llama 3.1 405B, BF16, 8k sequence; needs FSDP x TP over many nodes."""
+    cfg = _llama3_large("405B", lr=8e-5)
+    cfg.activation_checkpoint.mode = "full"
+    return cfg
+
+
+def _fp8(recipe: str, *, all_gather: bool) -> ModelConvertersContainer.Config:
+    """FP8 on every large Linear: the output projection and layers too small to gain are skipped."""
+    return ModelConvertersContainer.Config(
+        converters=[
+            Float8LinearConverter.Config(
+                recipe_name=recipe,
+                enable_fsdp_float8_all_gather=all_gather,
+                precompute_float8_dynamic_scale_for_fsdp=all_gather,
+                filter_fqns=["output", "auto_filter_small_kn"],
+            )
+        ]
+    )
+
+
+@register
+def llama3_8b_fp8() -> Trainer.Config:
+    """llama3_8b + compile + FP8 tensorwise with FP8 FSDP all-gather and precomputed scales."""
+    cfg = llama3_8b()
+    cfg.compile = CompileConfig(enable=True)
+    cfg.model_converters = _fp8("tensorwise", all_gather=True)
+    return cfg
+
+
+@register
+def llama3_8b_fp8_rowwise() -> Trainer.Config:
+    """llama3_8b + compile + FP8 rowwise (BF16 all-gather: rowwise scales are per row)."""
+    cfg = llama3_8b()
+    cfg.compile = CompileConfig(enable=True)
+    cfg.model_converters = _fp8("rowwise", all_gather=False)
+    return cfg
+
+
+@register
+def llama3_70b_fp8() -> Trainer.Config:
+    """llama3_70b + compile + FP8 tensorwise with FP8 FSDP all-gather and precomputed scales."""
+    cfg = llama3_70b()
+    cfg.compile = CompileConfig(enable=True)
+    cfg.model_converters = _fp8("tensorwise", all_gather=True)
+    return cfg
+
+
+@register
+def llama3_405b_fp8() -> Trainer.Config:
+    """llama3_405b + compile + FP8 tensorwise with FP8 FSDP all-gather and precomputed scales."""
+    cfg = llama3_405b()
+    cfg.compile = CompileConfig(enable=True)
+    cfg.model_converters = _fp8("tensorwise", all_gather=True)
+    return cfg

@@ -1,0 +1,352 @@
+"""The native training loop: build every component from ``Trainer.Config``, then train."""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from models import build_model_args, get_model_spec
+from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
+from torchtitan_lite.components.data import TextDataLoader
+from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
+from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
+from torchtitan_lite.components.metrics import MetricsProcessor
+from torchtitan_lite.components.optimizer import OptimizersContainer
+from torchtitan_lite.components.precision import Precision
+from torchtitan_lite.components.profiler import Profiler
+from torchtitan_lite.components.tokenizer import Tokenizer
+from torchtitan_lite.components.validate import Validator
+from torchtitan_lite.config import Configurable
+from torchtitan_lite.config.sections import (
+    ActivationCheckpointConfig,
+    CompileConfig,
+    DebugConfig,
+    JobConfig,
+    ModelConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
+from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.distributed.compile import maybe_compile_loss
+from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
+from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.tensor_parallel import loss_parallel_context
+from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
+from torchtitan_lite.shutdown import PreemptionWatcher
+from torchtitan_lite.train_state import TrainState
+
+logger = logging.getLogger("torchtitan_lite")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised when the loss or the gradient norm stops being finite."""
+
+
+class Trainer(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        job: JobConfig = field(default_factory=JobConfig)
+        """Run identity and output folder."""
+        model: ModelConfig = field(default_factory=ModelConfig)
+        """Model family and size."""
+        tokenizer: Tokenizer.Config = field(default_factory=Tokenizer.Config)
+        """Sentencepiece tokenizer."""
+        training: TrainingConfig = field(default_factory=TrainingConfig)
+        """Steps, batch and sequence sizes, clipping, seed."""
+        precision: Precision.Config = field(default_factory=Precision.Config)
+        """Parameter / reduction dtypes and FP16 loss scaling."""
+        parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+        """Data / tensor parallel degrees."""
+        activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+        """Activation recomputation."""
+        compile: CompileConfig = field(default_factory=CompileConfig)
+        """torch.compile."""
+        model_converters: ModelConvertersContainer.Config = field(default_factory=ModelConvertersContainer.Config)
+        """Module swaps applied before parallelisation (FP8 training)."""
+        optimizer: OptimizersContainer.Config = field(default_factory=OptimizersContainer.Config)
+        """Optimizer."""
+        lr_scheduler: LRSchedulersContainer.Config = field(default_factory=LRSchedulersContainer.Config)
+        """Learning-rate schedule."""
+        data: TextDataLoader.Config = field(default_factory=TextDataLoader.Config)
+        """Training and validation text."""
+        validation: Validator.Config = field(default_factory=Validator.Config)
+        """Periodic validation loss."""
+        checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+        """Distributed checkpoints and exports."""
+        metrics: MetricsProcessor.Config = field(default_factory=MetricsProcessor.Config)
+        """Console and TensorBoard metrics."""
+        profiling: Profiler.Config = field(default_factory=Profiler.Config)
+        """torch.profiler traces."""
+        debug: DebugConfig = field(default_factory=DebugConfig)
+        """Determinism and anomaly detection."""
+
+    def __init__(self, config: "Trainer.Config") -> None:
+        self.config = config
+        cfg = config
+        # Degrees are checked against the launch's world size before any process-group work.
+        self.parallel_dims = ParallelDims(
+            dp_replicate=cfg.parallelism.dp_replicate,
+            dp_shard=cfg.parallelism.dp_shard,
+            tp=cfg.parallelism.tp,
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        )
+        self.model_spec = get_model_spec(cfg.model.name)
+        self.tokenizer = cfg.tokenizer.build()
+        self.model_args = build_model_args(
+            self.model_spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=self.tokenizer.vocab_size
+        )
+        self.parallel_dims.validate_for_model(self.model_args, cfg.training.seq_len,
+                                              sequence_parallel=cfg.parallelism.enable_sequence_parallel)
+        self.n_microbatches = self._microbatches_per_step()
+
+        self.device = dist_utils.init_distributed()
+        self.parallel_dims.build_mesh(self.device.type)
+        self._set_determinism()
+        if dist_utils.is_rank0() and cfg.job.save_config:
+            _save_resolved_config(cfg)
+
+        self.model_parts = [self._build_model()]
+        self.optimizers = cfg.optimizer.build(model_parts=self.model_parts)
+        self.lr_schedulers = cfg.lr_scheduler.build(optimizers=self.optimizers, training_steps=cfg.training.steps)
+        # Float8 scales for the next forward are refreshed right after each optimizer step.
+        self.optimizers.register_step_post_hook(lambda *_: self.converters.post_optimizer_hook(self.model_parts))
+        self.grad_scaler = self.precision.grad_scaler(process_group=None)
+
+        self.dataloader = cfg.data.build(
+            tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank, dp_world_size=self.parallel_dims.dp_degree,
+            seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="train",
+            infinite=True, seed=cfg.training.seed,
+        )
+        self.loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
+        self.train_state = TrainState()
+        states = {
+            "model": ModelWrapper(self.model_parts),
+            "optimizer": self.optimizers,
+            "lr_scheduler": self.lr_schedulers,
+            "dataloader": self.dataloader,
+            "train_state": self.train_state,
+        }
+        if self.grad_scaler is not None:
+            states["grad_scaler"] = self.grad_scaler
+        self.checkpointer = cfg.checkpoint.build(
+            dump_folder=cfg.job.dump_folder, states=states, model_args=self.model_args, model_spec=self.model_spec,
+        )
+        self.metrics = cfg.metrics.build(
+            dump_folder=cfg.job.dump_folder, device=self.device,
+            num_flops_per_token=self.model_parts[0].flops_per_token(cfg.training.seq_len),
+            dp_degree=self.parallel_dims.dp_degree, tp_degree=cfg.parallelism.tp,
+            # A CPU's peak is its fp32 matmul rate: bf16 / fp16 matmuls are emulated there and far slower.
+            compute_dtype=torch.float32 if self.device.type == "cpu" else self.precision.param_dtype,
+        )
+        self.validator = self._build_validator()
+        self.watcher = PreemptionWatcher(self.device)
+
+    # ----------------------------------------------------------------------------------------------
+    # Construction helpers
+
+    def _microbatches_per_step(self) -> int:
+        t, dp = self.config.training, self.parallel_dims.dp_degree
+        per_pass = t.local_batch_size * dp
+        global_batch = per_pass if t.global_batch_size < 0 else t.global_batch_size
+        if global_batch % per_pass != 0:
+            raise ValueError(
+                f"training.global_batch_size={global_batch} must be a multiple of training.local_batch_size "
+                f"x data-parallel degree = {t.local_batch_size} x {dp} = {per_pass}; "
+                f"use {max(per_pass, global_batch // per_pass * per_pass)} or -1"
+            )
+        return global_batch // per_pass
+
+    def _set_determinism(self) -> None:
+        seed = self.config.training.seed
+        if seed is not None:
+            # Same seed on every rank: the model is initialised identically before sharding takes effect.
+            torch.manual_seed(seed)
+            random.seed(seed)
+        if self.config.debug.deterministic:
+            torch.use_deterministic_algorithms(True)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.autograd.set_detect_anomaly(self.config.debug.detect_anomaly)
+
+    def _build_model(self) -> torch.nn.Module:
+        cfg = self.config
+        with torch.device("meta"):
+            model = self.model_spec.model_cls(self.model_args)
+        self.converters = cfg.model_converters.build(parallel_dims=self.parallel_dims, config=cfg)
+        self.converters.convert(model)
+        self.precision = cfg.precision.build(device=self.device, fsdp_enabled=self.parallel_dims.fsdp_enabled)
+        start = time.perf_counter()
+        model = self.model_spec.parallelize_fn(model, self.parallel_dims, cfg, precision=self.precision)
+        init_device = "cpu" if cfg.parallelism.fsdp_cpu_offload else self.device
+        model.to_empty(device=init_device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=self.device if cfg.parallelism.fsdp_cpu_offload else None)
+        model.train()
+        logger.info("model %s %s: %s params, %.3g FLOPs/token, parallelized in %.1fs",
+                    cfg.model.name, cfg.model.flavor, f"{model.num_params():,}",
+                    model.flops_per_token(cfg.training.seq_len), time.perf_counter() - start)
+        return model
+
+    def _build_validator(self) -> Validator | None:
+        cfg = self.config
+        if not cfg.validation.enable:
+            return None
+        val_loader_factory = lambda: cfg.data.build(  # noqa: E731 - a fresh pass per validation
+            tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank, dp_world_size=self.parallel_dims.dp_degree,
+            seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="validation",
+            infinite=False, seed=cfg.training.seed,
+        )
+        return cfg.validation.build(
+            dataloader_factory=val_loader_factory, loss_fn=self.loss_fn, device=self.device,
+            dp_group=self._dp_group(), autocast=self.precision.eval_autocast,
+            loss_context=lambda: loss_parallel_context(self.parallel_dims, cfg),
+        )
+
+    def _dp_group(self):
+        mesh = self.parallel_dims.dp_mesh
+        return None if mesh is None else mesh.get_group()
+
+    # ----------------------------------------------------------------------------------------------
+    # The loop
+
+    def train(self) -> None:
+        cfg = self.config
+        if cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save(0, force=True, model_only=True)
+            logger.info("seed checkpoint written to %s", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
+            self.close()
+            return
+        self.train_state.step = self.checkpointer.load()
+        first_step = self.train_state.step + 1
+        data_iter = iter(self.dataloader)
+        if cfg.training.gc_freq > 0:
+            gc.disable()
+        logger.info("training %s steps from step %s, %s micro-batch(es) per step",
+                    cfg.training.steps, self.train_state.step, self.n_microbatches)
+        self._maybe_validate(force=self.train_state.step == 0)
+        with cfg.profiling.build(dump_folder=cfg.job.dump_folder, start_step=self.train_state.step) as profiler:
+            while self.train_state.step < cfg.training.steps:
+                self.train_state.step += 1
+                step = self.train_state.step
+                if cfg.training.gc_freq > 0 and step % cfg.training.gc_freq == 0:
+                    gc.collect(1)
+                batches = [next(data_iter) for _ in range(self.n_microbatches)]
+                t0 = time.perf_counter()
+                loss, grad_norm = self.train_step(batches)
+                if step == first_step:
+                    logger.info("first step took %.1fs (includes compile when enabled)", time.perf_counter() - t0)
+                last = step == cfg.training.steps
+                self.metrics.maybe_log(step, loss=loss, grad_norm=grad_norm, lr=self.lr_schedulers.last_lr,
+                                       extra=self._extra_metrics(), force=last)
+                self._maybe_validate(force=last)
+                preempted = self.watcher.should_stop()
+                with self.metrics.exclude_from_throughput():
+                    self.checkpointer.save(step, last_step=last, force=preempted)
+                profiler.step()
+                if preempted:
+                    logger.warning("stopped by signal after step %s; checkpoint saved", step)
+                    break
+        self.close()
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        model = self.model_parts[0]
+        global_tokens = self._global_target_tokens(batches)
+        loss_total = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            self.train_state.tokens_seen += inputs.numel()
+            self.metrics.record_tokens(inputs.numel())
+            with self.precision.autocast(), loss_parallel_context(self.parallel_dims, self.config):
+                logits = model(inputs)
+                loss_sum, _ = self.loss_fn(logits, labels)
+                loss = loss_sum / global_tokens
+                del logits
+                (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+            loss_total += _local(loss.detach())
+
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizers)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self.optimizers)
+            self.grad_scaler.update()
+        else:
+            self.optimizers.step()
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+
+        loss_value = self._sum_over_dp(loss_total)
+        self._check_finite(loss_value, float(grad_norm))
+        return loss_value, float(grad_norm)
+
+    def _global_target_tokens(self, batches) -> torch.Tensor:
+        local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        count = torch.tensor(float(local), device=self.device)
+        group = self._dp_group()
+        if group is not None:
+            dist.all_reduce(count, group=group)
+        return count.clamp_min(1.0)
+
+    def _sum_over_dp(self, value: torch.Tensor) -> float:
+        group = self._dp_group()
+        if group is not None:
+            dist.all_reduce(value, group=group)
+        return float(value)
+
+    def _check_finite(self, loss: float, grad_norm: float) -> None:
+        # With FP16 loss scaling an infinite grad norm is an overflow the scaler skips, not a failure.
+        grad_ok = self.grad_scaler is not None or torch.isfinite(torch.tensor(grad_norm))
+        if torch.isfinite(torch.tensor(loss)) and grad_ok:
+            return
+        step = self.train_state.step
+        last_good = self.checkpointer.last_complete_step()
+        kept = f"the last good checkpoint is step {last_good}" if last_good is not None else "no checkpoint was saved"
+        raise NonFiniteLossError(
+            f"non-finite {'loss' if not torch.isfinite(torch.tensor(loss)) else 'gradient norm'} at step {step} "
+            f"(loss={loss}, grad_norm={grad_norm}); stopping without saving, {kept}. Lower optimizer.lr, "
+            f"enable clipping (training.max_norm) or use precision.param_dtype=bfloat16 instead of float16."
+        )
+
+    def _extra_metrics(self) -> dict[str, float]:
+        extra = {}
+        if self.grad_scaler is not None:
+            extra["loss_scale"] = float(self.grad_scaler.scale_value)
+            extra["skipped_steps"] = float(self.grad_scaler.skipped_steps)
+        return extra
+
+    def _maybe_validate(self, *, force: bool) -> None:
+        if self.validator is None:
+            return
+        step = self.train_state.step
+        if force or (step > 0 and step % self.config.validation.freq == 0):
+            with self.metrics.exclude_from_throughput():
+                val_loss = self.validator.validate(self.model_parts, step)
+            self.metrics.log_validation(step, val_loss)
+
+    def close(self) -> None:
+        self.watcher.close()
+        self.checkpointer.close()
+        self.metrics.close()
+        if self.config.training.gc_freq > 0:
+            gc.enable()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """Plain tensor from a (replicated) DTensor loss under loss parallel."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _save_resolved_config(cfg: Trainer.Config) -> None:
+    from torchtitan_lite.config import config_to_toml
+
+    os.makedirs(cfg.job.dump_folder, exist_ok=True)
+    path = os.path.join(cfg.job.dump_folder, "config.toml")
+    with open(path, "w") as f:
+        f.write(config_to_toml(cfg))
+    logger.info("resolved config saved to %s", path)

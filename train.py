@@ -1,0 +1,60 @@
+"""Entry point: parse the command line, build the Trainer, train.
+
+    python train.py --config llama3_debug --training.steps 20
+    torchrun --nproc_per_node 8 train.py --config llama3_8b_fp8
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+    )
+    # Per-split progress bars from datasets drown the training log.
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    # torchao announces optional CUDA kernels it cannot load on CPU; that is expected there.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+
+
+def main(argv: list[str]) -> int:
+    _setup_logging()
+    from torchtitan_lite.config import ConfigError, parse_cli
+
+    try:
+        cli = parse_cli(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if cli.action != "train":
+        from torchtitan_lite.actions import run_action
+
+        return run_action(cli)
+
+    from torchtitan_lite.trainer import NonFiniteLossError, Trainer
+
+    try:
+        trainer = cli.config.build()
+        trainer.train()
+    except (ValueError, NonFiniteLossError) as err:
+        logging.getLogger("torchtitan_lite").error("%s", err)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
