@@ -142,13 +142,16 @@ def test_float16_with_tensorwise_is_allowed_with_a_warning(caplog):
 
 
 @pytest.mark.parametrize("param_dtype", ["bfloat16", "auto"])
-def test_rowwise_with_gw_hp_under_cpu_autocast_is_an_error(param_dtype):
+def test_rowwise_with_gw_hp_under_cpu_autocast_is_an_error(monkeypatch, param_dtype):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # auto -> bfloat16
     with _raises("recipe_name='rowwise_with_gw_hp' fails on CPU without FSDP when precision.param_dtype="
                  f"{param_dtype}: torchao's Float8Linear casts its input only under CUDA autocast"):
         _build(parallel_dims=NO_FSDP, job=_job(param_dtype=param_dtype), recipe_name="rowwise_with_gw_hp")
     # The FSDP path casts parameters and inputs itself, and float32 needs no autocast: both fine.
     _build(parallel_dims=FSDP, job=_job(param_dtype=param_dtype), recipe_name="rowwise_with_gw_hp")
     _build(parallel_dims=NO_FSDP, job=_job(param_dtype="float32"), recipe_name="rowwise_with_gw_hp")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # auto -> float32
+    _build(parallel_dims=NO_FSDP, job=_job(param_dtype="auto"), recipe_name="rowwise_with_gw_hp")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -32,11 +32,17 @@ def test_bad_values_are_rejected_naming_the_field(fields, message):
         Precision.Config(**fields)
 
 
-def test_auto_is_bfloat16_on_cpu_with_a_logged_reason(caplog):
+@pytest.mark.parametrize("fast_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_on_cpu_depends_on_bfloat16_kernels(monkeypatch, caplog, fast_bf16, expected):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: fast_bf16)
     with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
         precision = _build(param_dtype="auto")
-    assert precision.param_dtype == torch.bfloat16
-    assert "precision.param_dtype=auto: bfloat16 on CPU" in caplog.text
+    assert precision.param_dtype == expected
+    if fast_bf16:
+        assert "precision.param_dtype=auto: bfloat16 on CPU (oneDNN bfloat16 kernels available)" in caplog.text
+    else:
+        assert ("precision.param_dtype=auto: float32, because this CPU has no AVX-512 bfloat16 kernels and "
+                "bfloat16 matmuls would run many times slower than float32") in caplog.text
 
 
 @pytest.mark.parametrize("capability, expected", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),

@@ -38,8 +38,8 @@ class Precision(Configurable):
     class Config(Configurable.Config):
         param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
         """Compute dtype of parameters in forward/backward (master weights stay float32). 'auto' picks
-        bfloat16 on CPU and on CUDA GPUs with native bfloat16 (Ampere and newer), float32 elsewhere
-        (the reason is logged). float16 needs loss scaling (see loss_scaling)."""
+        bfloat16 on CUDA GPUs with native bfloat16 (Ampere and newer) and on CPUs with oneDNN bfloat16
+        kernels (AVX-512), float32 elsewhere (the reason is logged). float16 needs loss scaling."""
         reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
         """Dtype of the FSDP gradient reduce-scatter / all-reduce. float32 keeps gradient sums exact
         enough for long runs; only meaningful with FSDP (without FSDP gradients stay float32)."""
@@ -157,9 +157,16 @@ def _resolve_param_dtype(choice: str, device: torch.device) -> torch.dtype:
                            "slow; consider float16 with loss scaling", torch.cuda.get_device_name(device))
         return dtype
     if device.type == "cpu":
-        # CPUs compute bfloat16 correctly everywhere (fast with AVX512-BF16/AMX, emulated otherwise).
-        logger.info("precision.param_dtype=auto: bfloat16 on CPU")
-        return torch.bfloat16
+        # Every CPU computes bfloat16 correctly, but without oneDNN's AVX-512 bfloat16 kernels the
+        # matmuls fall back to a reference loop: on an AVX2-only CPU a bfloat16 llama3_debug step
+        # measured ~50x slower than float32.
+        if cpu_has_fast_bf16():
+            logger.info("precision.param_dtype=auto: bfloat16 on CPU (oneDNN bfloat16 kernels available)")
+            return torch.bfloat16
+        logger.info("precision.param_dtype=auto: float32, because this CPU has no AVX-512 bfloat16 kernels and "
+                    "bfloat16 matmuls would run many times slower than float32; set precision.param_dtype=bfloat16 "
+                    "explicitly to test bfloat16 numerics anyway")
+        return torch.float32
     if device.type == "cuda":
         if _cuda_native_bf16(device):
             logger.info("precision.param_dtype=auto: bfloat16 on %s", torch.cuda.get_device_name(device))
@@ -171,6 +178,14 @@ def _resolve_param_dtype(choice: str, device: torch.device) -> torch.dtype:
     logger.info("precision.param_dtype=auto: float32, because bfloat16 support on device type '%s' is not "
                 "known here; set bfloat16 explicitly if the device supports it", device.type)
     return torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN has bfloat16 kernels for this CPU (AVX-512 BF16/AMX); False means reference loops."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
 
 
 def _cuda_native_bf16(device: torch.device) -> bool:

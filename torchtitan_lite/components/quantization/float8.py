@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
+from torchtitan_lite.components.precision import cpu_has_fast_bf16
 from torchtitan_lite.components.quantization.float8_plan import (
     AUTO_FILTER_SMALL_KN,
     PlanRow,
@@ -126,8 +127,9 @@ class Float8LinearConverter(ModelConverter):
         if param_dtype == "float16":
             logger.warning("FP8 with precision.param_dtype=float16 trains with loss scaling, but every FP8-capable "
                            "GPU supports bfloat16, which needs none; prefer precision.param_dtype=bfloat16")
-        autocast_path = not self.fsdp_sharded and param_dtype != "float32"
-        if recipe == "rowwise_with_gw_hp" and autocast_path and dist_utils.device_type() == "cpu":
+        cpu_autocast = (dist_utils.device_type() == "cpu" and not self.fsdp_sharded
+                        and (param_dtype in ("bfloat16", "float16") or (param_dtype == "auto" and cpu_has_fast_bf16())))
+        if recipe == "rowwise_with_gw_hp" and cpu_autocast:
             raise ValueError(
                 f"{_FIELD}.recipe_name='rowwise_with_gw_hp' fails on CPU without FSDP when "
                 f"precision.param_dtype={param_dtype}: torchao's Float8Linear casts its input only under CUDA "
