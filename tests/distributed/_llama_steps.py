@@ -1,0 +1,246 @@
+"""A tiny Llama 3 trained for a few steps under a given layout: the shared body of the parallelism tests.
+
+Every layout trains from the same initial weights (made on one process, then loaded into the sharded
+model) on the same global batches, with the training loop's loss semantics: each rank sums token losses
+of its data shard and divides by the number of target tokens of the whole global batch, and FSDP sums
+gradients over data-parallel ranks. So every layout must reproduce the single-process losses.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import dataclasses
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+from models.llama3.model import Llama3ModelArgs, Transformer
+from models.llama3.parallelize import parallelize_llama
+from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
+from torchtitan_lite.components.precision import Precision
+from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
+from torchtitan_lite.distributed.compile import maybe_compile_loss
+from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
+from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
+
+from _collectives import CollectiveLog
+
+# All Linear dims are multiples of 16 (float8 GEMMs need it); heads and KV heads split over tp=2.
+TINY = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
+                       max_seq_len=64, rope_theta=10000.0)
+SEQ = 32
+GLOBAL_BATCH = 4
+LR = 3e-3
+MAX_NORM = 1.0
+
+
+@dataclass(frozen=True)
+class Run:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    param_dtype: str = "float32"
+    float8: str | None = None
+    """torchao recipe name, or None for no float8."""
+    fp8_all_gather: bool = False
+    precompute: bool = False
+    ac_mode: str = "none"
+    ac_option: str = "op"
+    compile: bool = False
+    compile_backend: str = "inductor"
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    steps: int = 10
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    def single_process(self) -> "Run":
+        """The reference for this run: same numerics settings on one process."""
+        return dataclasses.replace(self, dp_replicate=1, dp_shard=1, tp=1)
+
+
+def global_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sequences where each token determines the next (t -> 5t + 3 mod vocab), so the loss falls quickly."""
+    g = torch.Generator().manual_seed(1234)
+    batches = []
+    for _ in range(steps):
+        tokens = torch.empty(GLOBAL_BATCH, SEQ + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH,), generator=g)
+        for i in range(SEQ):
+            tokens[:, i + 1] = (5 * tokens[:, i] + 3) % TINY.vocab_size
+        labels = tokens[:, 1:].clone()
+        # Unequal numbers of target tokens per rank check the normalisation by the global count.
+        labels[torch.rand(labels.shape, generator=g) < 0.15] = IGNORE_INDEX
+        batches.append((tokens[:, :-1].contiguous(), labels))
+    return batches
+
+
+def initial_state_dict() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in Transformer(TINY).state_dict().items()}
+
+
+def parallel_config(run: Run) -> SimpleNamespace:
+    """The sections of the root config that parallelize_llama reads."""
+    return SimpleNamespace(
+        parallelism=ParallelismConfig(dp_replicate=run.dp_replicate, dp_shard=run.dp_shard, tp=run.tp,
+                                      enable_sequence_parallel=run.sequence_parallel,
+                                      enable_loss_parallel=run.loss_parallel),
+        activation_checkpoint=ActivationCheckpointConfig(mode=run.ac_mode, selective_option=run.ac_option),
+        compile=CompileConfig(enable=run.compile, components=["model", "loss"], backend=run.compile_backend),
+    )
+
+
+def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNamespace]:
+    """Meta model -> float8 conversion -> parallelize_llama -> materialise -> load the initial weights."""
+    dims = ParallelDims(run.dp_replicate, run.dp_shard, run.tp, world_size=run.world_size)
+    dims.validate_for_model(TINY, SEQ, sequence_parallel=run.sequence_parallel)
+    dims.build_mesh("cpu")
+    config = parallel_config(run)
+    precision = Precision.Config(param_dtype=run.param_dtype).build(device="cpu", fsdp_enabled=dims.fsdp_enabled)
+    with torch.device("meta"):
+        model = Transformer(TINY)
+    if run.float8:
+        fp8_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(run.float8),
+                                         enable_fsdp_float8_all_gather=run.fp8_all_gather and dims.fsdp_enabled)
+        # The vocabulary projection stays in high precision, as in the project's float8 configs.
+        convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda m, fqn: fqn != "output")
+    parallelize_llama(model, dims, config, precision=precision)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    if run.world_size == 1:
+        model.load_state_dict(initial_state_dict())
+    else:
+        set_model_state_dict(model, initial_state_dict(), options=StateDictOptions(full_state_dict=True))
+    return model, dims, precision, config
+
+
+def train(run: Run, model, dims: ParallelDims, precision: Precision, config, *, record_step: int | None = None,
+          keep_first_grads: bool = False) -> dict:
+    """Train `run.steps` steps; returns per-step global losses and gradient norms.
+
+    record_step: log the collectives of that step's forward+backward ('fwd_bwd') and of the float8 scale
+    precompute after its optimizer step ('precompute'). keep_first_grads: return the full (unsharded)
+    gradients of the first backward, keyed by parameter name.
+    """
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    loss_fn = maybe_compile_loss(cross_entropy_sum, config.compile)
+    rows = GLOBAL_BATCH // dims.dp_degree
+    dp_rank = dims.dp_rank
+    out = {"losses": [], "grad_norms": [], "collectives": {}}
+    for step, (inputs, labels) in enumerate(global_batches(run.steps)):
+        global_tokens = (labels != IGNORE_INDEX).sum().float()
+        inputs = inputs[dp_rank * rows:(dp_rank + 1) * rows]
+        labels = labels[dp_rank * rows:(dp_rank + 1) * rows]
+        recording = step == record_step
+        with _log_if(recording, out, "fwd_bwd"):
+            with precision.autocast(), loss_parallel_context(dims, config):
+                loss_sum, _ = loss_fn(model(inputs), labels)
+                loss = loss_sum / global_tokens
+                loss.backward()
+        if keep_first_grads and step == 0:
+            out["first_grads"] = full_grads(model)
+        out["grad_norms"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        if run.precompute:
+            with _log_if(recording, out, "precompute"):
+                precompute_float8_dynamic_scale_for_fsdp(model)
+        value = local_loss(loss.detach()).clone()
+        if dims.dp_mesh is not None:
+            dist.all_reduce(value, group=dims.dp_mesh.get_group())
+        out["losses"].append(float(value))
+    return out
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Unsharded gradients by parameter name (activation-checkpoint wrapper names removed)."""
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[name.replace("_checkpoint_wrapped_module.", "")] = g.detach().clone()
+    return grads
+
+
+@contextlib.contextmanager
+def _log_if(enabled: bool, out: dict, key: str):
+    if not enabled:
+        yield
+        return
+    log = CollectiveLog()
+    with log:
+        yield
+    out["collectives"][key] = log.calls
+
+
+def run_layout(rank: int, world_size: int, run: Run, **train_kwargs) -> dict:
+    """Worker: build and train `run` on this rank."""
+    model, dims, precision, config = build(run)
+    return train(run, model, dims, precision, config, **train_kwargs)
+
+
+def run_single(run: Run, **train_kwargs) -> dict:
+    """The single-process reference of `run`, in the calling process."""
+    run = run.single_process()
+    model, dims, precision, config = build(run)
+    return train(run, model, dims, precision, config, **train_kwargs)
+
+
+def train_runs(rank: int, world_size: int, runs: list[Run], **train_kwargs) -> list[dict]:
+    """Worker: build and train each run in turn in one process group; gradients are kept on rank 0 only."""
+    results = []
+    for run in runs:
+        result = run_layout(rank, world_size, run, **train_kwargs)
+        if rank != 0:
+            result.pop("first_grads", None)
+        results.append(result)
+    return results
+
+
+# The layouts of the acceptance tests and the numerics trained on each.
+LAYOUTS = {
+    "fsdp2": dict(dp_shard=2),
+    "hsdp2x2": dict(dp_replicate=2, dp_shard=2),
+    "fsdp2_tp2": dict(dp_shard=2, tp=2),
+    "tp2": dict(tp=2),
+}
+VARIANTS = {
+    "fp32": dict(),
+    "bf16": dict(param_dtype="bfloat16"),
+    "fp8": dict(float8="tensorwise", fp8_all_gather=True, precompute=True),
+}
+# Extra runs on particular layouts: float8 all-gather without the scale precompute (to count its
+# all-reduces), and a row-wise recipe with 2-D FSDP x TP.
+EXTRA_VARIANTS = {
+    "fsdp2": {"fp8_no_precompute": dict(float8="tensorwise", fp8_all_gather=True, steps=2)},
+    "fsdp2_tp2": {"rowwise": dict(float8="rowwise")},
+}
+
+
+def layout_runs(layout: str) -> dict[str, Run]:
+    variants = {**VARIANTS, **EXTRA_VARIANTS.get(layout, {})}
+    return {name: Run(**LAYOUTS[layout], **kw) for name, kw in variants.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def layout_results(layout: str) -> dict[str, dict]:
+    """Rank 0's results of every variant of `layout`, trained in one multi-process launch (cached)."""
+    from _harness import run_ranks
+
+    runs = layout_runs(layout)
+    world_size = next(iter(runs.values())).world_size
+    results = run_ranks(train_runs, world_size, list(runs.values()), record_step=1, keep_first_grads=True)
+    return dict(zip(runs, results[0]))
+
+
+@functools.lru_cache(maxsize=None)
+def single_process_results(run: Run) -> dict:
+    return run_single(run, keep_first_grads=True)
