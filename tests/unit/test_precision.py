@@ -41,7 +41,7 @@ def test_auto_on_cpu_depends_on_bfloat16_kernels(monkeypatch, caplog, fast_bf16,
     if fast_bf16:
         assert "precision.param_dtype=auto: bfloat16 on CPU (oneDNN bfloat16 kernels available)" in caplog.text
     else:
-        assert ("precision.param_dtype=auto: float32, because this CPU has no AVX-512 bfloat16 kernels and "
+        assert ("precision.param_dtype=auto: float32, because this CPU has no oneDNN bfloat16 kernels and "
                 "bfloat16 matmuls would run many times slower than float32") in caplog.text
 
 

@@ -163,7 +163,7 @@ def _resolve_param_dtype(choice: str, device: torch.device) -> torch.dtype:
         if cpu_has_fast_bf16():
             logger.info("precision.param_dtype=auto: bfloat16 on CPU (oneDNN bfloat16 kernels available)")
             return torch.bfloat16
-        logger.info("precision.param_dtype=auto: float32, because this CPU has no AVX-512 bfloat16 kernels and "
+        logger.info("precision.param_dtype=auto: float32, because this CPU has no oneDNN bfloat16 kernels and "
                     "bfloat16 matmuls would run many times slower than float32; set precision.param_dtype=bfloat16 "
                     "explicitly to test bfloat16 numerics anyway")
         return torch.float32
@@ -181,7 +181,8 @@ def _resolve_param_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """Whether oneDNN has bfloat16 kernels for this CPU (AVX-512 BF16/AMX); False means reference loops."""
+    """Whether oneDNN has bfloat16 kernels for this CPU (x86 AVX-512 BW/VL/DQ, or Arm BF16); without
+    them bfloat16 matmuls run as reference loops."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a build without oneDNN
