@@ -106,6 +106,26 @@ def test_converter_swaps_exactly_the_planned_modules_and_leaves_its_config_alone
     assert float8_plan(model, config) == converter.plan
 
 
+@pytest.mark.parametrize("fields, model_fn, expected", [
+    ({}, _tiny_llama_like, {"layers.0.attention.wq", "output"}),
+    ({"filter_fqns": ["output"]}, _tiny_llama_like, {"layers.0.attention.wq"}),
+    ({"filter_fqns": ["auto_filter_small_kn"]},
+     lambda: _meta({"keep_wide_n": (16, 1040), "skip_edge": (4096, 1024), "keep_deep_k": (4112, 16)}),
+     {"keep_wide_n", "keep_deep_k"}),
+    ({"recipe_name": "rowwise", "filter_fqns": ["auto_filter_small_kn"]},
+     lambda: _meta({"keep": (1040, 4112), "small_n": (4096, 2048), "small_both": (2048, 4096)}),
+     {"keep"}),
+])
+def test_conversion_on_the_meta_model_swaps_exactly_the_expected_linears(fields, model_fn, expected):
+    model = model_fn()
+    Float8LinearConverter.Config(**fields).build(parallel_dims=None, config=JOB).convert(model)
+    swapped = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    untouched = {fqn for fqn, m in model.named_modules() if type(m) is nn.Linear}
+    assert swapped == expected
+    assert swapped.isdisjoint(untouched) and len(swapped | untouched) == sum(
+        isinstance(m, nn.Linear) for m in model.modules())
+
+
 def test_table_lists_every_linear_and_the_fp8_share_of_linear_flops():
     rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]))
     table = format_float8_plan(rows)
