@@ -56,7 +56,8 @@ class Precision(Configurable):
         """Consecutive overflow-free steps before the loss scale grows."""
         mixed_precision_eval: bool = True
         """Run validation forward passes in param_dtype like training (True) or in float32 (False).
-        float32 evaluation needs the non-FSDP path: FSDP casts parameters to param_dtype in every forward."""
+        float32 evaluation needs the non-FSDP path: FSDP casts parameters to param_dtype in every forward.
+        Linears converted to FP8 compute in FP8 either way."""
 
         def __post_init__(self) -> None:
             _check_choice("precision.param_dtype", self.param_dtype, PARAM_DTYPE_CHOICES)
