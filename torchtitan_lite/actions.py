@@ -1,6 +1,7 @@
 """Command-line actions that inspect a config instead of training with it."""
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -50,22 +51,27 @@ def _print_fp8_plan(cli) -> str:
     if not float8:
         return (f"config '{cli.config_name}' has no float8 converter: every Linear runs in "
                 f"{cfg.precision.param_dtype}. Add one with --model_converters.converters float8")
-    converter = float8[0].build(parallel_dims=None, config=cfg)
+    converter = float8[0].build(parallel_dims=_parallel_dims(cfg), config=cfg)
     return converter.explain(model, seq_len=cfg.training.seq_len,
                              total_flops_per_token=model.flops_per_token(cfg.training.seq_len))
 
 
-def _check_config(cli) -> str:
-    """What run_train.sh runs before torchrun, so bad degrees fail before any process starts."""
-    import os
-
-    from models import build_model_args, get_model_spec
+def _parallel_dims(cfg):
+    """The layout the config would get at launch; world size from WORLD_SIZE, NGPU or NPROC."""
     from torchtitan_lite.distributed.parallel_dims import ParallelDims
 
-    cfg = cli.config
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    dims = ParallelDims(dp_replicate=cfg.parallelism.dp_replicate, dp_shard=cfg.parallelism.dp_shard,
+    world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or os.environ.get("NPROC") or 1)
+    return ParallelDims(dp_replicate=cfg.parallelism.dp_replicate, dp_shard=cfg.parallelism.dp_shard,
                         tp=cfg.parallelism.tp, world_size=world_size)
+
+
+def _check_config(cli) -> str:
+    """What run_train.sh runs before torchrun, so bad degrees fail before any process starts."""
+    from models import build_model_args, get_model_spec
+
+    cfg = cli.config
+    dims = _parallel_dims(cfg)
+    world_size = dims.world_size
     spec = get_model_spec(cfg.model.name)
     args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers)
     dims.validate_for_model(args, cfg.training.seq_len, sequence_parallel=cfg.parallelism.enable_sequence_parallel)
