@@ -1,0 +1,194 @@
+"""Activation memory of the Llama 3 model: what autograd saves per token, per block, per AC mode.
+
+Notation (all per rank): T = local_batch_size x seq_len tokens; D = dim; Hq, Hkv = query / key-value
+heads on this rank (n_heads / tp, n_kv_heads / tp); hd = head_dim; F = ffn_hidden_dim / tp; V = vocab
+(/ tp with loss parallel); sp = tp with sequence parallel, else 1; a = bytes of the compute dtype
+(param_dtype); r = bytes of the residual stream (a with FSDP, which casts parameters; 4 under autocast,
+where the embedding and the residual additions stay float32).
+
+Saved for backward by one block without checkpointing (eager; verified tensor by tensor with
+`torch.autograd.graph.saved_tensors_hooks` in tests/unit/test_memory_estimate.py):
+
+- each RMSNorm (2 per block), T/sp tokens: CUDA's fused kernel (`aten._fused_rms_norm`, backward
+  `_fused_rms_norm_backward(grad, input, normalized_shape, rstd, weight)`) saves its input (D x r) and
+  the float32 rstd (4); the CPU composite saves a float32 copy of the input, the float32 normalized
+  input (for the weight gradient) and rstd: 8 D + 4;
+- each norm output, read by the Linears after it (wq/wk/wv, w1/w3): one shared tensor of D x a; under
+  autocast each Linear saves its own cast copy (autocast caches casts of leaf weights only); with
+  float8 TP styles the gathered input is float8: D x 1;
+- q after rotary, and k, v repeated to Hq heads (`repeat_kv` copies; without GQA the projections
+  themselves): 3 x Hq x hd x a (rotary saves only slices of the float32 cos/sin table);
+- SDPA (flash / memory-efficient on CUDA, flash on CPU): output Hq x hd x a and float32 logsumexp Hq x 4;
+  wo reads the output as a view (float8 TP: plus a float8 copy, Hq x hd x 1);
+- SwiGLU: w1 output (read by SiLU), SiLU output and w3 output (read by the product), the product
+  (read by w2; float8 TP: its float8 copy): 4 x F x a.
+
+Per AC mode (torchtitan_lite/distributed/activation_checkpoint.py):
+
+- full: the block input only, D x r per T/sp tokens; the block's saved set is rebuilt in backward;
+- selective 'op': the block input plus the outputs the policy keeps: matmuls 1, 3, 5, 7 of the block
+  in forward order (wq: Hq x hd, wv: Hkv x hd, w1: F, w2: D x a; a row-parallel w2's matmul output is
+  the full-sequence partial sum), SDPA output + logsumexp, and with TP + SP the two reduce-scatter
+  outputs (D / sp each); float8 amax scalars are negligible;
+- selective N: every Nth block (N-1, 2N-1, ...) full, the others none.
+
+Head and loss: the final norm as above and the output projection's input (D x a); the loss upcasts
+logits to float32 (components/loss.py) and log-softmax saves float32 log-probs, so its backward holds
+the saved log-probs plus the float32 gradient in and out of log-softmax: 12 x V bytes per token at once
+(16 x V with loss parallel, whose fused backward holds one more float32 temporary).
+A compiled loss (Inductor) keeps the logits instead and writes their gradient directly: 2 x V x a.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ActivationSetup:
+    tokens: int
+    """Tokens of one micro-batch on this rank: local_batch_size x seq_len."""
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    n_layers: int
+    tp: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    compute_bytes: int
+    residual_bytes: int
+    autocast: bool
+    float8_tp: bool
+    fused_rms_norm: bool
+    """CUDA: F.rms_norm runs the fused kernel; CPU: the composite."""
+    compiled_loss: bool
+
+    @property
+    def sp(self) -> int:
+        return self.tp if self.sequence_parallel and self.tp > 1 else 1
+
+    @property
+    def hq(self) -> int:
+        return self.n_heads // self.tp
+
+    @property
+    def hkv(self) -> int:
+        return self.n_kv_heads // self.tp
+
+    @property
+    def ffn(self) -> int:
+        return math.ceil(self.ffn_dim / self.tp)
+
+    @property
+    def vocab(self) -> int:
+        return math.ceil(self.vocab_size / self.tp) if self.loss_parallel and self.tp > 1 else self.vocab_size
+
+
+def norm_saved_bytes(s: ActivationSetup) -> int:
+    """What one RMSNorm saves, over the tokens it sees (T / sp)."""
+    per_token = s.dim * s.residual_bytes + 4 if s.fused_rms_norm else 8 * s.dim + 4
+    return per_token * s.tokens // s.sp
+
+
+def norm_output_bytes(s: ActivationSetup, consumers: int) -> int:
+    """The norm output as saved by the `consumers` Linears that read it (full sequence)."""
+    if s.float8_tp:
+        return s.tokens * s.dim
+    copies = consumers if s.autocast else 1
+    return copies * s.tokens * s.dim * s.compute_bytes
+
+
+def block_saved_bytes(s: ActivationSetup) -> dict[str, int]:
+    """Saved tensors of one block without checkpointing, by part."""
+    t, a = s.tokens, s.compute_bytes
+    attention = s.hq * s.head_dim
+    return {
+        "norms": 2 * norm_saved_bytes(s),
+        "norm outputs": norm_output_bytes(s, 3) + norm_output_bytes(s, 2),
+        "q, k, v": 3 * t * attention * a,
+        "sdpa": t * attention * a + t * s.hq * 4 + (t * attention if s.float8_tp else 0),
+        "swiglu": 3 * t * s.ffn * a + t * s.ffn * (1 if s.float8_tp else a),
+    }
+
+
+def block_input_bytes(s: ActivationSetup) -> int:
+    return s.tokens // s.sp * s.dim * s.residual_bytes
+
+
+def selective_op_bytes(s: ActivationSetup) -> int:
+    """Block input plus the outputs the per-op policy saves."""
+    t, a = s.tokens, s.compute_bytes
+    matmuls = t * (s.hq * s.head_dim + s.hkv * s.head_dim + s.ffn + s.dim) * a
+    sdpa = t * s.hq * s.head_dim * a + t * s.hq * 4
+    reduce_scatters = 2 * t // s.sp * s.dim * a if s.sp > 1 else 0
+    return block_input_bytes(s) + matmuls + sdpa + reduce_scatters
+
+
+def wrapped_blocks(mode: str, selective_option: str, n_layers: int) -> list[bool]:
+    """Which blocks the AC mode wraps in a checkpoint (the same rule as apply_ac)."""
+    if mode == "full" or (mode == "selective" and selective_option == "op"):
+        return [True] * n_layers
+    if mode == "selective":
+        every = int(selective_option) if selective_option.isdigit() else 0
+        if every < 1:
+            raise ValueError(f"activation_checkpoint.selective_option={selective_option!r} must be 'op' or a "
+                             "positive integer N (checkpoint every Nth block)")
+        return [(i + 1) % every == 0 for i in range(n_layers)]
+    return [False] * n_layers
+
+
+def block_plan(s: ActivationSetup, mode: str, selective_option: str) -> list[tuple[int, int]]:
+    """Per block: (bytes it keeps from forward to backward, bytes its backward recomputes)."""
+    selective_op = mode == "selective" and selective_option == "op"
+    none = sum(block_saved_bytes(s).values())
+    kept = selective_op_bytes(s) if selective_op else block_input_bytes(s)
+    recompute = recompute_bytes(s, selective_op=selective_op)
+    return [(kept, recompute) if wrapped else (none, 0)
+            for wrapped in wrapped_blocks(mode, selective_option, s.n_layers)]
+
+
+def recompute_bytes(s: ActivationSetup, *, selective_op: bool) -> int:
+    """What backward adds when it re-runs a checkpointed block: the block's saved set, minus the
+    tensors the checkpoint already holds (its input, which the first norm saves as is when it is
+    float32 or the norm is fused; under the op policy also the SDPA outputs, w1's output, and v when
+    it is not repeated)."""
+    none = sum(block_saved_bytes(s).values())
+    kept_input = block_input_bytes(s) if s.fused_rms_norm or s.residual_bytes == 4 else 0
+    if not selective_op:
+        return none - kept_input
+    t, a = s.tokens, s.compute_bytes
+    reused = t * s.hq * s.head_dim * a + t * s.hq * 4 + t * s.ffn * a
+    if s.hkv == s.hq:
+        reused += t * s.hkv * s.head_dim * a
+    return none - kept_input - reused
+
+
+def head_saved_bytes(s: ActivationSetup) -> int:
+    """Final norm and the output projection's input."""
+    return norm_saved_bytes(s) + norm_output_bytes(s, 1)
+
+
+def loss_transient_bytes(s: ActivationSetup) -> int:
+    """Peak of the cross-entropy forward/backward on top of everything saved."""
+    if s.compiled_loss:
+        return 2 * s.tokens * s.vocab * s.compute_bytes
+    if s.loss_parallel and s.tp > 1:
+        # torch/distributed/tensor/parallel/loss.py fuses both backwards into
+        # (zeros_like(x) scattered + exp(x)) * grad: log-probs, that buffer, exp(x) and their sum coexist.
+        return 16 * s.tokens * s.vocab
+    return 12 * s.tokens * s.vocab
+
+
+def logits_grad_bytes(s: ActivationSetup) -> int:
+    """Gradient of the logits, in the compute dtype, alive through the output projection's backward."""
+    return s.tokens * s.vocab * s.compute_bytes
+
+
+def block_backward_working_bytes(s: ActivationSetup) -> int:
+    """Activation gradients alive at once inside one block's backward: at the SwiGLU product the
+    gradients of the product, of w1's and of w3's output coexist (3 x F x a per token), next to the
+    residual-stream gradient (D x r)."""
+    return s.tokens * (3 * s.ffn * s.compute_bytes + s.dim * s.residual_bytes)

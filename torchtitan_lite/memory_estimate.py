@@ -1,0 +1,326 @@
+"""Per-rank memory of a training config, predicted before launch from the config alone.
+
+`estimate_memory(config, world_size=N)` builds the model on the meta device, lays its parameters out the
+way `models.llama3.parallelize` will (TP, then FSDP2 sharding; memory/layout.py), sizes every component
+below per rank, and finds the peak over the moments of a training step (memory/timeline.py).
+
+Components:
+
+  parameters        float32 master weights, sharded by TP and by FSDP (dp_shard); dp_replicate copies them
+  optimizer states  AdamW: 2 fp32 moments + a float32 `step` per parameter; torchao low-bit: codes + fp32
+                    block scales (+ qmap) per moment, fp32 for small tensors (memory/optimizer_states.py)
+  buffers           the float32 rotary table, on every rank
+  gradients         float32 with the parameters' sharding: FSDP2 casts the reduce-scattered gradient back
+                    to the sharded parameter's dtype (`reduce_output = _to_dtype_if_needed(reduce_output,
+                    orig_dtype)` in `foreach_reduce`, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)
+                    and without FSDP autograd accumulates into the float32 parameter's .grad (under TP
+                    the embedding's gradient is replicated: see memory/layout.py)
+  step scratch      temporaries of the optimizer kernel (none for the fused kernel that 'auto' picks)
+  activations       what every block keeps for backward under the AC mode (memory/activations.py)
+  head activations  the final norm's and the output projection's saved inputs
+  loss transient    cross-entropy in float32: saved log-probs + gradients in and out of log-softmax
+  FSDP gathered     all-gathered parameters in param_dtype (1 byte for float8 all-gathered weights); the
+                    row gives the largest amount gathered at once
+  autocast copies   without FSDP and below float32: autocast's cached low-precision copy of each
+                    high-precision Linear weight; the cache is freed when the autocast region exits, and
+                    the trainer runs backward inside it, so they last until the optimizer step
+  float8 casts      float8 input, weight and output-gradient copies of one converted Linear; torchao 0.18
+                    saves the high-precision input and weight and re-casts in backward
+                    (`ctx.save_for_backward(input_hp, weight_hp_t)` in torchao/float8/float8_linear.py;
+                    `force_recompute_fp8_weight_in_bwd` is deprecated there and changes nothing)
+  CUDA context      on CUDA only, `CUDA_CONTEXT_BYTES` that the caching allocator never sees
+
+`peak_allocated` is comparable with `torch.cuda.max_memory_allocated()`, `total` with nvidia-smi. The
+activation terms describe eager execution (checked against autograd's saved tensors and the CPU
+profiler in tests/unit/test_memory_estimate.py); torch.compile usually saves less, so compiled runs
+should come in under the estimate. The vocabulary is the flavor's: a tokenizer with a larger
+vocabulary grows the embedding and output at run time.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.memory.activations import (
+    ActivationSetup,
+    block_backward_working_bytes,
+    block_plan,
+    head_saved_bytes,
+    logits_grad_bytes,
+    loss_transient_bytes,
+)
+from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, ModelLayout, ParamLayout, model_layout
+from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
+from torchtitan_lite.memory.timeline import StepSizes, step_moments
+
+GIB = 1024**3
+
+CUDA_CONTEXT_BYTES = 768 * 1024**2
+"""CUDA context, loaded kernels, cuBLAS/NCCL internal buffers: device memory that nvidia-smi shows but
+torch.cuda.max_memory_allocated() does not (typically 0.5-1 GiB on H100 with torch 2.x + NCCL)."""
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryTerm:
+    name: str
+    nbytes: int
+    how: str
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    terms: tuple[MemoryTerm, ...]
+    """Size of each component (its largest value during the step for transient ones)."""
+    moments: tuple[tuple[str, int], ...]
+    """Device bytes allocated at each candidate peak moment of a step (memory/timeline.py)."""
+    layout: str
+    device_type: str
+    world_size: int
+
+    def __getitem__(self, name: str) -> int:
+        for term in self.terms:
+            if term.name == name:
+                return term.nbytes
+        raise KeyError(f"no memory term {name!r}; terms: {[t.name for t in self.terms]}")
+
+    @property
+    def parameters(self) -> int:
+        return self["parameters"]
+
+    @property
+    def gradients(self) -> int:
+        return self["gradients"]
+
+    @property
+    def optimizer_states(self) -> int:
+        return self["optimizer states"]
+
+    @property
+    def peak_moment(self) -> str:
+        return max(self.moments, key=lambda m: m[1])[0]
+
+    @property
+    def peak_allocated(self) -> int:
+        """Peak bytes held by the framework's allocator (torch.cuda.max_memory_allocated on CUDA)."""
+        return max(nbytes for _, nbytes in self.moments)
+
+    @property
+    def total(self) -> int:
+        """Peak device memory including the CUDA context the allocator does not see."""
+        return self.peak_allocated + (CUDA_CONTEXT_BYTES if self.device_type == "cuda" else 0)
+
+
+def estimate_memory(config, *, world_size: int, device_type: str | None = None) -> MemoryEstimate:
+    """Predict the per-rank memory of training `config` on `world_size` ranks of `device_type`
+    ('cuda' or 'cpu'; default: this machine's)."""
+    device_type = device_type or dist_utils.device_type()
+    layout = model_layout(config, world_size=world_size)
+    dims, ac = layout.dims, config.activation_checkpoint
+    param_bytes = _param_dtype_bytes(config.precision.param_dtype, device_type)
+    reduce_bytes = _DTYPE_BYTES[config.precision.reduce_dtype]
+    s = _activation_setup(config, layout, param_bytes, device_type)
+    fsdp = dims.fsdp_enabled
+    offload = config.parallelism.fsdp_cpu_offload and fsdp
+    units = sorted({p.unit for p in layout.params})
+    low_bit = config.optimizer.low_bit
+
+    params = sum(p.local_numel for p in layout.params) * MASTER_WEIGHT_BYTES
+    states = sum(state_bytes(p.local_numel, low_bit) for p in layout.params)
+    grads = {u: sum(_grad_numel(p, fsdp) for p in layout.unit_params(u)) * MASTER_WEIGHT_BYTES for u in units}
+    scratch, scratch_how = step_temporary_bytes([p.local_numel for p in layout.params], low_bit=low_bit,
+                                                implementation=config.optimizer.implementation,
+                                                device_type=device_type)
+    if not fsdp and any(p.replicated_grad for p in layout.params):
+        # The optimizer's DTensor op redistributes a replicated gradient to the parameter's shard: a copy.
+        scratch += sum(p.local_numel for p in layout.params if p.replicated_grad) * MASTER_WEIGHT_BYTES
+        scratch_how += " + shard copy of the replicated embedding gradient"
+    plan = block_plan(s, ac.mode, ac.selective_option)
+    gathered = {u: _gathered_bytes(layout, u, param_bytes) for u in units} if fsdp else {}
+    float8 = _float8_cast_bytes(layout, s)
+    sizes = StepSizes(
+        persistent=(0 if offload else params + states) + layout.buffer_bytes,
+        grads={u: 0 if offload else g for u, g in grads.items()},
+        grad_buffers={u: _grad_buffer_bytes(layout, u, s, fsdp, param_bytes, reduce_bytes) for u in units},
+        gathered=gathered, block_plan=plan, head_saved=head_saved_bytes(s), autocast_copies=_autocast_copies(layout, s),
+        loss_transient=loss_transient_bytes(s), logits_grad=logits_grad_bytes(s),
+        block_working=block_backward_working_bytes(s) + float8, optimizer_scratch=0 if offload else scratch,
+        accumulating=_microbatches(config, dims) > 1,
+        reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+        head_units=tuple(u for u in ("head", "root") if u in units),
+    )
+    moments = step_moments(sizes)
+
+    sharding = _sharding_text(layout)
+    where = " (host: CPU offload)" if offload else ""
+    mode = ac.mode if ac.mode != "selective" else f"selective {ac.selective_option}"
+    kept = [k for k, _ in plan]
+    terms = [
+        MemoryTerm("parameters", params, f"fp32 master weights, {sharding}{where}"),
+        MemoryTerm("optimizer states", states, _optimizer_text(low_bit) + where),
+        MemoryTerm("buffers", layout.buffer_bytes, "fp32 rotary table, replicated"),
+        MemoryTerm("gradients", sum(grads.values()), f"fp32, {sharding}{where}"),
+        MemoryTerm("optimizer step scratch", sizes.optimizer_scratch, scratch_how),
+        MemoryTerm("activations", sum(kept),
+                   f"AC {mode}: {len(kept)} blocks x {_mib(max(kept))} max, {s.tokens} tokens/micro-batch, "
+                   f"{param_bytes}-byte compute"),
+        MemoryTerm("head activations", sizes.head_saved, "final norm + output projection input"),
+        MemoryTerm("loss transient", sizes.loss_transient,
+                   "compiled: logits + their gradient" if s.compiled_loss else "fp32 log-probs + 2 fp32 gradients"),
+        MemoryTerm("block backward transient", max(r for _, r in plan) + sizes.block_working
+                   + max((sizes.grad_buffers.get(f"layers.{i}", 0) for i in range(len(plan))), default=0),
+                   "recomputed activations (AC) + activation gradients + gradient buffers of one block"),
+        MemoryTerm("FSDP gathered params", _max_gathered(sizes), _gathered_text(config, fsdp, layout)),
+        MemoryTerm("autocast weight copies", sizes.autocast_copies,
+                   f"{param_bytes}-byte copy of each non-float8 Linear weight" if s.autocast else "no autocast"),
+        MemoryTerm("float8 casts", float8, "float8 operands of the largest converted Linear" if float8
+                   else "no float8 Linears"),
+    ]
+    if device_type == "cuda":
+        terms.append(MemoryTerm("CUDA context", CUDA_CONTEXT_BYTES, "outside the caching allocator (constant)"))
+    return MemoryEstimate(terms=tuple(terms), moments=tuple(moments),
+                          layout=f"{dims.describe()} (world size {world_size})", device_type=device_type,
+                          world_size=world_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dtypes and setup
+
+
+def _param_dtype_bytes(choice: str, device_type: str) -> int:
+    if choice != "auto":
+        return _DTYPE_BYTES[choice]
+    # 'auto' is bfloat16 on CPUs and on CUDA GPUs from Ampere on (components/precision.py); an estimate
+    # for CUDA made on a machine without a GPU assumes such a GPU.
+    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+        return 4
+    return 2
+
+
+def _activation_setup(config, layout: ModelLayout, param_bytes: int, device_type: str) -> ActivationSetup:
+    args, dims, par = layout.args, layout.dims, config.parallelism
+    # Without FSDP, low precision comes from autocast: parameters, embedding output and residual stay fp32.
+    autocast = not dims.fsdp_enabled and param_bytes < 4
+    return ActivationSetup(
+        tokens=config.training.local_batch_size * config.training.seq_len,
+        dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+        ffn_dim=args.ffn_hidden_dim, vocab_size=args.vocab_size, n_layers=args.n_layers, tp=dims.tp,
+        sequence_parallel=par.enable_sequence_parallel, loss_parallel=par.enable_loss_parallel,
+        compute_bytes=param_bytes, residual_bytes=4 if autocast else param_bytes, autocast=autocast,
+        float8_tp=layout.float8_tp, fused_rms_norm=device_type == "cuda",
+        compiled_loss=config.compile.enable and "loss" in config.compile.components,
+    )
+
+
+def _microbatches(config, dims) -> int:
+    t = config.training
+    return 1 if t.global_batch_size < 0 else max(1, t.global_batch_size // (t.local_batch_size * dims.dp_degree))
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-unit sizes
+
+
+def _gathered_bytes(layout: ModelLayout, unit: str, param_bytes: int) -> int:
+    return sum(p.tp_numel * (1 if p.float8 and layout.float8_all_gather else param_bytes)
+               for p in layout.unit_params(unit))
+
+
+def _grad_numel(p: ParamLayout, fsdp: bool) -> int:
+    # FSDP turns a replicated gradient back into its shard before the reduce-scatter; without FSDP it is
+    # stored as the replicated .grad.
+    return p.global_numel if p.replicated_grad and not fsdp else p.local_numel
+
+
+def _grad_buffer_bytes(layout: ModelLayout, unit: str, s: ActivationSetup, fsdp: bool, param_bytes: int,
+                       reduce_bytes: int) -> int:
+    params = layout.unit_params(unit)
+    if fsdp:
+        # Unsharded gradients in param_dtype, copied into a fresh reduce_dtype buffer for the reduce-scatter
+        # (`foreach_reduce_scatter_copy_in` in _fsdp_collectives.py).
+        unsharded = sum(p.global_numel if p.replicated_grad else p.tp_numel for p in params)
+        return unsharded * param_bytes + sum(p.tp_numel for p in params) * reduce_bytes
+    if s.autocast:
+        # The gradient of autocast's low-precision weight copy, before it is cast into the fp32 .grad.
+        return sum(p.tp_numel for p in params if p.is_linear and not p.float8) * param_bytes
+    return 0
+
+
+def _autocast_copies(layout: ModelLayout, s: ActivationSetup) -> int:
+    if not s.autocast:
+        return 0
+    return sum(lin.tp_numel for lin in layout.linears if not lin.float8) * s.compute_bytes
+
+
+def _float8_cast_bytes(layout: ModelLayout, s: ActivationSetup) -> int:
+    converted = [lin for lin in layout.linears if lin.float8]
+    # One Linear at a time: its float8 input (T x in), output gradient (T x out) and weight, 1 byte each.
+    return max((s.tokens * (lin.in_features + lin.out_features) + lin.tp_numel for lin in converted), default=0)
+
+
+def _max_gathered(sizes: StepSizes) -> int:
+    if not sizes.gathered:
+        return 0
+    if sizes.reshard_after_forward == "never":
+        return sum(sizes.gathered.values())
+    head = sum(sizes.gathered.get(u, 0) for u in sizes.head_units)
+    blocks = sorted((v for u, v in sizes.gathered.items() if u.startswith("layers.")), reverse=True)
+    return max(head + sum(blocks[:1]), sum(blocks[:2]) + sizes.gathered.get("root", 0))
+
+
+def _gathered_text(config, fsdp: bool, layout: ModelLayout) -> str:
+    if not fsdp:
+        return "no FSDP"
+    policy = config.parallelism.fsdp_reshard_after_forward
+    float8 = ", float8 all-gather" if layout.float8_all_gather else ""
+    return f"reshard_after_forward={policy}{float8}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Text
+
+
+def _sharding_text(layout: ModelLayout) -> str:
+    dims = layout.dims
+    parts = [f"TP {dims.tp}"] if dims.tp_enabled else []
+    if dims.fsdp_enabled and dims.dp_shard > 1:
+        parts.append(f"FSDP {dims.dp_shard}")
+    return "sharded " + " x ".join(parts) if parts else "not sharded"
+
+
+def _optimizer_text(low_bit: str | None) -> str:
+    if low_bit is None:
+        return "2 x fp32 moments + step"
+    return f"torchao {low_bit}: 2 x (codes + fp32 block scales) + step; fp32 below 4096 elements"
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 1024**2:.1f} MiB"
+
+
+def estimate_memory_text(config, *, world_size: int | None = None, device_type: str | None = None) -> str:
+    """The estimate as a table. World size defaults to the launch environment (WORLD_SIZE, else NGPU or
+    NPROC as run_train.sh uses them, else 1)."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or os.environ.get("NPROC") or 1)
+    est = estimate_memory(config, world_size=world_size, device_type=device_type)
+    blocks = [m for m in est.moments if m[0].startswith("block ")]
+    moments = [m for m in est.moments if not m[0].startswith("block ")]
+    moments.insert(2, max(blocks, key=lambda m: m[1]))
+    rows = [(t.name, t.nbytes, t.how) for t in est.terms]
+    rows += [(f"at {name}", nbytes, "<- peak" if nbytes == est.peak_allocated else "") for name, nbytes in moments]
+    rows.append(("peak allocated", est.peak_allocated, "compare with torch.cuda.max_memory_allocated()"))
+    if est.device_type == "cuda":
+        rows.append(("total per device", est.total, "peak allocated + CUDA context (nvidia-smi)"))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"memory estimate per rank: {est.layout}, {est.device_type}",
+             f"{'component':<{width}}  {'GiB':>9}  {'bytes':>17}  how"]
+    for i, (name, nbytes, how) in enumerate(rows):
+        if i == len(est.terms):
+            lines.append(f"{'step moments':<{width}}  (device bytes allocated at each candidate peak)")
+        lines.append(f"{name:<{width}}  {nbytes / GIB:>9.3f}  {nbytes:>17,}  {how}")
+    return "\n".join(lines)
