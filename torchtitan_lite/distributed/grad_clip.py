@@ -44,8 +44,24 @@ def clip_grad_norm_(
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
             total = total ** (1.0 / norm_type)
     if max_norm > 0 and torch.isfinite(total):
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=foreach)
+        _scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0), foreach)
     return total
+
+
+def _scale_(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:
+    # Scaling is elementwise, so each rank scales its local shards; this also mixes freely DTensors of
+    # different meshes and plain tensors, which one foreach call over the DTensors themselves cannot.
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g  # under no_grad: the local shard itself
+        by_device.setdefault(local.device, []).append(local)
+    for device, tensors in by_device.items():
+        factor = coef.to(device)
+        if foreach is False:
+            for t in tensors:
+                t.mul_(factor)
+        else:
+            torch._foreach_mul_(tensors, factor)
 
 
 def _total_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:

@@ -1,0 +1,43 @@
+"""The meshes ParallelDims builds on 4 ranks, and pure replication (dp_replicate=2, dp_shard=1) with TP."""
+from __future__ import annotations
+
+from _harness import run_ranks
+from _llama_steps import Run, run_layout, single_process_results
+from torchtitan_lite.distributed.parallel_dims import ParallelDims
+
+
+def _describe(dims: ParallelDims) -> dict:
+    return {
+        "dp_rank": dims.dp_rank,
+        "dp_mesh": None if dims.dp_mesh is None else (dims.dp_mesh.size(), dims.dp_mesh.get_local_rank()),
+        "fsdp_mesh": None if dims.fsdp_mesh is None else (tuple(dims.fsdp_mesh.shape), dims.fsdp_mesh.mesh_dim_names),
+        "tp_mesh": None if dims.tp_mesh is None else (dims.tp_mesh.size(), dims.tp_mesh.get_local_rank()),
+    }
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    meshes = {}
+    for degrees in [(2, 1, 2), (1, 2, 2), (1, 4, 1), (1, 1, 4)]:
+        dims = ParallelDims(*degrees, world_size=world_size)
+        dims.build_mesh("cpu")
+        meshes[degrees] = _describe(dims)
+    replicate_tp = Run(dp_replicate=2, tp=2, steps=3)
+    return {"meshes": meshes, "losses": run_layout(rank, world_size, replicate_tp)["losses"]}
+
+
+def test_meshes_on_four_ranks_and_replication_with_tp_trains_like_one_process():
+    results = run_ranks(_worker, 4)
+    for rank, result in enumerate(results):
+        m = result["meshes"]
+        # (dp_replicate, dp_shard, tp) grid, tp innermost: ranks 2k and 2k+1 form a TP group.
+        assert m[(2, 1, 2)] == {"dp_rank": rank // 2, "dp_mesh": (2, rank // 2),
+                                "fsdp_mesh": ((2, 1), ("dp_replicate", "dp_shard")), "tp_mesh": (2, rank % 2)}
+        assert m[(1, 2, 2)] == {"dp_rank": rank // 2, "dp_mesh": (2, rank // 2),
+                                "fsdp_mesh": ((2,), ("dp_shard",)), "tp_mesh": (2, rank % 2)}
+        assert m[(1, 4, 1)] == {"dp_rank": rank, "dp_mesh": (4, rank), "fsdp_mesh": ((4,), ("dp_shard",)),
+                                "tp_mesh": None}
+        assert m[(1, 1, 4)] == {"dp_rank": 0, "dp_mesh": None, "fsdp_mesh": None, "tp_mesh": (4, rank)}
+    reference = single_process_results(Run(steps=3))["losses"]
+    # fp32 summation-order differences only (see test_parallel_layouts).
+    for a, b in zip(results[0]["losses"], reference, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
