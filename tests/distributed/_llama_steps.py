@@ -56,6 +56,7 @@ class Run:
     compile_backend: str = "inductor"
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    reshard_after_forward: str = "default"
     steps: int = 10
 
     @property
@@ -63,8 +64,13 @@ class Run:
         return self.dp_replicate * self.dp_shard * self.tp
 
     def single_process(self) -> "Run":
-        """The reference for this run: same numerics settings on one process."""
-        return dataclasses.replace(self, dp_replicate=1, dp_shard=1, tp=1)
+        """The reference for this run: the same numerics on one process (layout-only settings reset)."""
+        defaults = Run()
+        return dataclasses.replace(
+            self, dp_replicate=1, dp_shard=1, tp=1, fp8_all_gather=False, precompute=False,
+            sequence_parallel=defaults.sequence_parallel, loss_parallel=defaults.loss_parallel,
+            reshard_after_forward=defaults.reshard_after_forward,
+        )
 
 
 def global_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,7 +99,8 @@ def parallel_config(run: Run) -> SimpleNamespace:
     return SimpleNamespace(
         parallelism=ParallelismConfig(dp_replicate=run.dp_replicate, dp_shard=run.dp_shard, tp=run.tp,
                                       enable_sequence_parallel=run.sequence_parallel,
-                                      enable_loss_parallel=run.loss_parallel),
+                                      enable_loss_parallel=run.loss_parallel,
+                                      fsdp_reshard_after_forward=run.reshard_after_forward),
         activation_checkpoint=ActivationCheckpointConfig(mode=run.ac_mode, selective_option=run.ac_option),
         compile=CompileConfig(enable=run.compile, components=["model", "loss"], backend=run.compile_backend),
     )
@@ -218,10 +225,17 @@ VARIANTS = {
     "fp8": dict(float8="tensorwise", fp8_all_gather=True, precompute=True),
 }
 # Extra runs on particular layouts: float8 all-gather without the scale precompute (to count its
-# all-reduces), and a row-wise recipe with 2-D FSDP x TP.
+# all-reduces), the other reshard policies, bf16 with float8, a row-wise recipe with 2-D FSDP x TP, and
+# TP without sequence and loss parallelism.
 EXTRA_VARIANTS = {
-    "fsdp2": {"fp8_no_precompute": dict(float8="tensorwise", fp8_all_gather=True, steps=2)},
+    "fsdp2": {
+        "fp8_no_precompute": dict(float8="tensorwise", fp8_all_gather=True, steps=2),
+        "reshard_always": dict(reshard_after_forward="always", steps=2),
+        "reshard_never": dict(reshard_after_forward="never", steps=2),
+        "bf16_fp8": dict(param_dtype="bfloat16", float8="tensorwise", fp8_all_gather=True, precompute=True),
+    },
     "fsdp2_tp2": {"rowwise": dict(float8="rowwise")},
+    "tp2": {"no_sp_no_loss_parallel": dict(sequence_parallel=False, loss_parallel=False)},
 }
 
 

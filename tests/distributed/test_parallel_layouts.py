@@ -60,8 +60,27 @@ def test_float8_tensorwise_allgather_precompute_matches_single_process(layout):
     assert _rel_diff(ref["losses"], fp32["losses"]) > 1e-6
 
 
-def test_rowwise_float8_trains_on_fsdp_x_tp():
-    run = layout_runs("fsdp2_tp2")["rowwise"]
-    got, ref = layout_results("fsdp2_tp2")["rowwise"], single_process_results(run.single_process())
+@pytest.mark.parametrize("layout, variant, rtol", [
+    ("fsdp2_tp2", "rowwise", FP8_RTOL),
+    ("fsdp2", "bf16_fp8", BF16_RTOL),
+    ("fsdp2", "reshard_always", FP32_RTOL),
+    ("fsdp2", "reshard_never", FP32_RTOL),
+    ("tp2", "no_sp_no_loss_parallel", FP32_RTOL),
+])
+def test_other_variants_match_single_process(layout, variant, rtol):
+    run = layout_runs(layout)[variant]
+    got, ref = layout_results(layout)[variant], single_process_results(run.single_process())
     assert all(torch.isfinite(torch.tensor(got["losses"])))
-    assert _rel_diff(got["losses"], ref["losses"]) < FP8_RTOL, (got["losses"], ref["losses"])
+    assert _rel_diff(got["losses"], ref["losses"]) < rtol, (got["losses"], ref["losses"])
+
+
+@pytest.mark.parametrize("variant, block_all_gathers", [
+    ("reshard_always", 4),  # both blocks gathered again in backward
+    ("fp32", 3),  # default: the last block stays unsharded for backward
+    ("reshard_never", 2),  # nothing is gathered again
+])
+def test_reshard_after_forward_policy_sets_backward_all_gathers(variant, block_all_gathers):
+    calls = layout_results("fsdp2")[variant]["collectives"]["fwd_bwd"]
+    sizes = [c.nbytes for c in calls if c.op == "_allgather_base_"]
+    block_bytes = max(sizes)  # a block's parameters outweigh the embedding's and the head's here
+    assert sizes.count(block_bytes) == block_all_gathers, sizes
