@@ -33,8 +33,9 @@ Components:
 `peak_allocated` is comparable with `torch.cuda.max_memory_allocated()`, `total` with nvidia-smi. The
 activation terms describe eager execution (checked against autograd's saved tensors and the CPU
 profiler in tests/unit/test_memory_estimate.py); torch.compile usually saves less, so compiled runs
-should come in under the estimate. The vocabulary is the flavor's: a tokenizer with a larger
-vocabulary grows the embedding and output at run time.
+should come in under the estimate. The vocabulary is the flavor's, grown to the tokenizer's as the
+trainer does. The device type matters (the RMSNorm kernel differs): it defaults to this machine's, the
+one a training command launched here would use.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ from torchtitan_lite.memory.activations import (
 )
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, ModelLayout, ParamLayout, model_layout
 from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
-from torchtitan_lite.memory.timeline import StepSizes, step_moments
+from torchtitan_lite.memory.timeline import Moment, StepSizes, step_moments
 
 GIB = 1024**3
 
@@ -76,7 +77,7 @@ class MemoryTerm:
 class MemoryEstimate:
     terms: tuple[MemoryTerm, ...]
     """Size of each component (its largest value during the step for transient ones)."""
-    moments: tuple[tuple[str, int], ...]
+    moments: tuple[Moment, ...]
     """Device bytes allocated at each candidate peak moment of a step (memory/timeline.py)."""
     layout: str
     device_type: str
@@ -100,14 +101,20 @@ class MemoryEstimate:
     def optimizer_states(self) -> int:
         return self["optimizer states"]
 
+    def moment(self, name: str) -> Moment:
+        for moment in self.moments:
+            if moment.name == name:
+                return moment
+        raise KeyError(f"no moment {name!r}; moments: {[m.name for m in self.moments]}")
+
     @property
-    def peak_moment(self) -> str:
-        return max(self.moments, key=lambda m: m[1])[0]
+    def peak_moment(self) -> Moment:
+        return max(self.moments, key=lambda m: m.nbytes)
 
     @property
     def peak_allocated(self) -> int:
         """Peak bytes held by the framework's allocator (torch.cuda.max_memory_allocated on CUDA)."""
-        return max(nbytes for _, nbytes in self.moments)
+        return self.peak_moment.nbytes
 
     @property
     def total(self) -> int:
@@ -145,7 +152,9 @@ def estimate_memory(config, *, world_size: int, device_type: str | None = None) 
     sizes = StepSizes(
         persistent=(0 if offload else params + states) + layout.buffer_bytes,
         grads={u: 0 if offload else g for u, g in grads.items()},
-        grad_buffers={u: _grad_buffer_bytes(layout, u, s, fsdp, param_bytes, reduce_bytes) for u in units},
+        unsharded_grads={u: _unsharded_grad_bytes(layout, u, s, fsdp, param_bytes) for u in units},
+        reduce_buffers={u: sum(p.tp_numel for p in layout.unit_params(u)) * reduce_bytes if fsdp else 0
+                        for u in units},
         gathered=gathered, block_plan=plan, head_saved=head_saved_bytes(s), autocast_copies=_autocast_copies(layout, s),
         loss_transient=loss_transient_bytes(s), logits_grad=logits_grad_bytes(s),
         block_working=block_backward_working_bytes(s) + float8, optimizer_scratch=0 if offload else scratch,
@@ -171,10 +180,10 @@ def estimate_memory(config, *, world_size: int, device_type: str | None = None) 
         MemoryTerm("head activations", sizes.head_saved, "final norm + output projection input"),
         MemoryTerm("loss transient", sizes.loss_transient,
                    "compiled: logits + their gradient" if s.compiled_loss else "fp32 log-probs + 2 fp32 gradients"),
-        MemoryTerm("block backward transient", max(r for _, r in plan) + sizes.block_working
-                   + max((sizes.grad_buffers.get(f"layers.{i}", 0) for i in range(len(plan))), default=0),
-                   "recomputed activations (AC) + activation gradients + gradient buffers of one block"),
-        MemoryTerm("FSDP gathered params", _max_gathered(sizes), _gathered_text(config, fsdp, layout)),
+        MemoryTerm("block backward transient", max(r for _, r in plan) + sizes.block_working,
+                   "recomputed activations (AC) + activation gradients of one block"),
+        MemoryTerm("FSDP gathered params", max(m.parts.get("FSDP gathered", 0) for m in moments),
+                   _gathered_text(config, fsdp, layout)),
         MemoryTerm("autocast weight copies", sizes.autocast_copies,
                    f"{param_bytes}-byte copy of each non-float8 Linear weight" if s.autocast else "no autocast"),
         MemoryTerm("float8 casts", float8, "float8 operands of the largest converted Linear" if float8
@@ -236,14 +245,12 @@ def _grad_numel(p: ParamLayout, fsdp: bool) -> int:
     return p.global_numel if p.replicated_grad and not fsdp else p.local_numel
 
 
-def _grad_buffer_bytes(layout: ModelLayout, unit: str, s: ActivationSetup, fsdp: bool, param_bytes: int,
-                       reduce_bytes: int) -> int:
+def _unsharded_grad_bytes(layout: ModelLayout, unit: str, s: ActivationSetup, fsdp: bool, param_bytes: int) -> int:
     params = layout.unit_params(unit)
     if fsdp:
-        # Unsharded gradients in param_dtype, copied into a fresh reduce_dtype buffer for the reduce-scatter
-        # (`foreach_reduce_scatter_copy_in` in _fsdp_collectives.py).
-        unsharded = sum(p.global_numel if p.replicated_grad else p.tp_numel for p in params)
-        return unsharded * param_bytes + sum(p.tp_numel for p in params) * reduce_bytes
+        # FSDP2's unsharded gradients in param_dtype; foreach_reduce then copies them into a fresh
+        # reduce_dtype buffer for the reduce-scatter (`foreach_reduce_scatter_copy_in`, _fsdp_collectives.py).
+        return sum(p.global_numel if p.replicated_grad else p.tp_numel for p in params) * param_bytes
     if s.autocast:
         # The gradient of autocast's low-precision weight copy, before it is cast into the fp32 .grad.
         return sum(p.tp_numel for p in params if p.is_linear and not p.float8) * param_bytes
@@ -259,17 +266,8 @@ def _autocast_copies(layout: ModelLayout, s: ActivationSetup) -> int:
 def _float8_cast_bytes(layout: ModelLayout, s: ActivationSetup) -> int:
     converted = [lin for lin in layout.linears if lin.float8]
     # One Linear at a time: its float8 input (T x in), output gradient (T x out) and weight, 1 byte each.
+    # (The CPU torch._scaled_mm additionally upcasts its operands to float32 internally; not modelled.)
     return max((s.tokens * (lin.in_features + lin.out_features) + lin.tp_numel for lin in converted), default=0)
-
-
-def _max_gathered(sizes: StepSizes) -> int:
-    if not sizes.gathered:
-        return 0
-    if sizes.reshard_after_forward == "never":
-        return sum(sizes.gathered.values())
-    head = sum(sizes.gathered.get(u, 0) for u in sizes.head_units)
-    blocks = sorted((v for u, v in sizes.gathered.items() if u.startswith("layers.")), reverse=True)
-    return max(head + sum(blocks[:1]), sum(blocks[:2]) + sizes.gathered.get("root", 0))
 
 
 def _gathered_text(config, fsdp: bool, layout: ModelLayout) -> str:
@@ -308,19 +306,29 @@ def estimate_memory_text(config, *, world_size: int | None = None, device_type: 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or os.environ.get("NPROC") or 1)
     est = estimate_memory(config, world_size=world_size, device_type=device_type)
-    blocks = [m for m in est.moments if m[0].startswith("block ")]
-    moments = [m for m in est.moments if not m[0].startswith("block ")]
-    moments.insert(2, max(blocks, key=lambda m: m[1]))
+    peak = est.peak_moment
+    # Blocks differ only by how many activations remain: show the largest block moments.
+    blocks = [m for m in est.moments if m.name.startswith("block ")]
+    moments = [m for m in est.moments if not m.name.startswith("block ")]
+    moments[3:3] = [max((m for m in blocks if m.name.endswith(kind)), key=lambda m: m.nbytes)
+                    for kind in ("backward", "reduce-scatter")]
     rows = [(t.name, t.nbytes, t.how) for t in est.terms]
-    rows += [(f"at {name}", nbytes, "<- peak" if nbytes == est.peak_allocated else "") for name, nbytes in moments]
-    rows.append(("peak allocated", est.peak_allocated, "compare with torch.cuda.max_memory_allocated()"))
+    moment_rows = [(f"at {m.name}", m.nbytes, "<- peak" if m is peak else "") for m in moments]
+    breakdown = ", ".join(f"{k} {v / GIB:.2f}" for k, v in peak.parts.items() if v)
+    summary = [("peak allocated", est.peak_allocated, f"at {peak.name}: {breakdown} GiB")]
     if est.device_type == "cuda":
-        rows.append(("total per device", est.total, "peak allocated + CUDA context (nvidia-smi)"))
-    width = max(len(r[0]) for r in rows)
-    lines = [f"memory estimate per rank: {est.layout}, {est.device_type}",
-             f"{'component':<{width}}  {'GiB':>9}  {'bytes':>17}  how"]
-    for i, (name, nbytes, how) in enumerate(rows):
-        if i == len(est.terms):
-            lines.append(f"{'step moments':<{width}}  (device bytes allocated at each candidate peak)")
-        lines.append(f"{name:<{width}}  {nbytes / GIB:>9.3f}  {nbytes:>17,}  {how}")
-    return "\n".join(lines)
+        summary.append(("total per device", est.total, "peak allocated + CUDA context; compare with nvidia-smi"))
+    width = max(len(r[0]) for r in rows + moment_rows + summary)
+
+    def line(name: str, nbytes: int, how: str) -> str:
+        return f"{name:<{width}}  {nbytes / GIB:>9.3f}  {nbytes:>17,}  {how}".rstrip()
+
+    return "\n".join([
+        f"memory estimate per rank: {est.layout}, {est.device_type}"
+        + ("" if est.device_type == "cuda" else " (this machine; CUDA runs differ: estimate on the GPU host)"),
+        f"{'component':<{width}}  {'GiB':>9}  {'bytes':>17}  how",
+        *(line(*r) for r in rows),
+        f"{'step moments':<{width}}  device bytes allocated where the peak can occur",
+        *(line(*r) for r in moment_rows),
+        *(line(*r) for r in summary),
+    ])

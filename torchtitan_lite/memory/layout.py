@@ -110,7 +110,8 @@ def model_layout(config, *, world_size: int) -> ModelLayout:
     par = config.parallelism
     dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size)
     spec = get_model_spec(config.model.name)
-    args = build_model_args(spec, config.model.flavor, n_layers=config.model.n_layers)
+    args = build_model_args(spec, config.model.flavor, n_layers=config.model.n_layers,
+                            min_vocab_size=_tokenizer_vocab_size(config.tokenizer))
     dims.validate_for_model(args, config.training.seq_len, sequence_parallel=par.enable_sequence_parallel)
     with torch.device("meta"):
         model = spec.model_cls(args)
@@ -149,6 +150,14 @@ def model_layout(config, *, world_size: int) -> ModelLayout:
         float8_all_gather=bool(float8_cfg and float8_cfg.enable_fsdp_float8_all_gather and dims.fsdp_enabled),
         float8_tp=dims.tp_enabled and recipe == "tensorwise" and block_linears <= converted,
     )
+
+
+def _tokenizer_vocab_size(tokenizer_config) -> int:
+    """The vocabulary the trainer sizes the model with (it grows a smaller flavor vocabulary to it)."""
+    if tokenizer_config.path is None:
+        # The default tokenizer is trained to exactly this size; no need to build (or train) it here.
+        return tokenizer_config.vocab_size
+    return tokenizer_config.build().vocab_size  # loads the sentencepiece file
 
 
 def _float8_config(config) -> Float8LinearConverter.Config | None:

@@ -31,8 +31,11 @@ class StepSizes:
     """Parameters, optimizer states and buffers resident on the device."""
     grads: dict[str, int]
     """Gradients per unit (0 on the device with CPU offload)."""
-    grad_buffers: dict[str, int]
-    """Transient buffers while a unit's gradients are produced / reduced."""
+    unsharded_grads: dict[str, int]
+    """Gradients as backward produces them, before they reach their final sharded fp32 form: FSDP's
+    unsharded param_dtype gradients, or autocast's low-precision weight gradients."""
+    reduce_buffers: dict[str, int]
+    """FSDP's reduce_dtype copy of a unit's unsharded gradients for the reduce-scatter."""
     gathered: dict[str, int]
     """All-gathered parameter bytes per unit (empty without FSDP)."""
     block_plan: list[tuple[int, int]]
@@ -51,10 +54,22 @@ class StepSizes:
     """'head' (norm + output) and/or 'root' (a tied embedding lives there)."""
 
 
-def step_moments(z: StepSizes) -> list[tuple[str, int]]:
+@dataclass(frozen=True)
+class Moment:
+    name: str
+    parts: dict[str, int]
+    """Bytes allocated at this moment, by what holds them."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.parts.values())
+
+
+def step_moments(z: StepSizes) -> list[Moment]:
     n = len(z.block_plan)
     blocks = [f"layers.{i}" for i in range(n)]
     all_grads = sum(z.grads.values())
+    root = [u for u in z.head_units if u == "root"]
 
     def grads_done(units: list[str]) -> int:
         return all_grads if z.accumulating else sum(z.grads.get(u, 0) for u in units)
@@ -69,23 +84,42 @@ def step_moments(z: StepSizes) -> list[tuple[str, int]]:
     saved = [kept for kept, _ in z.block_plan]
     # Autocast keeps its weight casts cached until the autocast region exits, and the training step runs
     # backward inside that region: they live until the optimizer step.
-    copies = z.autocast_copies
+    common = {"persistent": z.persistent, "autocast weight copies": z.autocast_copies}
+    head = list(z.head_units)
+
+    def reducing(units: list[str]) -> dict[str, int]:
+        return {"unsharded gradients": sum(z.unsharded_grads.get(u, 0) for u in units),
+                "reduce-scatter buffers": sum(z.reduce_buffers.get(u, 0) for u in units)}
+
     moments = [
-        ("loss", z.persistent + sum(saved) + z.head_saved + copies
-         + gathered(kept_after_forward) + z.loss_transient + grads_done([])),
-        ("output backward", z.persistent + sum(saved) + copies
-         + gathered(list(z.head_units) + blocks[-1:]) + z.logits_grad
-         + sum(z.grad_buffers.get(u, 0) for u in z.head_units) + grads_done(list(z.head_units))),
+        Moment("loss", {**common, "activations": sum(saved) + z.head_saved, "loss": z.loss_transient,
+                        "FSDP gathered": gathered(kept_after_forward), "gradients": grads_done([])}),
+        Moment("output backward", {
+            **common, "activations": sum(saved), "logits gradient": z.logits_grad,
+            "unsharded gradients": sum(z.unsharded_grads.get(u, 0) for u in head),
+            "FSDP gathered": gathered(head + blocks[-1:]), "gradients": grads_done([]),
+        }),
+        Moment("head reduce-scatter", {**common, "activations": sum(saved), **reducing(head),
+                                       "FSDP gathered": gathered(head + blocks[-1:]), "gradients": grads_done(head)}),
     ]
     for i in reversed(range(n)):
         # Block i computes while the next unit to run backward (block i-1, or the embedding) is prefetched;
         # a tied root stays gathered until its own post-backward at the very end.
         prefetched = blocks[i - 1] if i > 0 else "tok_embeddings"
-        units = [blocks[i], prefetched] + [u for u in z.head_units if u == "root"]
-        moments.append((f"block {i} backward", z.persistent + sum(saved[: i + 1]) + copies
-                        + z.block_plan[i][1] + z.block_working + z.grad_buffers.get(blocks[i], 0)
-                        + gathered(units) + grads_done(list(z.head_units) + blocks[i + 1:])))
-    moments.append(("embedding backward", z.persistent + all_grads + copies + z.grad_buffers.get("tok_embeddings", 0)
-                    + gathered(["tok_embeddings"] + [u for u in z.head_units if u == "root"])))
-    moments.append(("optimizer step", z.persistent + all_grads + z.optimizer_scratch))
+        units = [blocks[i], prefetched] + root
+        moments.append(Moment(f"block {i} backward", {
+            **common, "activations": sum(saved[: i + 1]), "recompute": z.block_plan[i][1],
+            "block working set": z.block_working, "FSDP gathered": gathered(units),
+            "gradients": grads_done(head + blocks[i + 1:]),
+        }))
+        moments.append(Moment(f"block {i} reduce-scatter", {
+            **common, "activations": sum(saved[:i]), **reducing([blocks[i]]), "FSDP gathered": gathered(units),
+            "gradients": grads_done(head + blocks[i:]),
+        }))
+    moments.append(Moment("embedding backward", {
+        **common, **reducing(["tok_embeddings"]), "FSDP gathered": gathered(["tok_embeddings"] + root),
+        "gradients": all_grads,
+    }))
+    moments.append(Moment("optimizer step", {"persistent": z.persistent, "gradients": all_grads,
+                                             "optimizer scratch": z.optimizer_scratch}))
     return moments
