@@ -9,10 +9,11 @@ where the embedding and the residual additions stay float32).
 Saved for backward by one block without checkpointing (eager; verified tensor by tensor with
 `torch.autograd.graph.saved_tensors_hooks` in tests/unit/test_memory_estimate.py):
 
-- each RMSNorm (2 per block), T/sp tokens: CUDA's fused kernel (`aten._fused_rms_norm`, backward
-  `_fused_rms_norm_backward(grad, input, normalized_shape, rstd, weight)`) saves its input (D x r) and
-  the float32 rstd (4); the CPU composite saves a float32 copy of the input, the float32 normalized
-  input (for the weight gradient) and rstd: 8 D + 4;
+- each RMSNorm (2 per block), T/sp tokens: CUDA's fused kernel `aten._fused_rms_norm` saves its input
+  (D x r) and the float32 rstd (4), what its backward `_fused_rms_norm_backward(grad, input,
+  normalized_shape, rstd, weight)` takes (torch/_decomp/decompositions.py; derived, not measured: no
+  GPU here); the CPU composite saves a float32 copy of the input, the float32 normalized input (for the
+  weight gradient) and rstd: 8 D + 4 (measured);
 - each norm output, read by the Linears after it (wq/wk/wv, w1/w3): one shared tensor of D x a; under
   autocast each Linear saves its own cast copy (autocast caches casts of leaf weights only); with
   float8 TP styles the gathered input is float8: D x 1;
@@ -127,6 +128,22 @@ def selective_op_bytes(s: ActivationSetup) -> int:
     return block_input_bytes(s) + matmuls + sdpa + reduce_scatters
 
 
+def recompute_bytes(s: ActivationSetup, *, selective_op: bool) -> int:
+    """What backward adds when it re-runs a checkpointed block: the block's saved set, minus the
+    tensors the checkpoint already holds (its input, which the first norm saves as is when it is
+    float32 or the norm is fused; under the op policy also the SDPA outputs, w1's output, and v when
+    it is not repeated)."""
+    none = sum(block_saved_bytes(s).values())
+    kept_input = block_input_bytes(s) if s.fused_rms_norm or s.residual_bytes == 4 else 0
+    if not selective_op:
+        return none - kept_input
+    t, a = s.tokens, s.compute_bytes
+    reused = t * s.hq * s.head_dim * a + t * s.hq * 4 + t * s.ffn * a
+    if s.hkv == s.hq:
+        reused += t * s.hkv * s.head_dim * a
+    return none - kept_input - reused
+
+
 def wrapped_blocks(mode: str, selective_option: str, n_layers: int) -> list[bool]:
     """Which blocks the AC mode wraps in a checkpoint (the same rule as apply_ac)."""
     if mode == "full" or (mode == "selective" and selective_option == "op"):
@@ -148,22 +165,6 @@ def block_plan(s: ActivationSetup, mode: str, selective_option: str) -> list[tup
     recompute = recompute_bytes(s, selective_op=selective_op)
     return [(kept, recompute) if wrapped else (none, 0)
             for wrapped in wrapped_blocks(mode, selective_option, s.n_layers)]
-
-
-def recompute_bytes(s: ActivationSetup, *, selective_op: bool) -> int:
-    """What backward adds when it re-runs a checkpointed block: the block's saved set, minus the
-    tensors the checkpoint already holds (its input, which the first norm saves as is when it is
-    float32 or the norm is fused; under the op policy also the SDPA outputs, w1's output, and v when
-    it is not repeated)."""
-    none = sum(block_saved_bytes(s).values())
-    kept_input = block_input_bytes(s) if s.fused_rms_norm or s.residual_bytes == 4 else 0
-    if not selective_op:
-        return none - kept_input
-    t, a = s.tokens, s.compute_bytes
-    reused = t * s.hq * s.head_dim * a + t * s.hq * 4 + t * s.ffn * a
-    if s.hkv == s.hq:
-        reused += t * s.hkv * s.head_dim * a
-    return none - kept_input - reused
 
 
 def head_saved_bytes(s: ActivationSetup) -> int:

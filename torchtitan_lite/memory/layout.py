@@ -88,21 +88,13 @@ class ModelLayout:
     linears: tuple[LinearLayout, ...]
     buffer_bytes: int
     """Non-persistent buffers (the float32 rotary table), replicated on every rank."""
-    float8_recipe: str | None
     float8_all_gather: bool
     """FSDP all-gathers the float8 Linears' weights in float8 (tensorwise, enabled, and FSDP on)."""
     float8_tp: bool
     """TP uses torchao's float8 styles: every block Linear is tensorwise float8 (see apply_tp)."""
 
-    @property
-    def n_layers(self) -> int:
-        return self.args.n_layers
-
     def unit_params(self, unit: str) -> list[ParamLayout]:
         return [p for p in self.params if p.unit == unit]
-
-    def block_params(self, index: int = 0) -> list[ParamLayout]:
-        return self.unit_params(f"layers.{index}")
 
 
 def model_layout(config, *, world_size: int) -> ModelLayout:
@@ -146,7 +138,7 @@ def model_layout(config, *, world_size: int) -> ModelLayout:
     recipe = float8_cfg.recipe_name if float8_cfg is not None else None
     block_linears = {f"layers.{i}.{name}" for i in range(args.n_layers) for name in _BLOCK_LINEARS}
     return ModelLayout(
-        args=args, dims=dims, params=tuple(params), linears=linears, buffer_bytes=buffer_bytes, float8_recipe=recipe,
+        args=args, dims=dims, params=tuple(params), linears=linears, buffer_bytes=buffer_bytes,
         float8_all_gather=bool(float8_cfg and float8_cfg.enable_fsdp_float8_all_gather and dims.fsdp_enabled),
         float8_tp=dims.tp_enabled and recipe == "tensorwise" and block_linears <= converted,
     )

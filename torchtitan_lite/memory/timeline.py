@@ -4,14 +4,18 @@ Within one step, memory only grows through forward (activations are saved), so t
 moments of backward and the optimizer step:
 
 - loss: the cross-entropy forward/backward on top of every saved activation;
-- output backward: the logits' gradient and the head's gradient buffers;
+- output backward: the logits' gradient next to the head's unsharded weight gradients;
+- head reduce-scatter: the head's unsharded gradients and their reduce_dtype copy;
 - block i backward, from the last block down to the first: blocks 0..i still hold their activations,
-  block i's recomputation (AC), activation gradients and gradient
-  buffers are live, and the gradients of the head and of blocks i+1..L-1 exist (block i's own weight
-  gradients appear while its saved activations and activation gradients are being freed, so they are
-  not added at the moment its working set peaks);
+  block i's recomputation (AC) and activation gradients are live, the gradients of the head and of
+  blocks i+1..L-1 exist (block i's own weight gradients appear as its activations are freed);
+- block i reduce-scatter: block i's activations are gone, its unsharded gradients and their
+  reduce_dtype copy are live;
 - embedding backward: every gradient plus the embedding's gradient buffers;
 - optimizer step: every gradient plus the optimizer's scratch.
+
+Without FSDP the "unsharded gradients" are autocast's low-precision weight gradients (cast into the
+fp32 .grad right away) and there is nothing to reduce-scatter.
 
 With gradient accumulation all gradients exist from the second micro-batch on, so every moment holds
 them. FSDP units that are gathered at each moment follow fsdp_reshard_after_forward (distributed/fsdp.py):
