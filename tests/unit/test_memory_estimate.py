@@ -32,6 +32,15 @@ from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.trainer import Trainer
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The models here are tiny: one intra-op thread beats two that compete with the rest of the suite.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def _config(*, n_layers=2, seq_len=64, batch=2, param_dtype="float32", ac="none", selective_option="op",
             low_bit=None, float8=None, implementation="auto", global_batch=-1, **parallelism) -> Trainer.Config:
     converters = [] if float8 is None else [Float8LinearConverter.Config(recipe_name=float8, **(
