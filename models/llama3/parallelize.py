@@ -36,7 +36,9 @@ def parallelize_llama(model: nn.Module, parallel_dims, config, *, precision) -> 
         if float8_blocks:
             layouts.append(f"float8 TP comms in {float8_blocks} blocks")
 
-    ac = apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_option)
+    compile_blocks = config.compile.enable and "model" in config.compile.components
+    ac = apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_option,
+                  compiled_tp=compile_blocks and parallel_dims.tp_enabled)
     layouts.append(f"AC {ac}")
 
     if apply_compile(model, config.compile):

@@ -120,7 +120,7 @@ def test_bad_settings_are_refused(mode, option, message):
 
 def test_every_nth_wraps_the_nth_blocks_and_returns_a_description():
     model = Transformer(dataclasses.replace(ARGS, n_layers=4))
-    assert apply_ac(model, "selective", "2") == "selective every 2 block(s) (2/4 blocks)"
+    assert apply_ac(model, "selective", "2") == "selective every 2 block(s), full (2/4 blocks)"
     wrapped = [name for name, block in model.layers.items() if hasattr(block, "_checkpoint_wrapped_module")]
     assert wrapped == ["1", "3"]
     assert apply_ac(copy.deepcopy(model), "none") == "none"

@@ -1,5 +1,5 @@
 """Per-block torch.compile and the compiled loss (aot_eager backend here: the graphs and autograd of the
-real compile path without C++ code generation; inductor runs in tests/distributed/test_compile_fsdp_float8)."""
+real compile path without C++ code generation; inductor runs in tests/distributed/test_compile_composition.py)."""
 from __future__ import annotations
 
 import torch

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from functools import partial
 
 import torch
 from torch import nn
@@ -22,11 +23,14 @@ _aten = torch.ops.aten
 MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._scaled_mm.default})
 """Matmuls: every second one (in forward order) is recomputed, the others are saved."""
 
-ALWAYS_SAVED_OPS = frozenset({
+ATTENTION_OPS = frozenset({
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+
+ALWAYS_SAVED_OPS = ATTENTION_OPS | frozenset({
     # Float8 scales come from amax reductions; saving them keeps recompute from re-reducing whole tensors.
     _aten.max.default,
     _aten.amax.default,
@@ -51,22 +55,27 @@ def _selective_op_context():
     return create_selective_checkpoint_contexts(_op_policy(defaultdict(int)))
 
 
-def apply_ac(model: nn.Module, mode: str, selective_option: str = "op") -> str:
+def apply_ac(model: nn.Module, mode: str, selective_option: str = "op", *, compiled_tp: bool = False) -> str:
     """Wrap the blocks of `model.layers` in place; returns a short description for logs.
 
     mode: 'none' | 'full' | 'selective'. With 'selective', selective_option is 'op' (per-op policy above)
     or an integer N (checkpoint blocks N-1, 2N-1, ... fully; N=1 is 'full').
+    compiled_tp: the blocks will be tensor-parallel and compiled. Full checkpointing then keeps the
+    attention outputs: torch 2.13 cannot recompute attention in a compiled tensor-parallel block (the
+    partitioner tries to save the DeviceMesh for backward).
     """
     if mode == "none":
         return "none"
+    full = partial(_full, save_attention=compiled_tp)
+    full_what = "full, attention saved" if compiled_tp else "full"
     if mode == "full":
-        wrap, every, what = _full, 1, "full"
+        wrap, every, what = full, 1, full_what
     elif mode == "selective":
         if selective_option == "op":
             wrap, every, what = _per_op, 1, "selective op"
         else:
             every = _parse_every(selective_option)
-            wrap, what = _full, f"selective every {every} block(s)"
+            wrap, what = full, f"selective every {every} block(s), {full_what}"
     else:
         raise ValueError(f"activation_checkpoint.mode={mode!r} must be 'none', 'full' or 'selective'")
     wrapped = 0
@@ -92,9 +101,16 @@ def _parse_every(option: str) -> int:
     return every
 
 
-def _full(block: nn.Module) -> nn.Module:
+def _save_attention_only(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _full(block: nn.Module, save_attention: bool) -> nn.Module:
     # No dropout in the model, so RNG state need not be stashed and restored.
-    return checkpoint_wrapper(block, preserve_rng_state=False)
+    if not save_attention:
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    return checkpoint_wrapper(block, preserve_rng_state=False,
+                              context_fn=lambda: create_selective_checkpoint_contexts(_save_attention_only))
 
 
 def _per_op(block: nn.Module) -> nn.Module:

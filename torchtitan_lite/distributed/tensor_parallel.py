@@ -58,7 +58,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     residual = Shard(1) if sequence_parallel else Replicate()
     norm_style = SequenceParallel() if sequence_parallel else None
     root_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "tok_embeddings": _EmbeddingParallel(input_layouts=Replicate(), output_layouts=residual),
         "output": ColwiseParallel(
             input_layouts=residual,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -93,6 +93,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
                 " + sequence parallel" if sequence_parallel else "", " + loss parallel" if loss_parallel else "",
                 len(model.layers), float8_blocks)
     return float8_blocks
+
+
+class _EmbeddingParallel(RowwiseParallel):
+    """Vocabulary-sharded embedding whose output redistribution completes before the first block.
+
+    RowwiseParallel hands on an AsyncCollectiveTensor (the reduce waits at first use). Fed to a compiled
+    block, its gradient comes back as a plain tensor that the redistribution's backward cannot take, so
+    the wait happens here; the block's first op would wait at once anyway.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
 
 
 def _styles(float8: bool):
