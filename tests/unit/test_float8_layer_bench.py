@@ -1,0 +1,77 @@
+"""scripts/float8_layer_bench.py: shape parsing, the 8B presets, and the CLI on a tiny eager shape."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _script("float8_layer_bench")
+
+
+def test_llama3_8b_preset_has_the_published_linear_shapes():
+    shapes = bench.parse_shapes(["llama3_8b"], 8192)
+    # Llama 3.1 8B: dim 4096, 8 KV heads of 128, FFN 14336, vocabulary 128256.
+    assert [(s.name, s.m, s.k, s.n) for s in shapes] == [
+        ("wq", 8192, 4096, 4096), ("wk", 8192, 4096, 1024), ("wv", 8192, 4096, 1024), ("wo", 8192, 4096, 4096),
+        ("w1", 8192, 4096, 14336), ("w2", 8192, 14336, 4096), ("w3", 8192, 4096, 14336),
+        ("output", 8192, 4096, 128256),
+    ]
+    assert shapes[0].train_flops == 6 * 8192 * 4096 * 4096
+
+
+def test_explicit_shapes_and_errors():
+    assert bench.parse_shapes(["16,32,48", "llama3_debug"], 64)[0] == bench.Shape("16x32x48", 16, 32, 48)
+    with pytest.raises(ValueError, match=r"shape '16,32' is not M,K,N"):
+        bench.parse_shapes(["16,32"], 64)
+    with pytest.raises(ValueError, match=r"unknown shape preset 'llama3_9b'; use M,K,N or one of: .*llama3_8b"):
+        bench.parse_shapes(["llama3_9b"], 64)
+
+
+def test_each_variant_is_the_expected_module():
+    from torchao.float8.float8_linear import Float8Linear
+
+    hp = bench.make_variant(None, 32, 48, torch.float32, torch.device("cpu"), compile=False)
+    assert type(hp) is torch.nn.Linear and hp.weight.shape == (48, 32)
+    fp8 = bench.make_variant("rowwise", 32, 48, torch.float32, torch.device("cpu"), compile=False)
+    assert isinstance(fp8, Float8Linear)
+    assert fp8.config.cast_config_input.scaling_granularity.value == "axiswise"
+
+
+def test_table_speedup_is_hp_time_over_fp8_time():
+    shape = bench.Shape("s", 2, 3, 4)
+    table = bench.format_table([(shape, {"hp": 0.002, "tensorwise": 0.001}), (shape, {"hp": 0.004, "tensorwise": 0.004})],
+                               ["tensorwise"], "bfloat16")
+    lines = table.splitlines()
+    assert lines[0] == "| layer | M | K | N | bfloat16 ms | bfloat16 TFLOP/s | tensorwise ms | tensorwise speedup |"
+    assert lines[2].endswith("| 2.000 | 7.2e-08 | 1.000 | 2.00x |")
+    assert lines[-1] == "| all (sum) |  |  |  | 6.000 |  | 5.000 | 1.20x |"
+
+
+def test_cli_on_a_tiny_eager_shape(capsys):
+    assert bench.main(["--shapes", "32,64,48", "--no-compile", "--dtype", "float32", "--warmup", "1", "--iters", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "eager (no compile), float32 baseline" in out
+    (row,) = [line for line in out.splitlines() if line.startswith("| 32x64x48 ")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:4] == ["32x64x48", "32", "64", "48"]
+    assert len(cells) == 6 + 2 * 3  # baseline ms + TFLOP/s, then ms + speedup per recipe
+    assert all(float(c) > 0 for c in cells[4::2]) and all(c.endswith("x") for c in cells[7::2])
+
+
+def test_cli_rejects_bad_shapes(capsys):
+    assert bench.main(["--shapes", "0,64,48", "--no-compile"]) == 2
+    assert "positive integers" in capsys.readouterr().err
