@@ -19,5 +19,5 @@ def test_fsdp2_fp8_trains_with_nproc_2(cli, tmp_path):
 def test_wrong_degrees_fail_before_any_process_starts(cli, tmp_path):
     result = cli(["--parallelism.tp", "3", "--job.dump_folder", str(tmp_path)], NPROC="2")
     assert result.returncode == 2
-    assert "tp=3" in result.stderr or "tp 3" in result.stderr
+    assert "world size 2" in result.stderr and "tp = 1 x 3 = 3" in result.stderr
     assert "torch.distributed.run" not in result.stderr  # torchrun never started

@@ -41,7 +41,8 @@ def error_of(parse, *argv) -> str:
 
 
 def test_actions_are_the_documented_set():
-    assert set(ACTIONS) == {"train", "help", "print_config", "list_configs", "print_fp8_plan", "estimate_memory"}
+    assert set(ACTIONS) == {"train", "help", "print_config", "list_configs", "print_fp8_plan", "estimate_memory",
+                            "check_config"}
 
 
 def test_default_config_and_train_action(parse):
@@ -116,7 +117,7 @@ def test_action_flag_takes_no_value(parse):
 def test_unknown_flag_lists_valid_flags(parse):
     assert error_of(parse, "--foo") == (
         "unknown flag '--foo'; valid flags: --help, --config, --config-file, --list-configs, --print-config, "
-        "--print-fp8-plan, --estimate-memory, and --section.field VALUE to set a config field (see --help)")
+        "--print-fp8-plan, --estimate-memory, --check-config, and --section.field VALUE to set a config field (see --help)")
     assert error_of(parse, "--confg", "x").startswith("unknown flag '--confg'; did you mean '--config'?")
 
 
