@@ -11,8 +11,8 @@ head from the model's flavor table, at M = ``--tokens``. Each variant (the ``--d
 torchao ``Float8Linear`` per recipe) is wrapped in ``torch.compile`` unless ``--no-compile``, warmed
 up, and timed over ``--iters`` forward+backward passes with a fixed upstream gradient (CUDA events
 on a GPU, a synchronised wall clock on CPU). Speedup = high-precision time / FP8 time, so > 1 means
-FP8 is faster. FP8 pays off only on large GEMMs with compile on FP8 tensor cores (sm_89+); on a
-CPU the FP8 GEMM is emulated and the table only shows that the code runs.
+FP8 is faster. FP8 pays off only on large GEMMs with compile on FP8 tensor cores (sm_89+); a CPU
+has no FP8 matrix units, so there the table only shows that the code runs.
 """
 from __future__ import annotations
 
