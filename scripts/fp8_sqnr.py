@@ -7,10 +7,10 @@
 Builds the config's model (initialised from ``training.seed``, or loaded from a DCP checkpoint: a
 ``step-<N>`` folder, or a checkpoint folder whose newest complete step is taken), casts its
 parameters to the config's ``precision.param_dtype`` as FSDP's mixed-precision policy does, and
-runs ``--batches`` batches of the config's training data through it while forward hooks capture the
-input of every Linear the config's float8 converter converts. Each such Linear is then run twice on
-the captured input: as is (the high-precision reference) and as torchao ``Float8Linear`` built with
-the converter's float8 config; a fixed random upstream gradient drives both backward passes.
+runs ``--batches`` batches of the config's training data through it. A forward hook on every Linear
+the config's float8 converter converts runs that Linear twice on the input it receives: as is (the
+high-precision reference) and as torchao ``Float8Linear`` built with the converter's float8 config;
+a fixed random upstream gradient drives both backward passes.
 
     SQNR = 10 * log10(||reference||^2 / ||reference - fp8||^2)
 
@@ -75,24 +75,6 @@ def sqnr_db(signal_energy: float, noise_energy: float) -> float:
 # Measurement
 
 
-def capture_linear_inputs(model: nn.Module, fqns: Iterable[str], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Run ``model(tokens)`` without grad and return the input each Linear in ``fqns`` received."""
-    modules = dict(model.named_modules())
-    captured: dict[str, torch.Tensor] = {}
-    handles = []
-    for fqn in fqns:
-        def hook(_module, args, fqn=fqn):
-            captured[fqn] = args[0].detach().clone()
-        handles.append(modules[fqn].register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured
-
-
 def compare_linear(linear: nn.Linear, x: torch.Tensor, float8_config: Any, stats: LinearSqnr, *,
                    generator: torch.Generator) -> None:
     """Forward + backward of ``linear`` and of its Float8Linear twin on ``x``; adds the energies to ``stats``."""
@@ -123,7 +105,8 @@ def measure_sqnr(model: nn.Module, rows: list[Any], float8_config: Any, batches:
     """SQNR statistics for every converted plan row (``row.recipe`` set) of ``model``, over ``batches``.
 
     ``model`` is the high-precision model (parameters already in the compute dtype); each batch is a
-    LongTensor of token ids [batch, seq] on the model's device.
+    LongTensor of token ids [batch, seq] on the model's device. Each layer is compared inside a hook
+    on its input as the model's forward reaches it, so no activations are kept.
     """
     converted = [row for row in rows if row.recipe is not None]
     if not converted:
@@ -131,10 +114,20 @@ def measure_sqnr(model: nn.Module, rows: list[Any], float8_config: Any, batches:
     modules = dict(model.named_modules())
     stats = {row.fqn: LinearSqnr(row.fqn, row.in_features, row.out_features, row.recipe) for row in converted}
     generator = torch.Generator().manual_seed(seed)
-    for tokens in batches:
-        inputs = capture_linear_inputs(model, stats, tokens)
-        for fqn, x in inputs.items():
-            compare_linear(modules[fqn], x, float8_config, stats[fqn], generator=generator)
+
+    def compare_on_input(module: nn.Module, args: tuple, fqn: str) -> None:
+        with torch.enable_grad():
+            compare_linear(module, args[0].detach(), float8_config, stats[fqn], generator=generator)
+
+    handles = [modules[fqn].register_forward_pre_hook(lambda m, a, fqn=fqn: compare_on_input(m, a, fqn))
+               for fqn in stats]
+    try:
+        for tokens in batches:
+            with torch.no_grad():
+                model(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
     return list(stats.values())
 
 
