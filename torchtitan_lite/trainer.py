@@ -33,10 +33,10 @@ from torchtitan_lite.config.sections import (
     TrainingConfig,
 )
 from torchtitan_lite.distributed import utils as dist_utils
-from torchtitan_lite.distributed.compile import maybe_compile_loss
+from torchtitan_lite.distributed.compile import compile_seconds, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
-from torchtitan_lite.distributed.tensor_parallel import loss_parallel_context
+from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.shutdown import PreemptionWatcher
 from torchtitan_lite.train_state import TrainState
@@ -239,7 +239,8 @@ class Trainer(Configurable):
                 t0 = time.perf_counter()
                 loss, grad_norm = self.train_step(batches)
                 if step == first_step:
-                    logger.info("first step took %.1fs (includes compile when enabled)", time.perf_counter() - t0)
+                    compiled = f", of which {compile_seconds():.1f}s cold compile" if cfg.compile.enable else ""
+                    logger.info("first step took %.1fs%s", time.perf_counter() - t0, compiled)
                 last = step == cfg.training.steps
                 self.metrics.maybe_log(step, loss=loss, grad_norm=grad_norm, lr=self.lr_schedulers.last_lr,
                                        extra=self._extra_metrics(), force=last)
@@ -267,7 +268,7 @@ class Trainer(Configurable):
                 loss = loss_sum / global_tokens
                 del logits
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
-            loss_total += _local(loss.detach())
+            loss_total += local_loss(loss.detach())
 
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizers)
@@ -335,11 +336,6 @@ class Trainer(Configurable):
         self.metrics.close()
         if self.config.training.gc_freq > 0:
             gc.enable()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """Plain tensor from a (replicated) DTensor loss under loss parallel."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _save_resolved_config(cfg: Trainer.Config) -> None:

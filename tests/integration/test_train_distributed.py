@@ -21,3 +21,26 @@ def test_wrong_degrees_fail_before_any_process_starts(cli, tmp_path):
     assert result.returncode == 2
     assert "world size 2" in result.stderr and "tp = 1 x 3 = 3" in result.stderr
     assert "torch.distributed.run" not in result.stderr  # torchrun never started
+
+
+def test_two_torchrun_nodes_on_localhost_train_together(tmp_path):
+    """Two torchrun 'nodes' meet through c10d rendezvous on localhost, as scripts/slurm_multinode.sh does."""
+    import socket
+    import subprocess
+    import sys
+
+    from _cli import ROOT, _env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "ttl-two-nodes",
+            str(ROOT / "train.py"), "--parallelism.dp_shard", "2", "--training.steps", "3", *TINY,
+            "--job.dump_folder", str(tmp_path)]
+    nodes = [subprocess.Popen(node, cwd=ROOT, env=_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    losses = read_scalars(tmp_path / "tb")["train/loss"]
+    assert set(losses) == {1, 2, 3}
