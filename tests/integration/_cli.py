@@ -32,3 +32,137 @@ def read_scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
     acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+TINY = ["--model.n_layers", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--validation.enable", "false", "--metrics.log_freq", "1"]
+"""A llama3_debug run whose step takes tens of milliseconds on a CPU."""
+
+
+def train_cmd(args: list[str], *, nproc: int | None = None, torchrun_args: tuple[str, ...] = ()) -> list[str]:
+    """``python train.py args`` (nproc None) or torchrun with ``nproc`` workers on one node."""
+    if nproc is None:
+        return [sys.executable, str(ROOT / "train.py"), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            *torchrun_args, str(ROOT / "train.py"), *args]
+
+
+class Launch:
+    """A training launch running in the background in its own session (process group).
+
+    Its merged stdout/stderr is collected line by line so a test can wait for a log line, then
+    signal the launcher, the whole group or one worker, as a scheduler or a crash would.
+    """
+
+    def __init__(self, cmd: list[str], **env: str) -> None:
+        import threading
+
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(OMP_NUM_THREADS="1", **env), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, *, timeout: float = 120, poll: float = 0.01):
+        """Block until a line matches ``pattern`` (regex); returns the match. Fails on exit or timeout."""
+        import re
+        import time
+
+        regex, seen, deadline = re.compile(pattern), 0, time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = self.lines[seen:]
+            for line in lines:
+                match = regex.search(line)
+                if match:
+                    return match
+            seen += len(lines)
+            if self.proc.poll() is not None and seen == len(self.lines):
+                self._reader.join(5)
+                if len(self.lines) == seen:
+                    raise AssertionError(f"exited ({self.proc.returncode}) before /{pattern}/:\n{self.output[-4000:]}")
+            time.sleep(poll)
+        self.kill()
+        raise AssertionError(f"no /{pattern}/ within {timeout}s:\n{self.output[-4000:]}")
+
+    def worker_pids(self) -> dict[int, int]:
+        """rank -> pid of the workers torchrun started (direct children carrying RANK in their environment)."""
+        pids = {}
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+                ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
+                if ranks:
+                    pids[int(ranks[0])] = int(child)
+        return pids
+
+    def signal_group(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def finish(self, timeout: float = 300) -> int:
+        """Wait for the launch to exit (killing its whole group past ``timeout``); returns its exit code."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout}s:\n{self.output[-4000:]}")
+        self._reader.join(10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
+
+
+def read_checkpoint(path: Path) -> dict[str, object]:
+    """Flat ``{dotted.key: value}`` of a DCP checkpoint, sharded tensors gathered, per-rank states decoded."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from torchtitan_lite.components.checkpoint.stateful import decode
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(path), f"{tmp}/state.pt")
+        state = torch.load(f"{tmp}/state.pt", weights_only=True)
+
+    def flatten(prefix: str, value) -> dict[str, object]:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flatten(f"{prefix}{key}.", item).items()}
+        return {prefix[:-1]: value}
+
+    for name in ("dataloader", "train_state"):
+        for key, encoded in state.get(name, {}).items():
+            state[name][key] = decode(encoded)
+    return flatten("", state)
+
+
+def differences(a: dict[str, object], b: dict[str, object]) -> list[str]:
+    """Keys whose values are not bitwise equal, and keys present in one side only."""
+    import torch
+
+    diffs = [f"{k}: only in {'first' if k in a else 'second'}" for k in sorted(set(a) ^ set(b))]
+    for key in sorted(set(a) & set(b)):
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype \
+                and torch.equal(x, y)
+        else:
+            same = x == y
+        if not same:
+            diffs.append(key)
+    return diffs
