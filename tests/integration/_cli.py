@@ -54,11 +54,16 @@ class Launch:
     signal the launcher, the whole group or one worker, as a scheduler or a crash would.
     """
 
+    running: list["Launch"] = []
+    """Launches not yet finished; the suite kills what a failed test leaves behind (see conftest.py)."""
+
     def __init__(self, cmd: list[str], **env: str) -> None:
         import threading
 
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(OMP_NUM_THREADS="1", **env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(**{"OMP_NUM_THREADS": "1", **env}),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        Launch.running.append(self)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -114,17 +119,20 @@ class Launch:
             self.kill()
             raise AssertionError(f"still running after {timeout}s:\n{self.output[-4000:]}")
         self._reader.join(10)
+        Launch.running.remove(self)
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL the whole group: the launcher and every worker it started."""
         import signal
 
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(30)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+        if self in Launch.running:
+            Launch.running.remove(self)
 
 
 def read_checkpoint(path: Path) -> dict[str, object]:

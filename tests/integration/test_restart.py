@@ -30,8 +30,7 @@ def _caught_mid_save(launch: Launch, folder, *, min_step: int, timeout: float = 
             if step >= min_step and not _complete(folder, step) and any(path.glob("*.distcp")):
                 launch.signal_group(signal.SIGSTOP)
                 if not _complete(folder, step):
-                    launch.signal_group(signal.SIGKILL)
-                    launch.proc.wait(30)
+                    launch.kill()
                     return step
                 launch.signal_group(signal.SIGCONT)
         time.sleep(0.002)
