@@ -306,6 +306,8 @@ class Trainer(Configurable):
         if torch.isfinite(torch.tensor(loss)) and grad_ok:
             return
         step = self.train_state.step
+        # A background save still writing holds the last good state: finish it before naming it.
+        self.checkpointer.wait()
         last_good = self.checkpointer.last_complete_step()
         kept = f"the last good checkpoint is step {last_good}" if last_good is not None else "no checkpoint was saved"
         raise NonFiniteLossError(
