@@ -74,6 +74,9 @@ class BareMeasurement:
     """Timed steps."""
     elapsed_s: float
     """Wall time of the timed steps."""
+    trainer_tokens_per_s: float | None = None
+    """The trainer's step (data + train_step) in the same process, alternated step by step with the
+    bare one so that both see the same machine load; None when it was not run."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -103,6 +106,7 @@ class Row:
     """Total tokens/s over the baseline's."""
     bare_tokens_per_s: float | None = None
     trainer_over_bare: float | None = None
+    """Trainer step / bare step tokens/s, both measured alternately in one process."""
     bare_note: str = ""
     """Why no bare-loop number exists for this config (empty when there is one)."""
 
@@ -139,7 +143,8 @@ def summarize(m: Measurement, *, baseline_tokens_per_s: float, bare: BareMeasure
         memory=memory,
         speedup=total / baseline_tokens_per_s,
         bare_tokens_per_s=bare.tokens_per_s if bare else None,
-        trainer_over_bare=tokens_per_s_rank / bare.tokens_per_s if bare else None,
+        trainer_over_bare=(bare.trainer_tokens_per_s / bare.tokens_per_s
+                           if bare and bare.trainer_tokens_per_s is not None else None),
         bare_note=bare_note,
     )
 
@@ -176,17 +181,28 @@ class RunInfo:
     warmup: int
     steps: int
     repeats: int = 1
+    load: str = ""
+    """Host load average before and after the run (other work on the machine slows it down)."""
 
 
-def run_info(*, device: str, peak_note: str, command: str, warmup: int, steps: int, repeats: int = 1) -> RunInfo:
+def run_info(*, device: str, peak_note: str, command: str, warmup: int, steps: int, repeats: int = 1,
+             load: str = "") -> RunInfo:
     import torch
 
     return RunInfo(
         device=device, peak_note=peak_note, torch_version=torch.__version__,
         torchao_version=package_version("torchao"), commit=git_commit(),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        command=command, warmup=warmup, steps=steps, repeats=repeats,
+        command=command, warmup=warmup, steps=steps, repeats=repeats, load=load,
     )
+
+
+def load_average() -> float | None:
+    """1-minute load average of the host, None where the OS does not report it."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def package_version(name: str) -> str:
@@ -221,7 +237,7 @@ def cpu_name() -> str:
 
 
 def cpu_description(threads: int) -> str:
-    return f"{cpu_name()} ({os.cpu_count()} cores, {threads} torch threads)"
+    return f"{cpu_name()} ({os.cpu_count()} cores, {threads} torch thread{'s' if threads != 1 else ''})"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -233,7 +249,7 @@ def markdown_table(rows: list[Row], baseline: str) -> str:
     header = ["config", "tokens/s/device", "tokens/s total", "TFLOP/s/device", "MFU", "step ms (cv)",
               "outside train_step", "cold compile s", "peak memory GiB", f"speedup vs {baseline}"]
     if with_bare:
-        header += ["bare loop tokens/s", "trainer / bare"]
+        header += ["bare loop tokens/s", "trainer step / bare step"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
         cells = [
@@ -252,7 +268,8 @@ def markdown_table(rows: list[Row], baseline: str) -> str:
             if r.bare_tokens_per_s is None:
                 cells += [r.bare_note or "-", "-"]
             else:
-                cells += [f"{r.bare_tokens_per_s:,.0f}", f"{r.trainer_over_bare:.3f}"]
+                ratio = "-" if r.trainer_over_bare is None else f"{r.trainer_over_bare:.3f}"
+                cells += [f"{r.bare_tokens_per_s:,.0f}", ratio]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -262,12 +279,15 @@ def markdown_section(rows: list[Row], info: RunInfo, *, baseline: str, title: st
     return "\n".join([
         f"### {title}",
         "",
-        f"- device: {info.device}",
+        f"- device: {info.device}" + (f"; host load average {info.load}" if info.load else ""),
         f"- torch {info.torch_version}, torchao {info.torchao_version}, commit {info.commit}, {info.date}",
         f"- command: `{info.command}`",
         f"- {info.warmup} warm-up step(s) excluded, {info.steps} timed step(s){repeats}; MFU against {info.peak_note}",
         f"- peak memory: {memory_note}; 'outside train_step' is the share of step time spent in the loop around "
         f"it (data loading, metrics, gc)",
+        *([f"- bare loop: scripts/bare_loop.py --against-trainer, the same steps alternated one by one in one process "
+           f"with the trainer's data fetch + train_step (its ratio); the loop around train_step is the "
+           f"'outside train_step' share"] if any(r.bare_tokens_per_s is not None for r in rows) else []),
         "",
         markdown_table(rows, baseline),
         "",

@@ -3,6 +3,7 @@ trainer's framework overhead.
 
     python scripts/bare_loop.py --config llama3_debug --warmup 3 --steps 20
     python scripts/bare_loop.py --config llama3_debug_bf16 --steps 5 --json-out bare.json
+    python scripts/bare_loop.py --config llama3_debug --steps 40 --against-trainer   # alternate with the trainer
 
 What is the same as the trainer: the model class, flavor and initialisation; the data (the same
 tokenizer and packed text loader, iterated inside the timed loop exactly as the trainer's loop does);
@@ -28,9 +29,11 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -70,15 +73,13 @@ def unsupported_reason(cfg) -> str | None:
     return None
 
 
-def run(cfg, *, warmup: int, steps: int, device: torch.device | None = None) -> BareResult:
-    """Train ``cfg`` for ``warmup`` untimed then ``steps`` timed steps; tokens/s of the timed ones."""
+def bare_step_fn(cfg, device: torch.device) -> Callable[[], torch.Tensor]:
+    """Build the model, data, optimizer and precision of ``cfg``; return one training step as a function."""
     reason = unsupported_reason(cfg)
     if reason is not None:
         raise ValueError(f"the bare loop does not reproduce {reason}; benchmark this config with the trainer only")
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.training.seed is not None:
         torch.manual_seed(cfg.training.seed)
-
     model, batches = _model_and_data(cfg, device)
     optimizer = _optimizer(cfg, model)
     compute_dtype = _compute_dtype(cfg, device)
@@ -101,6 +102,13 @@ def run(cfg, *, warmup: int, steps: int, device: torch.device | None = None) -> 
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
+    return step
+
+
+def run(cfg, *, warmup: int, steps: int, device: torch.device | None = None) -> BareResult:
+    """Train ``cfg`` for ``warmup`` untimed then ``steps`` timed steps; tokens/s of the timed ones."""
+    device = device or _default_device()
+    step = bare_step_fn(cfg, device)
     for _ in range(warmup):
         step()
     _synchronize(device)
@@ -111,6 +119,45 @@ def run(cfg, *, warmup: int, steps: int, device: torch.device | None = None) -> 
     elapsed = time.perf_counter() - start
     tokens = steps * cfg.training.local_batch_size * cfg.training.seq_len
     return BareResult(tokens_per_s=tokens / elapsed, steps=steps, elapsed_s=elapsed, final_loss=float(loss))
+
+
+def run_against_trainer(cfg, *, warmup: int, steps: int) -> tuple[BareResult, BareResult]:
+    """(trainer, bare) results of both trained in this process, one step each in turn.
+
+    The trainer step is what the trainer's loop does per step minus its bookkeeping: fetch the
+    micro-batches from its data loader, then ``Trainer.train_step``. Alternating the two (ABBA
+    order, so neither always runs right after the other) exposes both to the same machine load,
+    which separate processes on a shared machine are not. A device sync ends every timed step;
+    the trainer's step ends with one anyway (it reads the loss).
+    """
+    trainer = cfg.build()
+    device = trainer.device
+    data = iter(trainer.dataloader)
+
+    def trainer_step() -> torch.Tensor:
+        loss, _ = trainer.train_step([next(data) for _ in range(trainer.n_microbatches)])
+        return torch.tensor(loss)
+
+    steps_by_name = {"trainer": trainer_step, "bare": bare_step_fn(cfg, device)}
+    for _ in range(warmup):
+        for fn in steps_by_name.values():
+            fn()
+    elapsed = dict.fromkeys(steps_by_name, 0.0)
+    last = {}
+    for i in range(steps):
+        order = ("trainer", "bare") if i % 2 == 0 else ("bare", "trainer")
+        for name in order:
+            _synchronize(device)
+            start = time.perf_counter()
+            last[name] = steps_by_name[name]()
+            _synchronize(device)
+            elapsed[name] += time.perf_counter() - start
+    trainer.close()
+    tokens = steps * cfg.training.local_batch_size * cfg.training.seq_len
+    trainer_result, bare_result = (
+        BareResult(tokens_per_s=tokens / elapsed[name], steps=steps, elapsed_s=elapsed[name],
+                   final_loss=float(last[name])) for name in ("trainer", "bare"))
+    return trainer_result, bare_result
 
 
 def _model_and_data(cfg, device: torch.device):
@@ -157,6 +204,10 @@ def _compute_dtype(cfg, device: torch.device) -> torch.dtype:
     return cfg.precision.build(device=device, fsdp_enabled=False).param_dtype
 
 
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -169,6 +220,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     parser.add_argument("--json-out", help="also write the result as JSON here")
+    parser.add_argument("--against-trainer", action="store_true",
+                        help="also build the trainer in this process and alternate its steps with the bare ones")
     args, config_argv = parser.parse_known_args(argv)
     if args.warmup < 0 or args.steps < 1:
         parser.error("--warmup must be >= 0 and --steps >= 1")
@@ -187,14 +240,25 @@ def main(argv: list[str]) -> int:
         print(f"error: config '{cli.config_name}' uses {reason}, which the bare loop does not reproduce",
               file=sys.stderr)
         return 2
-    result = run(cli.config, warmup=args.warmup, steps=args.steps)
+    with tempfile.TemporaryDirectory(prefix="bare_loop_") as dump:
+        if args.against_trainer:
+            # Validation off as in scripts/benchmark.py; the trainer's outputs go to a temporary folder.
+            cfg = parse_cli(["--validation.enable", "false", "--job.dump_folder", dump, *config_argv]).config
+            trainer_result, result = run_against_trainer(cfg, warmup=args.warmup, steps=args.steps)
+        else:
+            trainer_result, result = None, run(cli.config, warmup=args.warmup, steps=args.steps)
     print(f"bare loop {cli.config_name}: {result.tokens_per_s:,.0f} tokens/s over {result.steps} steps "
           f"({result.elapsed_s:.2f}s), final loss {result.final_loss:.4f}")
+    if trainer_result is not None:
+        print(f"trainer step, alternated with it: {trainer_result.tokens_per_s:,.0f} tokens/s "
+              f"({trainer_result.elapsed_s:.2f}s), final loss {trainer_result.final_loss:.4f}; "
+              f"trainer / bare = {trainer_result.tokens_per_s / result.tokens_per_s:.3f}")
     if args.json_out:
         from _bench_report import BareMeasurement
 
-        measurement = BareMeasurement(config=cli.config_name, tokens_per_s=result.tokens_per_s, steps=result.steps,
-                                      elapsed_s=result.elapsed_s)
+        measurement = BareMeasurement(
+            config=cli.config_name, tokens_per_s=result.tokens_per_s, steps=result.steps, elapsed_s=result.elapsed_s,
+            trainer_tokens_per_s=trainer_result.tokens_per_s if trainer_result else None)
         Path(args.json_out).write_text(json.dumps(measurement.to_json(), indent=2))
     return 0
 

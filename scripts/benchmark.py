@@ -21,8 +21,11 @@ Numbers reported per config:
   CPU's fastest dense format, so every precision is on one scale as on GPUs;
 - peak memory: CUDA max allocated / max reserved over the steps; CPU peak resident set size;
 - cold compile time: step 1's ``train_step`` minus the median timed one (only with compile on);
-- speedup: total tokens/s over the baseline's; with ``--bare-loop`` also the bare loop's tokens/s
-  (scripts/bare_loop.py, same model / data / optimizer / precision) and trainer / bare.
+- speedup: total tokens/s over the baseline's;
+- with ``--bare-loop``: the bare hand-written loop's tokens/s (scripts/bare_loop.py: same model, data,
+  optimizer and precision) and the trainer's step over the bare step, both run in one process with
+  their steps alternated so that machine load hits both alike; the trainer's loop around
+  ``train_step`` is the separate "outside train_step" share.
 
 ``--repeats R`` runs every measurement R times, interleaving configs, and keeps each one's fastest
 run: on a shared machine other work only ever slows a run down.
@@ -47,6 +50,7 @@ from _bench_report import (  # noqa: E402
     BareMeasurement,
     Measurement,
     build_rows,
+    load_average,
     markdown_section,
     run_info,
     save_bar_chart,
@@ -109,6 +113,7 @@ def main(argv: list[str]) -> int:
     logs = args.logs or Path(tempfile.mkdtemp(prefix="benchmark_"))
     logs.mkdir(parents=True, exist_ok=True)
 
+    load_before = load_average()
     measured: dict[str, Measurement] = {}
     bare: dict[str, BareMeasurement] = {}
     bare_notes: dict[str, str] = {}
@@ -123,7 +128,7 @@ def main(argv: list[str]) -> int:
             if reason is not None:
                 bare_notes[name] = f"n/a ({reason})"
                 continue
-            b = _run_bare(name, overrides, args, logs / f"{name}.{repeat}.bare")
+            b = _run_bare(name, overrides + peak_override, args, logs / f"{name}.{repeat}.bare")
             if name not in bare or b.tokens_per_s > bare[name].tokens_per_s:
                 bare[name] = b
 
@@ -132,7 +137,7 @@ def main(argv: list[str]) -> int:
     first = measurements[0]
     info = run_info(device=first.device_name if first.device_type == "cpu" else f"{args.nproc} x {first.device_name}",
                     peak_note=peak_note, command=_command(argv), warmup=args.warmup, steps=args.steps,
-                    repeats=args.repeats)
+                    repeats=args.repeats, load=_load_text(load_before, load_average()))
     title = args.title or f"{', '.join(args.configs)} on {first.device_name}"
     memory_note = ("max allocated / max reserved (CUDA caching allocator)" if first.device_type == "cuda"
                    else "peak resident set size of the config's process")
@@ -198,8 +203,8 @@ def _run_worker(name: str, overrides: list[str], args: argparse.Namespace, stem:
 
 def _run_bare(name: str, overrides: list[str], args: argparse.Namespace, stem: Path) -> BareMeasurement:
     json_out = Path(f"{stem}.json")
-    cmd = [sys.executable, str(SCRIPTS / "bare_loop.py"), "--json-out", str(json_out), "--warmup",
-           str(args.warmup), "--steps", str(args.steps), "--config", name, *overrides]
+    cmd = [sys.executable, str(SCRIPTS / "bare_loop.py"), "--against-trainer", "--json-out", str(json_out),
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--config", name, *overrides]
     _run(cmd, Path(f"{stem}.log"), f"{name} (bare loop)")
     return BareMeasurement.from_json(json.loads(json_out.read_text()))
 
@@ -222,6 +227,12 @@ def _bare_unsupported(config) -> str | None:
 
 def _tokens_per_s(m: Measurement) -> float:
     return m.tokens_per_step / (sum(m.step_s) / len(m.step_s))
+
+
+def _load_text(before: float | None, after: float | None) -> str:
+    if before is None or after is None:
+        return ""
+    return f"{before:.1f} at the start, {after:.1f} at the end (1-minute averages)"
 
 
 def _command(argv: list[str]) -> str:

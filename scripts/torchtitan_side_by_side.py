@@ -130,6 +130,9 @@ def main(argv: list[str]) -> int:
 
     ours_cmd = our_command(args, overrides)
     theirs_cmd = torchtitan_command(venv_python, args)
+    from _bench_report import load_average
+
+    load_before = load_average()
     ours_runs, theirs_runs, params = [], [], {}
     for repeat in range(args.repeats):
         log = run_logged(theirs_cmd, args.run_dir / f"torchtitan.{repeat}.log", "torchtitan",
@@ -144,8 +147,9 @@ def main(argv: list[str]) -> int:
                          f"torchtitan_lite {params['torchtitan_lite']:,}; the comparison is void")
 
     ours, theirs = max(ours_runs), max(theirs_runs)
+    load = f"host load average {load_before:.1f} at the start, {load_average():.1f} at the end" if load_before else ""
     summary = summary_text(args, settings, versions, ours_runs, theirs_runs, params["torchtitan_lite"],
-                           ours_cmd, theirs_cmd, config_path)
+                           ours_cmd, theirs_cmd, config_path, load)
     print(summary)
     print(f"\ntorchtitan {versions['torchtitan']}: {theirs:,.0f} tokens/s   torchtitan_lite: {ours:,.0f} tokens/s   "
           f"ratio torchtitan_lite / torchtitan = {ours / theirs:.2f}x")
@@ -381,7 +385,7 @@ def _parse_params(log: str, pattern: re.Pattern, what: str) -> int:
 
 
 def summary_text(args, s: Settings, versions: dict[str, str], ours: list[float], theirs: list[float], n_params: int,
-                 ours_cmd: list[str], theirs_cmd: list[str], config_path: Path) -> str:
+                 ours_cmd: list[str], theirs_cmd: list[str], config_path: Path, load: str = "") -> str:
     import torch
 
     from _bench_report import cpu_description, git_commit
@@ -395,7 +399,8 @@ def summary_text(args, s: Settings, versions: dict[str, str], ours: list[float],
     return "\n".join([
         f"### torchtitan {versions['torchtitan']} vs torchtitan_lite: `{args.config}` side by side",
         "",
-        f"- device: {device}; {date}; torch {versions['torch']} in both environments; commit {git_commit()}",
+        f"- device: {device}; {load + '; ' if load else ''}{date}; torch {versions['torch']} in both environments; "
+        f"commit {git_commit()}",
         f"- command: `{shlex.join(['python', 'scripts/torchtitan_side_by_side.py', *sys.argv[1:]])}`",
         f"- model: {n_params:,} parameters in both logs (dim {s.dim}, {s.n_layers} layers, {s.n_heads} heads, "
         f"{s.n_kv_heads} KV heads, FFN {s.ffn_hidden_dim}, vocabulary {s.vocab_size}); float32; seq {s.seq_len} x "

@@ -40,7 +40,8 @@ def test_rates_speedup_and_bare_ratio_from_fake_measurements():
     base = _measurement("fp32", [0.5, 0.5])  # 1000 tokens / 0.5 s = 2000 tokens/s
     fast = _measurement("fp8", [0.2, 0.3], dp_degree=2, tp_degree=2, compile_enabled=True, first_step_s=3.0,
                         peak_memory_gib=2.0, peak_reserved_gib=3.0)
-    bare = {"fp32": report.BareMeasurement(config="fp32", tokens_per_s=2500.0, steps=2, elapsed_s=0.8)}
+    bare = {"fp32": report.BareMeasurement(config="fp32", tokens_per_s=2500.0, steps=2, elapsed_s=0.8,
+                                          trainer_tokens_per_s=2000.0)}
     rows = report.build_rows([base, fast], "fp32", bare, {"fp8": "n/a (model converters (FP8))"})
 
     # Exact in binary floating point up to rounding of a few operations: 1e-9 relative.
@@ -52,7 +53,7 @@ def test_rates_speedup_and_bare_ratio_from_fake_measurements():
     assert b.step_cv_percent == pytest.approx(0.0, abs=1e-9)
     assert b.loop_overhead_percent == pytest.approx(10.0, rel=1e-9)  # train_step is 90% of the step
     assert b.compile_s is None and b.speedup == pytest.approx(1.0)
-    assert b.trainer_over_bare == pytest.approx(0.8, rel=1e-9)      # 2000 / 2500
+    assert b.trainer_over_bare == pytest.approx(0.8, rel=1e-9)      # interleaved trainer 2000 / bare 2500
     # mean step 0.25 s -> 4000 tok/s per rank; TP=2 shares tokens, DP=2 doubles the total.
     assert f.tokens_per_s_device == pytest.approx(2000.0, rel=1e-9)
     assert f.tokens_per_s_total == pytest.approx(8000.0, rel=1e-9)
@@ -63,7 +64,7 @@ def test_rates_speedup_and_bare_ratio_from_fake_measurements():
 
     table = report.markdown_table(rows, "fp32").splitlines()
     assert table[0].startswith("| config | tokens/s/device | tokens/s total |")
-    assert table[0].endswith("| speedup vs fp32 | bare loop tokens/s | trainer / bare |")
+    assert table[0].endswith("| speedup vs fp32 | bare loop tokens/s | trainer step / bare step |")
     assert table[2] == ("| `fp32` | 2,000 | 2,000 | 2 | 20.0% | 500.0 (0%) | 10.0% | - | 1.50 | 1.00x | 2,500 | 0.800 |")
     assert table[3] == ("| `fp8` | 2,000 | 8,000 | 2 | 20.0% | 250.0 (20%) | 10.0% | 2.8 | 2.00 / 3.00 | 4.00x "
                         "| n/a (model converters (FP8)) | - |")
@@ -148,5 +149,5 @@ def test_benchmark_cli_runs_two_tiny_steps_with_bare_loop(tmp_path):
     worker = json.loads((tmp_path / "logs" / "llama3_debug.0.trainer.json").read_text())
     assert worker["tokens_per_step"] == 64 and len(worker["step_s"]) == 2  # 2 x 32 tokens, 2 timed steps
     bare = json.loads((tmp_path / "logs" / "llama3_debug.0.bare.json").read_text())
-    assert bare["steps"] == 2 and bare["tokens_per_s"] > 0
+    assert bare["steps"] == 2 and bare["tokens_per_s"] > 0 and bare["trainer_tokens_per_s"] > 0
     assert png.read_bytes()[:4] == b"\x89PNG"
