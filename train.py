@@ -24,6 +24,10 @@ def _setup_logging() -> None:
     # torchao announces optional CUDA kernels it cannot load on CPU; that is expected there.
     logging.getLogger("torchao").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    # torchao registers its KernelPreference enum with pytree, which this torch reports as deprecated
+    # on every start; it is harmless and not actionable by users.
+    logging.getLogger("torch.utils._pytree").addFilter(
+        lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
 
 
 def main(argv: list[str]) -> int:
