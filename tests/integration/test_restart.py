@@ -65,11 +65,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_and_finishes(tmp_pa
     launch = Launch(train_cmd(["--config", "llama3_debug", *TINY, "--parallelism.dp_shard", "2",
                                "--training.steps", str(steps), "--checkpoint.enable", "true",
                                "--checkpoint.interval", str(interval), "--job.dump_folder", str(tmp_path)],
-                              nproc=2, torchrun_args=("--max-restarts", "1")),
-                    # torchrun keeps one TCPStore for every attempt, so a restarted rank may read the
-                    # gloo address its killed predecessor published and fail to connect; a store per
-                    # attempt avoids that until process-group setup prefixes its keys by attempt.
-                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+                              nproc=2, torchrun_args=("--max-restarts", "1")))
     launch.wait_for(rf"\[rank0\].*step\s+{interval + 2}\s+loss")
     first_attempt = launch.worker_pids()
     os.kill(first_attempt[1], signal.SIGKILL)

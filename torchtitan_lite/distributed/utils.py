@@ -28,8 +28,30 @@ def init_distributed(timeout_s: int = 300) -> torch.device:
     if kind == "cuda":
         torch.cuda.set_device(device)
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(kind), timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = _per_attempt_agent_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend_for(kind), timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend_for(kind), timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return device
+
+
+def _per_attempt_agent_store(timeout: timedelta) -> dist.Store | None:
+    """torchrun's store with keys prefixed by the restart attempt, or None outside torchrun's agent.
+
+    torchrun (``--max-restarts``) keeps one TCPStore for all attempts of a job. ``env://`` set-up
+    writes its process-group keys unprefixed, so a restarted rank can read the address its killed
+    predecessor published and fail to connect; prefixing by TORCHELASTIC_RESTART_COUNT gives every
+    attempt its own namespace.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(host_name=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
+                           world_size=int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"torchtitan_lite/attempt_{attempt}/", client)
 
 
 def world_size() -> int:
