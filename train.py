@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import warnings
 
@@ -30,7 +31,16 @@ def _setup_logging() -> None:
         lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
 
 
+def _restore_signals_ignored_by_launcher() -> None:
+    """scripts/torchrun_graceful.sh makes torchrun ignore SIGTERM / SIGUSR1 and the workers inherit
+    that; give them the default back so the trainer's preemption handler (or a plain exit) owns them."""
+    if os.environ.pop("TORCHTITAN_LITE_RESTORE_SIGNALS", None) == "1":
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+
+
 def main(argv: list[str]) -> int:
+    _restore_signals_ignored_by_launcher()
     _setup_logging()
     from torchtitan_lite.config import ConfigError, parse_cli
 

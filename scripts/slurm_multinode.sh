@@ -38,9 +38,10 @@ if [ -n "${CONFIG:-}" ]; then extra+=(--config "$CONFIG"); fi
 WORLD_SIZE="$((nnodes * per_node))" "$py" "$root/train.py" "${extra[@]}" "$@" --check-config >/dev/null
 
 echo "launching ${nnodes} node(s) x ${per_node} process(es), rendezvous ${head_node}:${rdzv_port}"
-# One task per node runs torchrun; the rendezvous id ties the nodes of this job together.
+# One task per node runs torchrun; the rendezvous id ties the nodes of this job together. SIGTERM and
+# SIGUSR1 (e.g. sbatch --signal=USR1@120) make the workers finish the step, save and exit 0.
 srun --ntasks="$nnodes" --ntasks-per-node=1 \
-  "$py" -m torch.distributed.run \
+  "$root/scripts/torchrun_graceful.sh" "$py" \
     --nnodes="$nnodes" --nproc_per_node="$per_node" \
     --rdzv_backend=c10d --rdzv_endpoint="${head_node}:${rdzv_port}" --rdzv_id="$SLURM_JOB_ID" \
     --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \

@@ -250,7 +250,11 @@ class Trainer(Configurable):
                     self.checkpointer.save(step, last_step=last, force=preempted)
                 profiler.step()
                 if preempted:
-                    logger.warning("stopped by signal after step %s; checkpoint saved", step)
+                    if cfg.checkpoint.enable:
+                        logger.warning("stopped by signal after step %s; checkpoint saved", step)
+                    else:
+                        logger.warning("stopped by signal after step %s; no checkpoint written: "
+                                       "--checkpoint.enable true keeps progress across preemptions", step)
                     break
         self.close()
 

@@ -40,11 +40,12 @@ TINY = ["--model.n_layers", "2", "--training.seq_len", "32", "--training.local_b
 
 
 def train_cmd(args: list[str], *, nproc: int | None = None, torchrun_args: tuple[str, ...] = ()) -> list[str]:
-    """``python train.py args`` (nproc None) or torchrun with ``nproc`` workers on one node."""
+    """``python train.py args`` (nproc None) or torchrun with ``nproc`` workers on one node, started the
+    way run_train.sh starts it (scripts/torchrun_graceful.sh)."""
     if nproc is None:
         return [sys.executable, str(ROOT / "train.py"), *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            *torchrun_args, str(ROOT / "train.py"), *args]
+    return ["bash", str(ROOT / "scripts" / "torchrun_graceful.sh"), sys.executable, "--standalone",
+            f"--nproc_per_node={nproc}", *torchrun_args, str(ROOT / "train.py"), *args]
 
 
 class Launch:
@@ -97,19 +98,39 @@ class Launch:
         self.kill()
         raise AssertionError(f"no /{pattern}/ within {timeout}s:\n{self.output[-4000:]}")
 
+    def descendants(self) -> list[int]:
+        """Every process below the launcher (torchrun starts its workers in sessions of their own)."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                tasks = Path(f"/proc/{pid}/task").iterdir()
+                children = [int(c) for t in tasks for c in (t / "children").read_text().split()]
+            except FileNotFoundError:  # exited meanwhile
+                continue
+            found += children
+            todo += children
+        return found
+
     def worker_pids(self) -> dict[int, int]:
-        """rank -> pid of the workers torchrun started (direct children carrying RANK in their environment)."""
+        """rank -> pid of the training workers: the launch's descendants carrying RANK in their environment."""
         pids = {}
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-                ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
-                if ranks:
-                    pids[int(ranks[0])] = int(child)
+        for pid in self.descendants():
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
+            if ranks:
+                pids[int(ranks[0])] = pid
         return pids
 
     def signal_group(self, sig: int) -> None:
         os.killpg(self.proc.pid, sig)
+
+    def signal_launcher(self, sig: int) -> None:
+        """Only the launched process (e.g. run_train.sh), as a scheduler signalling the batch shell does."""
+        os.kill(self.proc.pid, sig)
 
     def finish(self, timeout: float = 300) -> int:
         """Wait for the launch to exit (killing its whole group past ``timeout``); returns its exit code."""
@@ -123,13 +144,15 @@ class Launch:
         return self.proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL the whole group: the launcher and every worker it started."""
+        """SIGKILL the launcher's group and every process below it (workers live in their own sessions)."""
         import signal
 
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        below = self.descendants()
+        for kill, pid in [(os.killpg, self.proc.pid), *((os.kill, p) for p in below)]:
+            try:
+                kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait(30)
         if self in Launch.running:
             Launch.running.remove(self)

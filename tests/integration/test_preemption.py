@@ -1,13 +1,14 @@
 """Preemption: SIGUSR1 / SIGTERM finish the current step, save a complete checkpoint and exit cleanly.
 
-Two launches of an FSDP 2 run on torchrun:
+Three launches of an FSDP 2 run through scripts/torchrun_graceful.sh (as run_train.sh launches):
 A. Only rank 1 gets SIGUSR1 (schedulers do not signal every process at the same instant). The ranks
    agree through their per-step all-reduce, both stop after the same step, both save, both exit 0,
-   so torchrun exits 0.
-B. Resumes from A's checkpoint; SIGTERM goes to the whole process group (torchrun and workers, as
-   SLURM does). The workers again stop, save and exit 0; torchrun itself exits 1 because it re-raises
-   the signal it received (torch.distributed.elastic's SignalException), which is torchrun's choice,
-   not the trainer's.
+   so the launch exits 0.
+B. Resumes from A's checkpoint; SIGTERM goes to the whole process group (launcher, torchrun and
+   workers, as a terminal or scheduler does). Workers stop, save and exit 0, and so does the launch:
+   torchrun ignores the signal instead of re-raising it.
+C. Resumes from B's; only the launcher gets SIGUSR1 (a batch shell's "time is nearly up" notice) and
+   passes it on; without that, SIGUSR1 would kill torchrun and orphan the workers.
 """
 from __future__ import annotations
 
@@ -58,12 +59,34 @@ def test_signals_stop_every_rank_at_one_step_with_a_complete_checkpoint_that_res
     b = Launch(train_cmd(_args(tmp_path), nproc=2))
     b.wait_for(rf"step\s+{k + 2}\s+loss")
     b.signal_group(signal.SIGTERM)
-    assert b.finish() == 1, b.output[-4000:]  # torchrun's own exit after a signal; the workers exit 0
+    assert b.finish() == 0, b.output[-4000:]
     assert f"resumed from {tmp_path / 'checkpoint' / f'step-{k}'}" in b.output
     assert f"training 10000 steps from step {k}" in b.output
     assert re.search(rf"\[rank0\].*step\s+{k + 1}\s+loss", b.output)
     assert not re.search(rf"\[rank0\].*step\s+{k}\s+loss", b.output)  # no step is trained twice
     stopped = _stopped_steps(b.output)
     assert set(stopped) == {0, 1} and stopped[0] == stopped[1] >= k + 2, b.output[-4000:]
-    assert "ChildFailedError" not in b.output  # no worker failed: torchrun only reports its own signal
+    assert "ChildFailedError" not in b.output and "death signal" not in b.output
     assert _complete_steps(tmp_path) == [k, stopped[0]]
+
+    m = stopped[0]
+    c = Launch(train_cmd(_args(tmp_path), nproc=2))
+    c.wait_for(rf"step\s+{m + 2}\s+loss")
+    c.signal_launcher(signal.SIGUSR1)
+    assert c.finish() == 0, c.output[-4000:]
+    assert f"resumed from {tmp_path / 'checkpoint' / f'step-{m}'}" in c.output
+    assert re.search(r"\[rank0\].*received SIGUSR1", c.output)
+    stopped = _stopped_steps(c.output)
+    assert set(stopped) == {0, 1} and stopped[0] == stopped[1] >= m + 2, c.output[-4000:]
+    assert _complete_steps(tmp_path) == [k, m, stopped[0]]
+
+
+def test_a_signal_without_checkpointing_says_nothing_was_saved(tmp_path):
+    run = Launch(train_cmd(["--config", "llama3_debug", *TINY, "--training.steps", "10000",
+                            "--job.dump_folder", str(tmp_path)]))
+    run.wait_for(r"step\s+2\s+loss")
+    run.signal_launcher(signal.SIGTERM)
+    assert run.finish() == 0, run.output[-4000:]
+    assert re.search(r"stopped by signal after step \d+; no checkpoint written: --checkpoint.enable true",
+                     run.output)
+    assert not (tmp_path / "checkpoint").exists()
