@@ -16,6 +16,17 @@ def test_fsdp2_fp8_trains_with_nproc_2(cli, tmp_path):
     assert set(losses) == {1, 2, 3, 4} and losses[4] < losses[1]
 
 
+def test_tp2_without_sequence_parallel_trains_with_the_fused_optimizer(cli, tmp_path):
+    # Without SP the norms' weights stay plain tensors beside DTensor Linear weights; the fused AdamW
+    # kernel refuses a mixed list, so the optimizer keeps them in separate groups.
+    result = cli(["--parallelism.tp", "2", "--parallelism.enable_sequence_parallel", "false",
+                  "--optimizer.implementation", "fused", "--training.steps", "3", *TINY,
+                  "--job.dump_folder", str(tmp_path)], NPROC="2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "AdamW fused" in result.stdout
+    assert set(read_scalars(tmp_path / "tb")["train/loss"]) == {1, 2, 3}
+
+
 def test_wrong_degrees_fail_before_any_process_starts(cli, tmp_path):
     result = cli(["--parallelism.tp", "3", "--job.dump_folder", str(tmp_path)], NPROC="2")
     assert result.returncode == 2
@@ -34,7 +45,7 @@ def test_two_torchrun_nodes_on_localhost_train_together(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+    node = ["bash", str(ROOT / "scripts" / "torchrun_graceful.sh"), sys.executable, "--nnodes", "2", "--nproc_per_node", "1",
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "ttl-two-nodes",
             str(ROOT / "train.py"), "--parallelism.dp_shard", "2", "--training.steps", "3", *TINY,
             "--job.dump_folder", str(tmp_path)]

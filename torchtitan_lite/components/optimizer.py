@@ -120,7 +120,7 @@ class OptimizersContainer(Configurable):
 
     def _build_one(self, part: nn.Module) -> torch.optim.Optimizer:
         cfg = self.config
-        groups = _param_groups(part, cfg.weight_decay, cfg.no_decay_norms_and_embeddings)
+        groups = _split_dtensor_and_plain(_param_groups(part, cfg.weight_decay, cfg.no_decay_norms_and_embeddings))
         params = [p for g in groups for p in g["params"]]
         if not params:
             raise ValueError(f"model part {type(part).__name__} has no trainable parameters to optimize")
@@ -236,6 +236,22 @@ def _param_groups(part: nn.Module, weight_decay: float, exempt_norms_and_embeddi
     decay = [p for p in trainable if id(p) not in no_decay_ids]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def _split_dtensor_and_plain(groups: list[dict]) -> list[dict]:
+    """Each group split into its DTensor and its plain-tensor parameters.
+
+    Fused and foreach kernels take one list per call and refuse to mix DTensor with plain tensors;
+    tensor parallelism without sequence parallelism leaves the norms' weights plain beside sharded
+    Linear weights.
+    """
+    split = []
+    for group in groups:
+        for is_dtensor in (True, False):
+            params = [p for p in group["params"] if isinstance(p, DTensor) == is_dtensor]
+            if params:
+                split.append({**group, "params": params})
+    return split
 
 
 def _kernel_flags(implementation: str, params: list[torch.Tensor]) -> dict[str, bool]:
