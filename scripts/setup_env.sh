@@ -4,18 +4,19 @@
 # fresh machine. Set TTL_PYTHON to force an interpreter.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-probe='import torch, torchao, datasets, sentencepiece, tensorboard, safetensors, pytest, torchtitan_lite'
+probe='import torch, torchao, datasets, sentencepiece, tensorboard, safetensors, pytest, torchtitan_lite
+import config_registry; config_registry.DEFAULT_REGISTRY'
 # Only the dependency lists decide whether the environment must be refreshed.
 stamp_of() { sed -n '/^dependencies/,/^\[tool/p' "$root/pyproject.toml" | sha256sum | cut -c1-16; }
 
 if [ -n "${TTL_PYTHON:-}" ]; then echo "$TTL_PYTHON"; exit 0; fi
 venv="$root/.venv"
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.ttl_stamp" 2>/dev/null)" = "$(stamp_of)" ] \
-   && (cd "$root" && "$venv/bin/python" -c "$probe") >/dev/null 2>&1; then
+   && (cd / && "$venv/bin/python" -c "$probe") >/dev/null 2>&1; then
   echo "$venv/bin/python"; exit 0
 fi
 
-echo "[setup] creating $venv (first use; about a minute)" >&2
+echo "[setup] preparing $venv (first use, or its dependencies changed; about a minute)" >&2
 python3 -m venv "$venv" >&2
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
@@ -26,6 +27,8 @@ if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
     "${pip[@]}" "torch==2.13.0" >&2
   fi
 fi
-"${pip[@]}" -e "$root[test]" >&2
+# compat mode puts the repository root on sys.path (a .pth entry) instead of a finder that
+# snapshots the package layout at install time and misses packages added later.
+"${pip[@]}" -e "$root[test]" --config-settings editable_mode=compat >&2
 stamp_of > "$venv/.ttl_stamp"
 echo "$venv/bin/python"
