@@ -249,7 +249,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--last", type=int, default=20, help="number of final common steps the gap is averaged over")
     parser.add_argument("--tolerance", type=float, default=0.05, help="largest acceptable mean |loss gap| (nats)")
     parser.add_argument("--out", type=Path, default=Path("loss_compare.png"), help="PNG plot to write")
-    parser.add_argument("--table", type=Path, default=Path("loss_gap.md"), help="markdown table to write")
+    parser.add_argument("--table", type=Path, default=None,
+                        help="markdown table to write (default: beside --out, with .md for .png)")
     parser.add_argument("--dump-root", type=Path, default=Path("outputs/loss_compare"),
                         help="runs go to <dump-root>/<config> (with --configs)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run; > 1 launches run_train.sh (torchrun)")
@@ -269,6 +270,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--tolerance must be >= 0, got {args.tolerance}")
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.table is None:
+        args.table = args.out.with_suffix(".md")
     return args, overrides
 
 

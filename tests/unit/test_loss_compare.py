@@ -76,6 +76,12 @@ def test_only_steps_logged_by_every_run_count():
         lc.summarize_gaps({"a": {1: 1.0}, "b": {2: 1.0}}, last=20)
 
 
+def test_table_defaults_to_beside_the_plot(runs, tmp_path):
+    out = tmp_path / "plots" / "loss.png"
+    assert _main(["--runs", runs["base"], runs["near"], "--out", out]) == 0
+    assert out.is_file() and (tmp_path / "plots" / "loss.md").is_file()
+
+
 def test_within_tolerance_exits_0_and_writes_png_and_table(runs, tmp_path, capsys):
     out, table = tmp_path / "plots" / "loss.png", tmp_path / "gap.md"
     rc = _main(["--runs", runs["base"], runs["near"], runs["far"], "--tolerance", "0.05", "--out", out, "--table", table])
