@@ -20,6 +20,6 @@ done
 # Validate names, keys, types and parallel degrees before any process group exists.
 WORLD_SIZE="$nproc" "$py" "$root/train.py" "${extra[@]}" "$@" --check-config >/dev/null
 # SIGTERM / SIGUSR1 to this script (or its process group) make the workers save and exit 0.
-exec "$root/scripts/torchrun_graceful.sh" "$py" --standalone --nproc_per_node="$nproc" \
+TORCHTITAN_LITE_LAUNCHER_PREFIXES_RANK=1 exec "$root/scripts/torchrun_graceful.sh" "$py" --standalone --nproc_per_node="$nproc" \
   --local-ranks-filter "$log_rank" --role rank --tee 3 \
   "$root/train.py" "${extra[@]}" "$@"

@@ -13,10 +13,12 @@ import warnings
 
 
 def _setup_logging() -> None:
-    rank = os.environ.get("RANK", "0")
+    # run_train.sh's torchrun (--tee --role rank) already starts every line with "[rankN]:".
+    launcher_prefixes = os.environ.get("TORCHTITAN_LITE_LAUNCHER_PREFIXES_RANK") == "1"
+    rank = "" if launcher_prefixes else f"[rank{os.environ.get('RANK', '0')}] "
     logging.basicConfig(
         level=logging.INFO,
-        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"{rank}%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stdout,
     )

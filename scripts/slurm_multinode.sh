@@ -40,7 +40,7 @@ WORLD_SIZE="$((nnodes * per_node))" "$py" "$root/train.py" "${extra[@]}" "$@" --
 echo "launching ${nnodes} node(s) x ${per_node} process(es), rendezvous ${head_node}:${rdzv_port}"
 # One task per node runs torchrun; the rendezvous id ties the nodes of this job together. SIGTERM and
 # SIGUSR1 (e.g. sbatch --signal=USR1@120) make the workers finish the step, save and exit 0.
-srun --ntasks="$nnodes" --ntasks-per-node=1 \
+TORCHTITAN_LITE_LAUNCHER_PREFIXES_RANK=1 srun --ntasks="$nnodes" --ntasks-per-node=1 \
   "$root/scripts/torchrun_graceful.sh" "$py" \
     --nnodes="$nnodes" --nproc_per_node="$per_node" \
     --rdzv_backend=c10d --rdzv_endpoint="${head_node}:${rdzv_port}" --rdzv_id="$SLURM_JOB_ID" \
