@@ -302,9 +302,12 @@ def _mib(nbytes: int) -> str:
 
 def estimate_memory_text(config, *, world_size: int | None = None, device_type: str | None = None) -> str:
     """The estimate as a table. World size defaults to the launch environment (WORLD_SIZE, else NGPU or
-    NPROC as run_train.sh uses them, else 1)."""
+    NPROC as run_train.sh uses them, else 1); the device type to CUDA when NGPU is set, else this
+    machine's."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or os.environ.get("NPROC") or 1)
+    if device_type is None and os.environ.get("NGPU"):
+        device_type = "cuda"  # sizing a GPU job, possibly from a login node without one
     est = estimate_memory(config, world_size=world_size, device_type=device_type)
     peak = est.peak_moment
     # Blocks differ only by how many activations remain: show the largest block moments.

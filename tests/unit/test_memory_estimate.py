@@ -414,3 +414,13 @@ def test_text_lists_every_term_and_reads_the_world_size_from_the_environment(mon
         assert term.name in text and f"{term.nbytes:,}" in text
     assert f"{est.peak_allocated:,}" in text and "<- peak" in text
     assert f"{est.total:,}" in text
+
+
+def test_ngpu_sizes_a_cuda_job_even_on_a_machine_without_one(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("NGPU", "2")
+    cfg = _config()
+    text = estimate_memory_text(cfg)
+    est = estimate_memory(cfg, world_size=2, device_type="cuda")
+    assert text.startswith("memory estimate per rank: FSDP 2 (world size 2), cuda\n")
+    assert f"{est.total:,}" in text  # CUDA context included
