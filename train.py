@@ -41,6 +41,15 @@ def _restore_signals_ignored_by_launcher() -> None:
             signal.signal(sig, signal.SIG_DFL)
 
 
+def _leave_together() -> None:
+    """Ranks of a finished run meet once more before the process group is torn down: a gloo rank
+    that closes its connections while a peer still uses them aborts that peer at exit."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def main(argv: list[str]) -> int:
     _restore_signals_ignored_by_launcher()
     _setup_logging()
@@ -61,6 +70,7 @@ def main(argv: list[str]) -> int:
     try:
         trainer = cli.config.build()
         trainer.train()
+        _leave_together()
     except (ValueError, NonFiniteLossError) as err:
         logging.getLogger("torchtitan_lite").error("%s", err)
         return 1

@@ -173,6 +173,9 @@ def _two_rank_worker(rank: int, world_size: int, folder: str) -> None:
                   "unchanged": torch.equal(before, model.weight)}
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
+        # Both ranks leave together: a rank tearing gloo down while its peer still holds the pair
+        # aborts the peer ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
