@@ -3,7 +3,8 @@
     python scripts/trace_compare.py A_TRACE.json B_TRACE.json --labels torchtitan torchtitan_lite
 
 Each trace is what ``torch.profiler`` exports (torchtitan's ``--profiling.enable_profiling`` and ours
-write them under the run folder); a folder is searched for its newest ``*.json``. CPU ops
+write them under the run folder, torchtitan gzipped); a folder is searched for its newest ``*.json`` or
+``*.json.gz``. CPU ops
 (``cpu_op``) and annotations are nested per thread to get each op's self time (its duration minus
 the ops it called), summed by name and divided by the number of ``ProfilerStep#`` windows in the
 trace. The table lists the ops whose self time differs most between the two, in ms per step, so the
@@ -12,6 +13,7 @@ gap between two step times is accounted for op by op.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -21,15 +23,16 @@ _KINDS = ("cpu_op", "user_annotation", "python_function")
 
 
 def load_events(path: Path) -> list[dict]:
-    """The complete ("X") events of a Chrome trace file, or of the newest ``*.json`` in a folder."""
+    """The complete ("X") events of a Chrome trace file (plain or gzipped), or of the newest one in a folder."""
     if path.is_dir():
-        files = sorted(path.rglob("*.json"), key=lambda p: p.stat().st_mtime)
+        files = sorted([*path.rglob("*.json"), *path.rglob("*.json.gz")], key=lambda p: p.stat().st_mtime)
         if not files:
-            raise FileNotFoundError(f"no *.json trace under {path}")
+            raise FileNotFoundError(f"no *.json or *.json.gz trace under {path}")
         path = files[-1]
     try:
-        trace = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        trace = json.loads(raw)
+    except (json.JSONDecodeError, gzip.BadGzipFile, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not a JSON Chrome trace ({err})") from err
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     return [e for e in events if e.get("ph") == "X" and e.get("cat") in _KINDS and "dur" in e]

@@ -235,7 +235,9 @@ class Trainer(Configurable):
                 step = self.train_state.step
                 if cfg.training.gc_freq > 0 and step % cfg.training.gc_freq == 0:
                     gc.collect(1)
-                batches = [next(data_iter) for _ in range(self.n_microbatches)]
+                # Labelled so profiler traces show the data time per step (tokenisation is on demand).
+                with torch.profiler.record_function("data_loading"):
+                    batches = [next(data_iter) for _ in range(self.n_microbatches)]
                 t0 = time.perf_counter()
                 loss, grad_norm = self.train_step(batches)
                 if step == first_step:

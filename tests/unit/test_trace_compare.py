@@ -56,6 +56,18 @@ def test_main_prints_largest_differences_first(tmp_path, capsys):
     assert rows == ["| `aten::linear` | 0.10 | 0.20 | -0.10 |", "| `aten::mm` | 0.30 | 0.20 | +0.10 |"]
 
 
+def test_gzipped_traces_in_a_folder_are_read_like_plain_ones(tmp_path):
+    """torchtitan writes ``rank0_trace.json.gz``; the folder search must find and inflate it."""
+    import gzip
+
+    tc = _script()
+    plain = _trace(tmp_path / "a.json", 300)
+    folder = tmp_path / "iteration_20"
+    folder.mkdir()
+    (folder / "rank0_trace.json.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    assert tc.load_events(folder) == tc.load_events(plain)
+
+
 def test_a_trace_without_steps_is_refused(tmp_path, capsys):
     tc = _script()
     path = tmp_path / "t.json"
