@@ -24,13 +24,10 @@ def _setup_logging() -> None:
     )
     # Per-split progress bars from datasets drown the training log.
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    # torchao announces optional CUDA kernels it cannot load on CPU; that is expected there.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
-    # torchao registers its KernelPreference enum with pytree, which this torch reports as deprecated
-    # on every start; it is harmless and not actionable by users.
-    logging.getLogger("torch.utils._pytree").addFilter(
-        lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
+    from torchtitan_lite.library_notices import silence_known_library_notices
+
+    silence_known_library_notices()
 
 
 def _restore_signals_ignored_by_launcher() -> None:

@@ -31,6 +31,9 @@ GIB = 1024**3
 
 
 def main(argv: list[str]) -> int:
+    from torchtitan_lite.library_notices import silence_known_library_notices
+
+    silence_known_library_notices()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json-out", required=True, help="where to write the measurement")
     parser.add_argument("--warmup", type=int, required=True, help="untimed steps first (>= 1)")

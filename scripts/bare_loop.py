@@ -214,6 +214,9 @@ def _synchronize(device: torch.device) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from torchtitan_lite.library_notices import silence_known_library_notices
+
+    silence_known_library_notices()
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog="Other flags (--config NAME, --section.field VALUE) select and override the config as in train.py.")

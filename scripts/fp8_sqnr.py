@@ -281,7 +281,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, config_argv = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    from torchtitan_lite.library_notices import silence_known_library_notices
+
+    silence_known_library_notices()
     from torchtitan_lite.components.checkpoint.verify import CheckpointError
     from torchtitan_lite.components.quantization.float8_plan import float8_plan
     from torchtitan_lite.config import ConfigError, parse_cli
