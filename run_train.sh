@@ -13,12 +13,12 @@ if [ -n "${CONFIG:-}" ]; then extra+=(--config "$CONFIG"); fi
 # Help-like flags need no process group: run them in-process for a quick answer.
 for a in "$@"; do
   case "$a" in
-    --help|-h|--print-config|--list-configs|--print-fp8-plan|--estimate-memory|--check-config)
+    --help|-h|--print-config|--list-configs|--print-fp8-plan|--estimate-memory|--check-config|--dry-run)
       exec "$py" "$root/train.py" "${extra[@]}" "$@";;
   esac
 done
 # Validate names, keys, types and parallel degrees before any process group exists.
-WORLD_SIZE="$nproc" "$py" "$root/train.py" "${extra[@]}" "$@" --check-config >/dev/null
+TORCHTITAN_LITE_PREFLIGHT=1 WORLD_SIZE="$nproc" "$py" "$root/train.py" "${extra[@]}" "$@" --check-config >/dev/null
 # SIGTERM / SIGUSR1 to this script (or its process group) make the workers save and exit 0.
 TORCHTITAN_LITE_LAUNCHER_PREFIXES_RANK=1 exec "$root/scripts/torchrun_graceful.sh" "$py" --standalone --nproc_per_node="$nproc" \
   --local-ranks-filter "$log_rank" --role rank --tee 3 \

@@ -50,17 +50,21 @@ def _leave_together() -> None:
 def main(argv: list[str]) -> int:
     _restore_signals_ignored_by_launcher()
     _setup_logging()
+    # The one place where the model families and the registered configs meet the core: importing
+    # `models` registers each family's spec; the registry is handed to the parser and the actions.
+    import models  # noqa: F401
+    from config_registry import DEFAULT_REGISTRY
     from torchtitan_lite.config import ConfigError, parse_cli
 
     try:
-        cli = parse_cli(argv)
+        cli = parse_cli(argv, registry=DEFAULT_REGISTRY)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if cli.action != "train":
         from torchtitan_lite.actions import run_action
 
-        return run_action(cli)
+        return run_action(cli, registry=DEFAULT_REGISTRY)
 
     from torchtitan_lite.trainer import NonFiniteLossError, Trainer
 

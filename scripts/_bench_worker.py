@@ -45,13 +45,15 @@ def main(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
+    import models  # noqa: F401  (registers the model families)
+    from config_registry import DEFAULT_REGISTRY
     from torchtitan_lite.config import parse_cli
     from torchtitan_lite.distributed import utils as dist_utils
 
     with tempfile.TemporaryDirectory(prefix="bench_") as dump:
         # Later flags win: the user's overrides come after these defaults, the step count last.
         cli = parse_cli(["--validation.enable", "false", "--job.dump_folder", dump, *config_argv,
-                         "--training.steps", str(args.warmup + args.steps)])
+                         "--training.steps", str(args.warmup + args.steps)], registry=DEFAULT_REGISTRY)
         trainer = cli.config.build()
         spans, memory = _record_steps(trainer)
         try:

@@ -231,10 +231,12 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     logging.getLogger("torchao").setLevel(logging.ERROR)
 
+    import models  # noqa: F401  (registers the model families)
+    from config_registry import DEFAULT_REGISTRY
     from torchtitan_lite.config import ConfigError, parse_cli
 
     try:
-        cli = parse_cli(config_argv)
+        cli = parse_cli(config_argv, registry=DEFAULT_REGISTRY)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -246,7 +248,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="bare_loop_") as dump:
         if args.against_trainer:
             # Validation off as in scripts/benchmark.py; the trainer's outputs go to a temporary folder.
-            cfg = parse_cli(["--validation.enable", "false", "--job.dump_folder", dump, *config_argv]).config
+            cfg = parse_cli(["--validation.enable", "false", "--job.dump_folder", dump, *config_argv],
+                            registry=DEFAULT_REGISTRY).config
             trainer_result, result = run_against_trainer(cfg, warmup=args.warmup, steps=args.steps)
         else:
             trainer_result, result = None, run(cli.config, warmup=args.warmup, steps=args.steps)

@@ -154,12 +154,14 @@ def main(argv: list[str]) -> int:
 
 
 def _resolve(names: list[str], overrides: list[str]) -> dict:
+    import models  # noqa: F401  (registers the model families)
+    from config_registry import DEFAULT_REGISTRY
     from torchtitan_lite.config import ConfigError, parse_cli
 
     configs = {}
     for name in names:
         try:
-            configs[name] = parse_cli(["--config", name, *overrides]).config
+            configs[name] = parse_cli(["--config", name, *overrides], registry=DEFAULT_REGISTRY).config
         except ConfigError as err:
             raise SystemExit(f"error: {err}") from None
     return configs

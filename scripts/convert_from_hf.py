@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+import config_registry
+import models  # noqa: F401  (registers the model families)
+
 from torchtitan_lite.components.checkpoint.convert import hf_to_dcp, resolve_model
 from torchtitan_lite.components.checkpoint.hf_io import read_hf_config
 
@@ -23,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     vocab_size = read_hf_config(args.hf_dir)["vocab_size"]
-    spec, model_args = resolve_model(args.config, vocab_size=vocab_size)
+    spec, model_args = resolve_model(config_registry.get(args.config), vocab_size=vocab_size)
     hf_to_dcp(args.hf_dir, spec, model_args, args.output)
 
 

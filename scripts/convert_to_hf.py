@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+import config_registry
+import models  # noqa: F401  (registers the model families)
+
 from torchtitan_lite.components.checkpoint.convert import checkpoint_vocab_size, dcp_to_hf, resolve_model
 
 
@@ -22,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="folder to write config.json and model.safetensors to")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    spec, model_args = resolve_model(args.config, vocab_size=checkpoint_vocab_size(args.checkpoint))
+    spec, model_args = resolve_model(config_registry.get(args.config), vocab_size=checkpoint_vocab_size(args.checkpoint))
     dcp_to_hf(args.checkpoint, spec, model_args, args.output, args.dtype)
 
 

@@ -187,14 +187,19 @@ def effective_float8_config(converter_config: Any, cfg: Any) -> Any:
     way FSDP does (not with autocast). FP8 all-gather is then turned off: it changes how the weight
     travels, not its FP8 value (the scale is the amax of the whole weight either way).
     """
+    from torchtitan_lite.components.precision import resolve_precision
     from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+    from torchtitan_lite.protocols.model_converter import ConversionContext
 
     float8_logger = logging.getLogger("torchtitan_lite.components.quantization.float8")
     level = float8_logger.level
     float8_logger.setLevel(logging.ERROR)  # training-speed advice (compile) does not apply to a numerics probe
     try:
-        converter = Float8LinearConverter(converter_config, parallel_dims=SimpleNamespace(fsdp_enabled=True),
-                                          job_config=cfg)
+        precision = resolve_precision(cfg.precision, device_type="cpu", fsdp_enabled=True)
+        context = ConversionContext(device_type="cpu", param_dtype=precision.param_dtype, autocast=False,
+                                    fsdp_sharded=True, tp_enabled=False, compile_model=False,
+                                    seq_len=cfg.training.seq_len)
+        converter = Float8LinearConverter(converter_config, context=context)
     finally:
         float8_logger.setLevel(level)
     return dataclasses.replace(converter.float8_config, enable_fsdp_float8_all_gather=False)
@@ -286,11 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     silence_known_library_notices()
     from torchtitan_lite.components.checkpoint.verify import CheckpointError
     from torchtitan_lite.components.quantization.float8_plan import float8_plan
+    import models  # noqa: F401  (registers the model families)
+    from config_registry import DEFAULT_REGISTRY
     from torchtitan_lite.config import ConfigError, parse_cli
     from torchtitan_lite.distributed import utils as dist_utils
 
     try:
-        cli = parse_cli(config_argv)
+        cli = parse_cli(config_argv, registry=DEFAULT_REGISTRY)
         if cli.action != "train":
             raise ConfigError("fp8_sqnr takes --config, --config-file and --section.field flags only, no train.py action")
         cfg = cli.config

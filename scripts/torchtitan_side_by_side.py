@@ -171,10 +171,12 @@ def resolve(name: str, overrides: list[str]):
 
     from bare_loop import unsupported_reason
     from models import build_model_args, get_model_spec
+    import models  # noqa: F401  (registers the model families)
+    from config_registry import DEFAULT_REGISTRY
     from torchtitan_lite.config import ConfigError, parse_cli
 
     try:
-        cfg = parse_cli(["--config", name, *overrides]).config
+        cfg = parse_cli(["--config", name, *overrides], registry=DEFAULT_REGISTRY).config
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     reason = unsupported_reason(cfg)

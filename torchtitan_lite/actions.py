@@ -1,16 +1,40 @@
-"""Command-line actions that inspect a config instead of training with it."""
+"""Command-line actions that inspect a config instead of training with it.
+
+Each one resolves the run exactly as the trainer would (``resolve_run``) for the launch described by the
+environment: WORLD_SIZE, or NGPU / NPROC as run_train.sh uses them, and CUDA when NGPU is set.
+"""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+from torchtitan_lite.config import CliResult, list_configs_text, main_help_text
+from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
+from torchtitan_lite.launch_check import check_devices, check_memory
+from torchtitan_lite.memory.estimate import GIB
+from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
-def run_action(cli) -> int:
-    """Print the action's text; a ValueError (bad degrees, flavor, ...) is a config error: exit 2."""
+PREFLIGHT_ENV = "TORCHTITAN_LITE_PREFLIGHT"
+"""Set by run_train.sh for the check it runs right before torchrun: the devices must then be present."""
+
+if TYPE_CHECKING:
+    from torchtitan_lite.config.registry import ConfigRegistry
+    from torchtitan_lite.trainer import Trainer
+
+
+def run_action(cli: CliResult, *, registry: ConfigRegistry) -> int:
+    """Print the action's text; a ValueError (bad degrees, flavor, combination, ...) is a config error:
+    exit 2."""
     try:
-        text = _ACTIONS[cli.action](cli)
+        text = _ACTIONS[cli.action](cli, registry)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -18,77 +42,91 @@ def run_action(cli) -> int:
     return 0
 
 
-def _help(cli) -> str:
-    from torchtitan_lite.config import main_help_text
+def launch_run(config: Trainer.Config, *, nnodes: int = 1) -> ResolvedRun:
+    """The run a launch from this environment (of ``nnodes`` such nodes) would resolve."""
+    return resolve_run(config, world_size=dist_utils.launch_world_size() * nnodes,
+                       device_type=dist_utils.launch_device_type())
+
+
+def _help(cli: CliResult, registry: ConfigRegistry) -> str:
     from torchtitan_lite.trainer import Trainer
 
     return main_help_text(Trainer.Config)
 
 
-def _list_configs(cli) -> str:
-    from torchtitan_lite.config import list_configs_text
-
-    return list_configs_text()
+def _list_configs(cli: CliResult, registry: ConfigRegistry) -> str:
+    return list_configs_text(registry)
 
 
-def _print_config(cli) -> str:
+def _print_config(cli: CliResult, registry: ConfigRegistry) -> str:
     from torchtitan_lite.config import config_to_toml
 
     return f"# resolved config: {cli.config_name}\n" + config_to_toml(cli.config)
 
 
-def _print_fp8_plan(cli) -> str:
+def _print_fp8_plan(cli: CliResult, registry: ConfigRegistry) -> str:
     """Build the model on meta and explain which Linear gets which float8 recipe, and why."""
-    from models import build_model_args, get_model_spec
-    from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
-
-    cfg = cli.config
-    spec = get_model_spec(cfg.model.name)
-    args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    float8 = [c for c in cfg.model_converters.converters if isinstance(c, Float8LinearConverter.Config)]
+    run = launch_run(cli.config, nnodes=cli.nnodes)
+    float8 = [c for c in run.converters.converters if isinstance(c, Float8LinearConverter)]
     if not float8:
         return (f"config '{cli.config_name}' has no float8 converter: every Linear runs in "
-                f"{cfg.precision.param_dtype}. Add one with --model_converters.converters float8")
-    converter = float8[0].build(parallel_dims=_parallel_dims(cfg), config=cfg)
-    return converter.explain(model, seq_len=cfg.training.seq_len,
-                             total_flops_per_token=model.flops_per_token(cfg.training.seq_len))
+                f"{cli.config.precision.param_dtype}. Add one with --model_converters.converters float8")
+    with torch.device("meta"):
+        model = run.model_spec.model_cls(run.model_args)
+    text = float8[0].explain(model, seq_len=run.training.seq_len,
+                             total_flops_per_token=model.flops_per_token(run.training.seq_len))
+    if not run.parallel_dims.tp_enabled:
+        return text
+    # What TP moves depends on which Linears were converted: convert a meta copy and read the regions.
+    with _quiet():
+        run.converters.convert(model)
+    return text + "\n" + tp_communication_text(run.model_spec.parallel_plan, model, tp=run.parallel_dims.tp,
+                                               high_precision=run.precision.param_dtype)
 
 
-def _parallel_dims(cfg):
-    """The layout the config would get at launch; world size from WORLD_SIZE, NGPU or NPROC."""
-    from torchtitan_lite.distributed.parallel_dims import ParallelDims
+def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
+    """What run_train.sh runs before torchrun: every rule the build would apply, before any process starts.
 
-    world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or os.environ.get("NPROC") or 1)
-    return ParallelDims(dp_replicate=cfg.parallelism.dp_replicate, dp_shard=cfg.parallelism.dp_shard,
-                        tp=cfg.parallelism.tp, world_size=world_size)
-
-
-def _check_config(cli) -> str:
-    """What run_train.sh runs before torchrun, so bad degrees fail before any process starts."""
-    from models import build_model_args, get_model_spec
-
-    cfg = cli.config
-    dims = _parallel_dims(cfg)
-    world_size = dims.world_size
-    spec = get_model_spec(cfg.model.name)
-    args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers)
-    dims.validate_for_model(args, cfg.training.seq_len, sequence_parallel=cfg.parallelism.enable_sequence_parallel)
-    return f"config '{cli.config_name}' is valid for {world_size} process(es)"
+    Everything that can be built on meta is (run resolution, converters); then the devices and the memory
+    estimate are held against the host (GPU memory per rank, or host RAM shared by the CPU processes).
+    """
+    run = launch_run(cli.config, nnodes=cli.nnodes)
+    with torch.device("meta"), _quiet():
+        run.converters.convert(run.model_spec.model_cls(run.model_args))
+    check_devices(ngpu=dist_utils.requested_gpus(), preflight=os.environ.get(PREFLIGHT_ENV) == "1")
+    estimate = check_memory(run, processes_on_host=dist_utils.launch_world_size())
+    return (f"config '{cli.config_name}' is valid for {run.world_size} process(es) ({run.parallel_dims.describe()}); "
+            f"estimated peak {estimate.total / GIB:.1f} GiB per rank")
 
 
-def _estimate_memory(cli) -> str:
-    from torchtitan_lite.memory_estimate import estimate_memory_text
+def _dry_run(cli: CliResult, registry: ConfigRegistry) -> str:
+    from torchtitan_lite.dry_run import dry_run_text
 
-    return estimate_memory_text(cli.config)
+    return dry_run_text(launch_run(cli.config, nnodes=cli.nnodes), cli.config.precision)
 
 
-_ACTIONS = {
+def _estimate_memory(cli: CliResult, registry: ConfigRegistry) -> str:
+    from torchtitan_lite.memory.estimate import estimate_memory_text
+
+    return estimate_memory_text(launch_run(cli.config, nnodes=cli.nnodes))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No INFO logs (a converter logs its whole plan when it converts): the action prints what it means to."""
+    logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+_ACTIONS: dict[str, Callable[[CliResult, ConfigRegistry], str]] = {
     "help": _help,
     "list_configs": _list_configs,
     "print_config": _print_config,
     "print_fp8_plan": _print_fp8_plan,
     "estimate_memory": _estimate_memory,
     "check_config": _check_config,
+    "dry_run": _dry_run,
 }

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from models import build_model_args, get_model_spec
+import torchtitan_lite.components.quantization  # noqa: F401  (registers the built-in converter kinds)
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
 from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
@@ -35,9 +35,9 @@ from torchtitan_lite.config.sections import (
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.compile import compile_seconds, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
+from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.shutdown import PreemptionWatcher
 from torchtitan_lite.train_state import TrainState
 
@@ -89,28 +89,25 @@ class Trainer(Configurable):
     def __init__(self, config: "Trainer.Config") -> None:
         self.config = config
         cfg = config
-        # Degrees are checked against the launch's world size before any process-group work.
-        self.parallel_dims = ParallelDims(
-            dp_replicate=cfg.parallelism.dp_replicate,
-            dp_shard=cfg.parallelism.dp_shard,
-            tp=cfg.parallelism.tp,
-            world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        )
-        self.model_spec = get_model_spec(cfg.model.name)
         self.tokenizer = cfg.tokenizer.build()
-        self.model_args = build_model_args(
-            self.model_spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=self.tokenizer.vocab_size
-        )
-        self.parallel_dims.validate_for_model(self.model_args, cfg.training.seq_len,
-                                              sequence_parallel=cfg.parallelism.enable_sequence_parallel)
-        self.n_microbatches = self._microbatches_per_step()
+        # Every derived fact (degrees, model args, precision, micro-batches, converters) is resolved and
+        # checked here, before any process-group work.
+        self.run = resolve_run(cfg, world_size=dist_utils.process_world_size(), device_type=dist_utils.device_type(),
+                               vocab_size=self.tokenizer.vocab_size)
+        self.parallel_dims = self.run.parallel_dims
+        self.model_args = self.run.model_args
+        self.n_microbatches = self.run.n_microbatches
+        self.converters = self.run.converters
 
         self.device = dist_utils.init_distributed()
         self.parallel_dims.build_mesh(self.device.type)
         self._set_determinism()
         if dist_utils.is_rank0() and cfg.job.save_config:
             _save_resolved_config(cfg)
+        logger.info("precision: %s (%s)", self.run.precision.describe(init_scale=cfg.precision.init_scale),
+                    self.run.precision.reason)
 
+        self.precision = cfg.precision.build(resolved=self.run.precision, device=self.device)
         self.model_parts = [self._build_model()]
         self.optimizers = cfg.optimizer.build(model_parts=self.model_parts)
         self.lr_schedulers = cfg.lr_scheduler.build(optimizers=self.optimizers, training_steps=cfg.training.steps)
@@ -123,7 +120,8 @@ class Trainer(Configurable):
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="train",
             infinite=True, seed=cfg.training.seed,
         )
-        self.loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
+        self.loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss,
+                                          backend=cfg.compile.backend)
         self.train_state = TrainState()
         states = {
             "model": ModelWrapper(self.model_parts),
@@ -135,7 +133,8 @@ class Trainer(Configurable):
         if self.grad_scaler is not None:
             states["grad_scaler"] = self.grad_scaler
         self.checkpointer = cfg.checkpoint.build(
-            dump_folder=cfg.job.dump_folder, states=states, model_args=self.model_args, model_spec=self.model_spec,
+            dump_folder=cfg.job.dump_folder, states=states, model_args=self.model_args,
+            model_spec=self.run.model_spec,
         )
         self.metrics = cfg.metrics.build(
             dump_folder=cfg.job.dump_folder, device=self.device,
@@ -150,18 +149,6 @@ class Trainer(Configurable):
     # ----------------------------------------------------------------------------------------------
     # Construction helpers
 
-    def _microbatches_per_step(self) -> int:
-        t, dp = self.config.training, self.parallel_dims.dp_degree
-        per_pass = t.local_batch_size * dp
-        global_batch = per_pass if t.global_batch_size < 0 else t.global_batch_size
-        if global_batch % per_pass != 0:
-            raise ValueError(
-                f"training.global_batch_size={global_batch} must be a multiple of training.local_batch_size "
-                f"x data-parallel degree = {t.local_batch_size} x {dp} = {per_pass}; "
-                f"use {max(per_pass, global_batch // per_pass * per_pass)} or -1"
-            )
-        return global_batch // per_pass
-
     def _set_determinism(self) -> None:
         seed = self.config.training.seed
         if seed is not None:
@@ -174,14 +161,12 @@ class Trainer(Configurable):
         torch.autograd.set_detect_anomaly(self.config.debug.detect_anomaly)
 
     def _build_model(self) -> torch.nn.Module:
-        cfg = self.config
+        cfg, spec = self.config, self.run.model_spec
         with torch.device("meta"):
-            model = self.model_spec.model_cls(self.model_args)
-        self.converters = cfg.model_converters.build(parallel_dims=self.parallel_dims, config=cfg)
+            model = spec.model_cls(self.model_args)
         self.converters.convert(model)
-        self.precision = cfg.precision.build(device=self.device, fsdp_enabled=self.parallel_dims.fsdp_enabled)
         start = time.perf_counter()
-        model = self.model_spec.parallelize_fn(model, self.parallel_dims, cfg, precision=self.precision)
+        model = spec.parallelize_fn(model, self.run, mp_policy=self.precision.mp_policy())
         init_device = "cpu" if cfg.parallelism.fsdp_cpu_offload else self.device
         model.to_empty(device=init_device)
         with torch.no_grad():
@@ -204,7 +189,7 @@ class Trainer(Configurable):
         return cfg.validation.build(
             dataloader_factory=val_loader_factory, loss_fn=self.loss_fn, device=self.device,
             dp_group=self._dp_group(), autocast=self.precision.eval_autocast,
-            loss_context=lambda: loss_parallel_context(self.parallel_dims, cfg),
+            loss_context=lambda: loss_parallel_context(self.run.loss_parallel),
         )
 
     def _dp_group(self):
@@ -268,7 +253,7 @@ class Trainer(Configurable):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             self.train_state.tokens_seen += inputs.numel()
             self.metrics.record_tokens(inputs.numel())
-            with self.precision.autocast(), loss_parallel_context(self.parallel_dims, self.config):
+            with self.precision.autocast(), loss_parallel_context(self.run.loss_parallel):
                 logits = model(inputs)
                 loss_sum, _ = self.loss_fn(logits, labels)
                 loss = loss_sum / global_tokens

@@ -1,6 +1,9 @@
-"""Apply the parallelisms to a Llama 3 model built on the meta device, in the one order that composes:
+"""Llama 3's parallel plan, as data, and the order in which the parallelisms are applied.
 
-TP (float8 styles for tensorwise float8 blocks, sequence parallel, loss parallel) -> activation
+The plan (``LLAMA3_PARALLEL_PLAN``) is the one place that says which Linear TP splits how and what the FSDP
+units are; the trainer's parallelize step, the memory estimate and the dry run all read it.
+
+Order: TP (float8 styles per communication region, sequence parallel, loss parallel) -> activation
 checkpointing -> torch.compile per block -> FSDP2 / HSDP. TP must see the plain Linears to swap in DTensor
 parameters; checkpointing wraps the TP'd block; compile traces the checkpointed block; FSDP goes last so
 its all-gather / reduce-scatter hooks sit outside the compiled graphs.
@@ -8,45 +11,67 @@ its all-gather / reduce-scatter hooks sit outside the compiled graphs.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchtitan_lite.distributed.activation_checkpoint import apply_ac
-from torchtitan_lite.distributed.compile import apply_compile
-from torchtitan_lite.distributed.fsdp import apply_fsdp
-from torchtitan_lite.distributed.tensor_parallel import apply_tp, loss_parallel_enabled
+from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, TPInput, build_tp_plan
+
+if TYPE_CHECKING:
+    from torchtitan_lite.resolved_run import ResolvedRun
 
 logger = logging.getLogger(__name__)
 
+LLAMA3_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
+    BlockTPPlan(
+        inputs=(
+            # attention(x, rope_cache): the rotary table passes through whole.
+            TPInput("attention", ("attention.wq", "attention.wk", "attention.wv"), "attention input", n_inputs=2),
+            TPInput("feed_forward", ("feed_forward.w1", "feed_forward.w3"), "feed_forward input"),
+        ),
+        rowwise=("attention.wo", "feed_forward.w2"),
+        norms=("attention_norm", "ffn_norm"),
+    ),
+    blocks="layers",
+    embedding="tok_embeddings",
+    output="output",
+    final_norm="norm",
+)
 
-def parallelize_llama(model: nn.Module, parallel_dims, config, *, precision) -> nn.Module:
-    """Parallelize `model` in place for `parallel_dims` (meshes built) per the root `config`; returns it.
 
-    `precision.mp_policy()` gives FSDP's MixedPrecisionPolicy. Without data parallelism no FSDP is applied
-    (the precision component then casts through autocast instead).
+def parallelize_llama(model: nn.Module, run: ResolvedRun, *, mp_policy: Any) -> nn.Module:
+    """Parallelize ``model`` (on meta, meshes built) in place as ``run`` resolved it; returns it.
+
+    ``mp_policy`` is FSDP's MixedPrecisionPolicy. Without data parallelism no FSDP is applied (the
+    precision component then casts through autocast instead).
     """
-    par = config.parallelism
-    layouts = [parallel_dims.describe()]
+    from torchtitan_lite.distributed.activation_checkpoint import apply_ac
+    from torchtitan_lite.distributed.compile import apply_compile
+    from torchtitan_lite.distributed.fsdp import apply_fsdp
+    from torchtitan_lite.distributed.tensor_parallel import apply_tp
 
-    if parallel_dims.tp_enabled:
-        float8_blocks = apply_tp(model, parallel_dims.tp_mesh, sequence_parallel=par.enable_sequence_parallel,
-                                 loss_parallel=loss_parallel_enabled(parallel_dims, config))
-        layouts.append("SP" if par.enable_sequence_parallel else "no SP")
-        layouts.append("loss parallel" if loss_parallel_enabled(parallel_dims, config) else "replicated logits")
-        if float8_blocks:
-            layouts.append(f"float8 TP comms in {float8_blocks} blocks")
+    plan, dims = LLAMA3_PARALLEL_PLAN, run.parallel_dims
+    layouts = [dims.describe()]
+    if dims.tp_enabled:
+        regions = apply_tp(model, dims.tp_mesh, plan, sequence_parallel=run.sequence_parallel,
+                           loss_parallel=run.loss_parallel)
+        layouts.append("SP" if run.sequence_parallel else "no SP")
+        layouts.append("loss parallel" if run.loss_parallel else "replicated logits")
+        float8 = sum(r.float8 for block in regions for r in block)
+        if float8:
+            layouts.append(f"float8 TP comms in {float8} of {sum(len(b) for b in regions)} regions")
 
-    compile_blocks = config.compile.enable and "model" in config.compile.components
-    ac = apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_option,
-                  compiled_tp=compile_blocks and parallel_dims.tp_enabled)
+    ac = apply_ac(model, run.activation_checkpoint.mode, run.activation_checkpoint.selective_option,
+                  compiled_tp=run.compile_model and dims.tp_enabled)
     layouts.append(f"AC {ac}")
 
-    if apply_compile(model, config.compile):
-        layouts.append(f"compiled blocks ({config.compile.backend})")
+    if apply_compile(model, run.compile):
+        layouts.append(f"compiled blocks ({run.compile.backend})")
 
-    if parallel_dims.fsdp_enabled:
-        apply_fsdp(model, parallel_dims.fsdp_mesh, mp_policy=precision.mp_policy(),
-                   reshard_after_forward=par.fsdp_reshard_after_forward, cpu_offload=par.fsdp_cpu_offload)
+    if dims.fsdp_enabled:
+        apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=mp_policy,
+                   reshard_after_forward=run.parallelism.fsdp_reshard_after_forward,
+                   cpu_offload=run.parallelism.fsdp_cpu_offload)
 
     logger.info("parallelized llama3: %s", ", ".join(layouts))
     return model

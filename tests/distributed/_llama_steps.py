@@ -48,6 +48,9 @@ class Run:
     param_dtype: str = "float32"
     float8: str | None = None
     """torchao recipe name, or None for no float8."""
+    float8_keep_hp: tuple[str, ...] = ()
+    """Linears (FQN substrings) that stay in high precision besides the output projection, as
+    auto_filter_small_kn keeps attention.wk / wv on 8B shapes."""
     fp8_all_gather: bool = False
     precompute: bool = False
     ac_mode: str = "none"
@@ -94,15 +97,19 @@ def initial_state_dict() -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in Transformer(TINY).state_dict().items()}
 
 
-def parallel_config(run: Run) -> SimpleNamespace:
-    """The sections of the root config that parallelize_llama reads."""
+def parallel_config(run: Run, dims: ParallelDims) -> SimpleNamespace:
+    """The facts of a resolved run that parallelize_llama reads."""
     return SimpleNamespace(
+        parallel_dims=dims,
         parallelism=ParallelismConfig(dp_replicate=run.dp_replicate, dp_shard=run.dp_shard, tp=run.tp,
                                       enable_sequence_parallel=run.sequence_parallel,
                                       enable_loss_parallel=run.loss_parallel,
                                       fsdp_reshard_after_forward=run.reshard_after_forward),
+        sequence_parallel=dims.tp_enabled and run.sequence_parallel,
+        loss_parallel=dims.tp_enabled and run.loss_parallel,
         activation_checkpoint=ActivationCheckpointConfig(mode=run.ac_mode, selective_option=run.ac_option),
         compile=CompileConfig(enable=run.compile, components=["model", "loss"], backend=run.compile_backend),
+        compile_model=run.compile,
     )
 
 
@@ -111,7 +118,7 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
     dims = ParallelDims(run.dp_replicate, run.dp_shard, run.tp, world_size=run.world_size)
     dims.validate_for_model(TINY, SEQ, sequence_parallel=run.sequence_parallel)
     dims.build_mesh("cpu")
-    config = parallel_config(run)
+    config = parallel_config(run, dims)
     precision = Precision.Config(param_dtype=run.param_dtype).build(device="cpu", fsdp_enabled=dims.fsdp_enabled)
     with torch.device("meta"):
         model = Transformer(TINY)
@@ -119,8 +126,9 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
         fp8_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(run.float8),
                                          enable_fsdp_float8_all_gather=run.fp8_all_gather and dims.fsdp_enabled)
         # The vocabulary projection stays in high precision, as in the project's float8 configs.
-        convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda m, fqn: fqn != "output")
-    parallelize_llama(model, dims, config, precision=precision)
+        convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda m, fqn: fqn != "output" and not any(
+            keep in fqn for keep in run.float8_keep_hp))
+    parallelize_llama(model, config, mp_policy=precision.mp_policy())
     model.to_empty(device="cpu")
     model.init_weights()
     if run.world_size == 1:
@@ -139,7 +147,7 @@ def train(run: Run, model, dims: ParallelDims, precision: Precision, config, *, 
     gradients of the first backward, keyed by parameter name.
     """
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    loss_fn = maybe_compile_loss(cross_entropy_sum, config.compile)
+    loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=config.compile.enable, backend=config.compile.backend)
     rows = GLOBAL_BATCH // dims.dp_degree
     dp_rank = dims.dp_rank
     out = {"losses": [], "grad_norms": [], "collectives": {}}
@@ -149,7 +157,7 @@ def train(run: Run, model, dims: ParallelDims, precision: Precision, config, *, 
         labels = labels[dp_rank * rows:(dp_rank + 1) * rows]
         recording = step == record_step
         with _log_if(recording, out, "fwd_bwd"):
-            with precision.autocast(), loss_parallel_context(dims, config):
+            with precision.autocast(), loss_parallel_context(config.loss_parallel):
                 loss_sum, _ = loss_fn(model(inputs), labels)
                 loss = loss_sum / global_tokens
                 loss.backward()
@@ -224,6 +232,10 @@ VARIANTS = {
     "bf16": dict(param_dtype="bfloat16"),
     "fp8": dict(float8="tensorwise", fp8_all_gather=True, precompute=True),
 }
+# 8B-shaped float8: wk / wv stay in high precision, so TP keeps the attention input in high precision and
+# moves the FFN input and both output projections' gradients in float8.
+FP8_WK_WV_HP = dict(float8="tensorwise", fp8_all_gather=True, precompute=True,
+                    float8_keep_hp=("attention.wk", "attention.wv"))
 # Extra runs on particular layouts: float8 all-gather without the scale precompute (to count its
 # all-reduces), the other reshard policies, bf16 with float8, a row-wise recipe with 2-D FSDP x TP, and
 # TP without sequence and loss parallelism.
@@ -234,8 +246,9 @@ EXTRA_VARIANTS = {
         "reshard_never": dict(reshard_after_forward="never", steps=2),
         "bf16_fp8": dict(param_dtype="bfloat16", float8="tensorwise", fp8_all_gather=True, precompute=True),
     },
-    "fsdp2_tp2": {"rowwise": dict(float8="rowwise")},
-    "tp2": {"no_sp_no_loss_parallel": dict(sequence_parallel=False, loss_parallel=False)},
+    "fsdp2_tp2": {"rowwise": dict(float8="rowwise"), "fp8_wk_wv_hp": FP8_WK_WV_HP},
+    "tp2": {"no_sp_no_loss_parallel": dict(sequence_parallel=False, loss_parallel=False),
+            "fp8_wk_wv_hp": FP8_WK_WV_HP},
 }
 
 

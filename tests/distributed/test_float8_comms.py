@@ -83,6 +83,22 @@ def test_tensor_parallel_all_gathers_activations_and_gradients_in_float8(layout)
            [(l.dtype, l.nbytes) for l in low if l.dtype != torch.uint8]
 
 
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2_tp2"])
+def test_float8_tp_is_decided_per_region_when_wk_and_wv_stay_high_precision(layout):
+    high = [c for c in _fwd_bwd(layout, "fp32") if c.op == "all_gather_into_tensor"]
+    mixed = [c for c in _fwd_bwd(layout, "fp8_wk_wv_hp") if c.op == "all_gather_into_tensor"]
+    assert len(mixed) == len(high)
+    # The FFN input in forward and the wo / w2 output gradients in backward: 3 of the 4 regions per block
+    # move 1 byte per element; the attention input (shared by wq and the high-precision wk / wv) and the
+    # vocabulary projection's input are gathered exactly as in the float32 run.
+    assert sum(l.dtype == torch.uint8 for l in mixed) == 3 * TINY.n_layers
+    for h, l in zip(high, mixed):
+        if l.dtype == torch.uint8:
+            assert h.dtype == torch.float32 and l.nbytes * _FLOAT32_BYTES == h.nbytes
+        else:
+            assert (l.dtype, l.nbytes) == (h.dtype, h.nbytes)
+
+
 def test_fsdp_float8_allgather_on_fsdp_x_tp_moves_bytes():
     gathers = [c for c in _fwd_bwd("fsdp2_tp2", "fp8") if c.op == "_allgather_base_"]
     assert any(c.dtype == torch.uint8 for c in gathers)

@@ -62,6 +62,8 @@ def test_float8_tensorwise_allgather_precompute_matches_single_process(layout):
 
 @pytest.mark.parametrize("layout, variant, rtol", [
     ("fsdp2_tp2", "rowwise", FP8_RTOL),
+    ("fsdp2_tp2", "fp8_wk_wv_hp", FP8_RTOL),
+    ("tp2", "fp8_wk_wv_hp", FP8_RTOL),
     ("fsdp2", "bf16_fp8", BF16_RTOL),
     ("fsdp2", "reshard_always", FP32_RTOL),
     ("fsdp2", "reshard_never", FP32_RTOL),

@@ -112,8 +112,8 @@ def test_scripts_convert_both_ways(tmp_path, monkeypatch):
     # The registry config resolves to the debug flavor with 1 layer; the vocabulary comes from the weights.
     seen = []
 
-    def resolve(name, *, vocab_size):
-        seen.append((name, vocab_size))
+    def resolve(cfg, *, vocab_size):
+        seen.append((cfg.model.flavor, vocab_size))
         return SPEC, build_model_args(SPEC, "debug", n_layers=1, vocab_size=vocab_size)
 
     original = model(0)
@@ -123,7 +123,7 @@ def test_scripts_convert_both_ways(tmp_path, monkeypatch):
     monkeypatch.setattr(from_hf, "resolve_model", resolve)
     to_hf.main(["--checkpoint", ckpt, "--config", "llama3_debug", "--dtype", "float32", "--output", str(tmp_path / "hf")])
     from_hf.main(["--hf-dir", str(tmp_path / "hf"), "--config", "llama3_debug", "--output", str(tmp_path / "seed")])
-    assert seen == [("llama3_debug", 512), ("llama3_debug", 512)]
+    assert seen == [("debug", 512), ("debug", 512)]  # llama3_debug's flavor, the weights' vocabulary
     fresh = model(1)
     CheckpointManager.Config(enable=True, initial_load_path=str(tmp_path / "seed")).build(
         dump_folder=str(tmp_path / "next"), states={"model": ModelWrapper(fresh)}).load()

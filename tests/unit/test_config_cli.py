@@ -42,7 +42,7 @@ def error_of(parse, *argv) -> str:
 
 def test_actions_are_the_documented_set():
     assert set(ACTIONS) == {"train", "help", "print_config", "list_configs", "print_fp8_plan", "estimate_memory",
-                            "check_config"}
+                            "check_config", "dry_run"}
 
 
 def test_default_config_and_train_action(parse):
@@ -116,9 +116,16 @@ def test_action_flag_takes_no_value(parse):
 
 def test_unknown_flag_lists_valid_flags(parse):
     assert error_of(parse, "--foo") == (
-        "unknown flag '--foo'; valid flags: --help, --config, --config-file, --list-configs, --print-config, "
-        "--print-fp8-plan, --estimate-memory, --check-config, and --section.field VALUE to set a config field (see --help)")
+        "unknown flag '--foo'; valid flags: --help, --config, --config-file, --nnodes, --list-configs, --print-config, "
+        "--print-fp8-plan, --estimate-memory, --check-config, --dry-run, and --section.field VALUE to set a config "
+        "field (see --help)")
     assert error_of(parse, "--confg", "x").startswith("unknown flag '--confg'; did you mean '--config'?")
+
+
+def test_nnodes_must_be_a_positive_integer(parse):
+    assert parse("--nnodes", "4", "--dry-run").nnodes == 4
+    assert parse("--check-config").nnodes == 1
+    assert error_of(parse, "--nnodes", "0", "--dry-run") == "--nnodes expects a positive integer, got '0'"
 
 
 def test_missing_values_name_the_flag(parse):

@@ -11,22 +11,21 @@ import torch
 import torch.nn as nn
 from torchao.float8 import ScalingGranularity
 
+from _conversion import context
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
 from torchtitan_lite.config.sections import CompileConfig, TrainingConfig
 
-FSDP = SimpleNamespace(fsdp_enabled=True)
-NO_FSDP = SimpleNamespace(fsdp_enabled=False)
+FSDP = True
+NO_FSDP = False
 
 
-def _job(param_dtype: str = "bfloat16", compile_enable: bool = True, components=("model", "loss")):
-    return SimpleNamespace(precision=Precision.Config(param_dtype=param_dtype),
-                           compile=CompileConfig(enable=compile_enable, components=list(components)),
-                           training=TrainingConfig(seq_len=32))
+def _job(param_dtype: str = "bfloat16", compile_enable: bool = True, components=("model", "loss")) -> dict:
+    return dict(param_dtype=param_dtype, compile_model=compile_enable and "model" in components)
 
 
 def _build(parallel_dims=FSDP, job=None, **fields) -> Float8LinearConverter:
-    return Float8LinearConverter.Config(**fields).build(parallel_dims=parallel_dims, config=job or _job())
+    return Float8LinearConverter.Config(**fields).build(context=context(fsdp=bool(parallel_dims), **(job or _job())))
 
 
 def _raises(message: str):
@@ -81,7 +80,7 @@ def test_fp8_all_gather_without_fsdp_is_a_logged_no_op(caplog, parallel_dims):
     config = Float8LinearConverter.Config(enable_fsdp_float8_all_gather=True,
                                           precompute_float8_dynamic_scale_for_fsdp=True)
     with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
-        converter = config.build(parallel_dims=parallel_dims, config=_job())
+        converter = config.build(context=context(fsdp=bool(parallel_dims), **_job()))
     assert ("model_converters.converters[float8]: enable_fsdp_float8_all_gather and "
             "precompute_float8_dynamic_scale_for_fsdp have no effect without FSDP sharding; ignoring") in caplog.text
     assert converter.float8_config.enable_fsdp_float8_all_gather is False
@@ -112,9 +111,9 @@ def test_gpu_without_fp8_tensor_cores_suggests_emulate(monkeypatch, caplog):
     with _raises("model_converters.converters[float8]: NVIDIA A100 (compute capability 8.0) has no FP8 tensor cores "
                  "(needs 8.9+, Ada or Hopper). Set model_converters.converters[float8].emulate=true to emulate FP8 "
                  "numerics (slower than BF16), or remove the float8 converter"):
-        _build()
+        _build(job=dict(_job(), device_type="cuda"))
     with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
-        converter = _build(emulate=True)
+        converter = _build(job=dict(_job(), device_type="cuda"), emulate=True)
     assert converter.float8_config.emulate is True
     assert "emulate=True: FP8 numerics emulated in high precision" in caplog.text
 
@@ -123,7 +122,8 @@ def test_fp8_gpus_and_cpu_need_no_emulation(monkeypatch):
     assert _build().float8_config.emulate is False  # CPU: torch._scaled_mm has a CPU kernel
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert _build().float8_config.emulate is False
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    assert _build(job=dict(_job(), device_type="cuda")).float8_config.emulate is False
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
@@ -144,8 +144,8 @@ def test_float16_with_tensorwise_is_allowed_with_a_warning(caplog):
 @pytest.mark.parametrize("param_dtype", ["bfloat16", "auto"])
 def test_rowwise_with_gw_hp_under_cpu_autocast_is_an_error(monkeypatch, param_dtype):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # auto -> bfloat16
-    with _raises("recipe_name='rowwise_with_gw_hp' fails on CPU without FSDP when precision.param_dtype="
-                 f"{param_dtype}: torchao's Float8Linear casts its input only under CUDA autocast"):
+    with _raises("recipe_name='rowwise_with_gw_hp' fails on CPU without FSDP when the run computes in "
+                 "bfloat16: torchao's Float8Linear casts its input only under CUDA autocast"):
         _build(parallel_dims=NO_FSDP, job=_job(param_dtype=param_dtype), recipe_name="rowwise_with_gw_hp")
     # The FSDP path casts parameters and inputs itself, and float32 needs no autocast: both fine.
     _build(parallel_dims=FSDP, job=_job(param_dtype=param_dtype), recipe_name="rowwise_with_gw_hp")
@@ -175,7 +175,7 @@ def test_building_never_mutates_the_config():
                                           precompute_float8_dynamic_scale_for_fsdp=True, filter_fqns=["output"])
     before = dataclasses.asdict(config)
     for parallel_dims in (None, NO_FSDP, FSDP):
-        config.build(parallel_dims=parallel_dims, config=_job())
+        config.build(context=context(fsdp=bool(parallel_dims), **_job()))
     assert dataclasses.asdict(config) == before
 
 

@@ -10,13 +10,12 @@ import torch.nn as nn
 from torchao.float8 import _auto_filter_for_recipe
 from torchao.float8.float8_linear import Float8Linear
 
+from _conversion import context
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
 from torchtitan_lite.components.quantization.float8_plan import float8_plan, format_float8_plan, skip_reason
 from torchtitan_lite.config.sections import CompileConfig, TrainingConfig
 
-JOB = SimpleNamespace(precision=Precision.Config(param_dtype="bfloat16"), compile=CompileConfig(enable=True),
-                      training=TrainingConfig(seq_len=32))
 
 
 def _tiny_llama_like() -> nn.Module:
@@ -96,7 +95,7 @@ def test_converter_swaps_exactly_the_planned_modules_and_leaves_its_config_alone
     config = Float8LinearConverter.Config(filter_fqns=["output"])
     before = dataclasses.asdict(config)
     model = _tiny_llama_like()
-    converter = config.build(parallel_dims=None, config=JOB)
+    converter = config.build(context=context())
     converter.convert(model)
     swapped = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert swapped == {"layers.0.attention.wq"}
@@ -118,7 +117,7 @@ def test_converter_swaps_exactly_the_planned_modules_and_leaves_its_config_alone
 ])
 def test_conversion_on_the_meta_model_swaps_exactly_the_expected_linears(fields, model_fn, expected):
     model = model_fn()
-    Float8LinearConverter.Config(**fields).build(parallel_dims=None, config=JOB).convert(model)
+    Float8LinearConverter.Config(**fields).build(context=context()).convert(model)
     swapped = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
     untouched = {fqn for fqn, m in model.named_modules() if type(m) is nn.Linear}
     assert swapped == expected
@@ -151,7 +150,7 @@ def test_table_share_relative_to_model_flops_when_given():
 def test_converter_explain_uses_the_models_flops_per_token(caplog):
     model = _tiny_llama_like()
     model.flops_per_token = lambda seq_len: 24576 * 4 if seq_len == 32 else 0.0
-    converter = Float8LinearConverter.Config(filter_fqns=["output"]).build(parallel_dims=None, config=JOB)
+    converter = Float8LinearConverter.Config(filter_fqns=["output"]).build(context=context())
     with caplog.at_level("INFO", logger="torchtitan_lite"):
         converter.convert(model)
     text = converter.explain(model)
@@ -164,10 +163,10 @@ def test_converter_explain_uses_the_models_flops_per_token(caplog):
 def test_explain_accepts_explicit_seq_len_and_flops_and_reports_inactive_all_gather():
     config = Float8LinearConverter.Config(filter_fqns=["output"], enable_fsdp_float8_all_gather=True,
                                           precompute_float8_dynamic_scale_for_fsdp=True)
-    text = config.build(parallel_dims=None, config=JOB).explain(_tiny_llama_like(), seq_len=8192,
+    text = config.build(context=context()).explain(_tiny_llama_like(), seq_len=8192,
                                                                  total_flops_per_token=24576 * 2)
     assert text.splitlines()[0] == ("float8 converter (recipe tensorwise, FSDP float8 all-gather off (no FSDP "
                                     "sharding), precomputed scales off (no FSDP sharding))")
     assert "FP8 share: 50.0% of the model's training FLOPs per token at seq_len 8192" in text
-    sharded = config.build(parallel_dims=SimpleNamespace(fsdp_enabled=True), config=JOB).explain(_tiny_llama_like())
+    sharded = config.build(context=context(fsdp=True)).explain(_tiny_llama_like())
     assert sharded.splitlines()[0] == "float8 converter (recipe tensorwise, FSDP float8 all-gather on, precomputed scales on)"

@@ -10,17 +10,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchao.float8.float8_linear import Float8Linear
 
+from _conversion import context
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
 from torchtitan_lite.config.sections import CompileConfig, TrainingConfig
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 
-FSDP = SimpleNamespace(fsdp_enabled=True)
+FSDP = True
 
 
-def _job(param_dtype: str = "bfloat16"):
-    return SimpleNamespace(precision=Precision.Config(param_dtype=param_dtype), compile=CompileConfig(enable=True),
-                           training=TrainingConfig(seq_len=32))
+def _job(param_dtype: str = "bfloat16") -> dict:
+    return dict(param_dtype=param_dtype)
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -44,7 +44,7 @@ def test_float8_linear_is_close_to_bfloat16(recipe, grad_tol):
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(64, 128, bias=False)).to(torch.bfloat16)
     model = copy.deepcopy(reference)
-    Float8LinearConverter.Config(recipe_name=recipe).build(parallel_dims=FSDP, config=_job()).convert(model)
+    Float8LinearConverter.Config(recipe_name=recipe).build(context=context(fsdp=FSDP, **_job())).convert(model)
     assert isinstance(model[0], Float8Linear)
     x = torch.randn(32, 64, dtype=torch.bfloat16)
     x_ref, x_fp8 = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -97,7 +97,7 @@ def _train(model: nn.Module, precision: Precision, steps: int = 20, post_step_ho
                                                  ("tensorwise", "float16")])
 def test_fp8_trains_on_the_autocast_path(recipe, param_dtype):
     model = _mlp()
-    Float8LinearConverter.Config(recipe_name=recipe).build(parallel_dims=None, config=_job(param_dtype)).convert(model)
+    Float8LinearConverter.Config(recipe_name=recipe).build(context=context(**_job(param_dtype))).convert(model)
     assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 2
     losses = _train(model, Precision.Config(param_dtype=param_dtype).build(device="cpu", fsdp_enabled=False))
     # Same task as the precision-mode tests: BF16 without FP8 reaches ~0.02x the initial loss, and
@@ -111,7 +111,7 @@ def test_fp8_all_gather_precompute_hook_runs_after_every_optimizer_step(single_r
 
     config = ModelConvertersContainer.Config(converters=[Float8LinearConverter.Config(
         enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)])
-    converters = config.build(parallel_dims=FSDP, config=_job())
+    converters = config.build(context=context(fsdp=FSDP, **_job()))
     converter = converters.converters[0]
     calls = []
     real_hook = converter.post_optimizer_hook
@@ -145,8 +145,8 @@ def test_fp8_all_gather_precompute_hook_runs_after_every_optimizer_step(single_r
 def test_the_hook_does_nothing_without_precompute(single_rank_group):
     from torch.distributed.fsdp import fully_shard
 
-    converter = Float8LinearConverter.Config(enable_fsdp_float8_all_gather=True).build(parallel_dims=FSDP,
-                                                                                       config=_job())
+    converter = Float8LinearConverter.Config(enable_fsdp_float8_all_gather=True).build(
+        context=context(fsdp=FSDP, **_job()))
     model = _mlp()
     converter.convert(model)
     fully_shard(model, mesh=single_rank_group)
@@ -158,7 +158,7 @@ def test_rowwise_with_gw_hp_trains_on_the_fsdp_path(single_rank_group):
     from torch.distributed.fsdp import fully_shard
 
     model = _mlp()
-    Float8LinearConverter.Config(recipe_name="rowwise_with_gw_hp").build(parallel_dims=FSDP, config=_job()).convert(model)
+    Float8LinearConverter.Config(recipe_name="rowwise_with_gw_hp").build(context=context(fsdp=FSDP, **_job())).convert(model)
     precision = Precision.Config(param_dtype="bfloat16").build(device="cpu", fsdp_enabled=True)
     fully_shard(model, mesh=single_rank_group, mp_policy=precision.mp_policy())
     losses = _train(model, precision)

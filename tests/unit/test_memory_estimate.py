@@ -27,8 +27,10 @@ from torchtitan_lite.distributed.activation_checkpoint import apply_ac
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.memory.activations import ActivationSetup, block_plan, block_saved_bytes
 from torchtitan_lite.memory.optimizer_states import state_bytes
-from torchtitan_lite.memory_estimate import CUDA_CONTEXT_BYTES, estimate_memory, estimate_memory_text
+from torchtitan_lite.actions import launch_run
+from torchtitan_lite.memory.estimate import CUDA_CONTEXT_BYTES, estimate_memory, estimate_memory_text
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
+from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.trainer import Trainer
 
 
@@ -58,14 +60,12 @@ def _config(*, n_layers=2, seq_len=64, batch=2, param_dtype="float32", ac="none"
 
 def _build(cfg: Trainer.Config):
     """The model as the trainer builds it for one process on CPU, plus its precision and optimizer."""
-    spec = get_model_spec(cfg.model.name)
-    args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers)
-    dims = ParallelDims(dp_replicate=1, dp_shard=-1, tp=1, world_size=1)
+    run = resolve_run(cfg, world_size=1, device_type="cpu")
     with torch.device("meta"):
-        model = spec.model_cls(args)
-    cfg.model_converters.build(parallel_dims=dims, config=cfg).convert(model)
-    precision = cfg.precision.build(device="cpu", fsdp_enabled=False)
-    model = spec.parallelize_fn(model, dims, cfg, precision=precision)
+        model = run.model_spec.model_cls(run.model_args)
+    run.converters.convert(model)
+    precision = cfg.precision.build(device="cpu", resolved=run.precision)
+    model = run.model_spec.parallelize_fn(model, run, mp_policy=precision.mp_policy())
     model.to_empty(device="cpu")
     model.init_weights()
     return model, precision, cfg.optimizer.build(model_parts=[model])
@@ -195,7 +195,7 @@ def test_block_saved_bytes_match_autograd_saved_tensors(n_kv_heads, precision):
         tokens=batch * seq, dim=args.dim, n_heads=args.n_heads, n_kv_heads=n_kv_heads, head_dim=args.head_dim,
         ffn_dim=args.ffn_hidden_dim, vocab_size=args.vocab_size, n_layers=1, tp=1, sequence_parallel=False,
         loss_parallel=False, compute_bytes=2 if low else 4, residual_bytes=2 if precision == "bf16-params" else 4,
-        autocast=precision == "bf16-autocast", float8_tp=False, fused_rms_norm=False, compiled_loss=False,
+        autocast=precision == "bf16-autocast", fused_rms_norm=False, compiled_loss=False,
     )
     measured = _saved_bytes_of_block(block, x, rope, autocast=precision == "bf16-autocast")
     # Exact: the formula lists every saved storage; the block input counts since the first norm saves it.
@@ -216,7 +216,7 @@ def test_checkpointed_block_keeps_what_the_plan_says(mode, option):
     setup = ActivationSetup(
         tokens=batch * seq, dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
         ffn_dim=args.ffn_hidden_dim, vocab_size=args.vocab_size, n_layers=1, tp=1, sequence_parallel=False,
-        loss_parallel=False, compute_bytes=4, residual_bytes=4, autocast=False, float8_tp=False,
+        loss_parallel=False, compute_bytes=4, residual_bytes=4, autocast=False,
         fused_rms_norm=False, compiled_loss=False,
     )
     kept, _ = block_plan(setup, mode, option)[0]
@@ -324,7 +324,7 @@ def test_tp_with_sequence_parallel_halves_everything_but_the_gathered_norm_outpu
                       enable_sequence_parallel=sp)
         layout_setup = dict(tokens=1024, dim=256, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=768, vocab_size=2048,
                             n_layers=6, tp=tp, sequence_parallel=sp, loss_parallel=True, compute_bytes=2,
-                            residual_bytes=4, autocast=True, float8_tp=False, fused_rms_norm=True, compiled_loss=False)
+                            residual_bytes=4, autocast=True, fused_rms_norm=True, compiled_loss=False)
         assert estimate_memory(cfg, world_size=tp, device_type="cuda")["activations"] == 6 * sum(
             block_saved_bytes(ActivationSetup(**layout_setup)).values())
         return block_saved_bytes(ActivationSetup(**layout_setup))
@@ -407,20 +407,41 @@ def test_layout_errors_come_from_parallel_dims():
 def test_text_lists_every_term_and_reads_the_world_size_from_the_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = _config()
-    text = estimate_memory_text(cfg, device_type="cuda")
-    est = estimate_memory(cfg, world_size=2, device_type="cuda")
+    text = estimate_memory_text(launch_run(cfg))
+    est = estimate_memory(cfg, world_size=2, device_type="cpu")
     assert "FSDP 2 (world size 2)" in text
     for term in est.terms:
         assert term.name in text and f"{term.nbytes:,}" in text
     assert f"{est.peak_allocated:,}" in text and "<- peak" in text
-    assert f"{est.total:,}" in text
+    assert "total per device" not in text  # a CPU job: no CUDA context
 
 
 def test_ngpu_sizes_a_cuda_job_even_on_a_machine_without_one(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("NGPU", "2")
     cfg = _config()
-    text = estimate_memory_text(cfg)
+    text = estimate_memory_text(launch_run(cfg))
     est = estimate_memory(cfg, world_size=2, device_type="cuda")
     assert text.startswith("memory estimate per rank: FSDP 2 (world size 2), cuda\n")
     assert f"{est.total:,}" in text  # CUDA context included
+
+
+@pytest.mark.parametrize("fast_bf16, param_bytes", [(True, 2), (False, 4)])
+def test_estimate_and_trainer_agree_on_auto_precision_on_every_cpu_kind(monkeypatch, fast_bf16, param_bytes):
+    """'auto' is resolved once (resolve_run) for both: bfloat16 where oneDNN has bf16 kernels, else float32."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: fast_bf16)
+    cfg = _config(param_dtype="auto")
+    run = resolve_run(cfg, world_size=1, device_type="cpu")
+    assert run.precision.param_bytes == param_bytes
+    assert cfg.precision.build(device="cpu").param_dtype == run.precision.param_dtype
+    text = estimate_memory_text(run)
+    assert f"{param_bytes}-byte compute" in text
+    explicit = estimate_memory(_config(param_dtype="bfloat16" if fast_bf16 else "float32"), world_size=1,
+                               device_type="cpu")
+    assert estimate_memory(cfg, world_size=1, device_type="cpu").peak_allocated == explicit.peak_allocated
+
+
+def test_microbatches_that_do_not_divide_are_an_error_for_the_estimate_as_for_the_trainer():
+    with pytest.raises(ValueError, match=r"training.global_batch_size=5 must be a multiple of training.local_batch_size "
+                                         r"x data-parallel degree = 2 x 1 = 2; use 4 or -1"):
+        estimate_memory(_config(global_batch=5), world_size=1, device_type="cpu")

@@ -9,13 +9,12 @@ from typing import ClassVar
 import pytest
 import torch.nn as nn
 
+from _conversion import context
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization import Float8LinearConverter
 from torchtitan_lite.config.sections import CompileConfig, TrainingConfig
 from torchtitan_lite.protocols.model_converter import ModelConverter, ModelConvertersContainer
 
-JOB = SimpleNamespace(precision=Precision.Config(param_dtype="bfloat16"), compile=CompileConfig(enable=True),
-                      training=TrainingConfig(seq_len=32))
 
 
 @pytest.fixture
@@ -68,7 +67,7 @@ def test_a_kind_cannot_be_registered_twice():
 def test_container_applies_converters_in_order_and_forwards_the_hook(test_kinds):
     config = ModelConvertersContainer.Config(converters=[test_kinds.Recording.Config(tag="a"),
                                                          test_kinds.Recording.Config(tag="b")])
-    container = config.build(parallel_dims=None, config=JOB)
+    container = config.build(context=context())
     model = nn.Sequential(nn.Linear(4, 4))
     container.convert(model)
     container.post_optimizer_hook([model, model])
@@ -77,7 +76,7 @@ def test_container_applies_converters_in_order_and_forwards_the_hook(test_kinds)
 
 
 def test_empty_container_is_a_no_op():
-    container = ModelConvertersContainer.Config().build(parallel_dims=None, config=JOB)
+    container = ModelConvertersContainer.Config().build(context=context())
     model = nn.Sequential(nn.Linear(4, 4))
     container.convert(model)
     container.post_optimizer_hook([model])
@@ -99,7 +98,7 @@ def test_float8_with_another_linear_swapping_kind_is_rejected_even_when_appended
     config.converters.append(test_kinds.OtherLinearSwap.Config())
     with pytest.raises(ValueError, match=r"converters\[1\] \(float8\) and \[2\] \(test_linear_swap\) both convert "
                                          r"nn.Linear modules"):
-        config.build(parallel_dims=None, config=JOB)
+        config.build(context=context())
 
 
 def test_an_entry_that_is_not_a_converter_config_is_rejected():
@@ -111,7 +110,7 @@ def test_an_entry_that_is_not_a_converter_config_is_rejected():
 def test_print_after_conversion_logs_the_converted_model(caplog):
     config = ModelConvertersContainer.Config(converters=[Float8LinearConverter.Config()],
                                              print_after_conversion=True)
-    container = config.build(parallel_dims=None, config=JOB)
+    container = config.build(context=context())
     with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
         container.convert(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)))
     assert "model after conversion:\nSequential(\n  (0): Float8Linear(" in caplog.text

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchtitan_lite.components.grad_scaler import GradScaler
-from torchtitan_lite.components.precision import Precision
+from torchtitan_lite.components.precision import Precision, resolve_precision
 
 
 def _build(fsdp: bool = False, device: str = "cpu", **fields) -> Precision:
@@ -32,37 +32,46 @@ def test_bad_values_are_rejected_naming_the_field(fields, message):
         Precision.Config(**fields)
 
 
+def _resolve(device_type: str = "cpu", cuda_available: bool = False, **fields):
+    return resolve_precision(Precision.Config(**fields), device_type=device_type, fsdp_enabled=False,
+                             cuda_available=cuda_available)
+
+
 @pytest.mark.parametrize("fast_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
-def test_auto_on_cpu_depends_on_bfloat16_kernels(monkeypatch, caplog, fast_bf16, expected):
+def test_auto_on_cpu_depends_on_bfloat16_kernels(monkeypatch, fast_bf16, expected):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: fast_bf16)
-    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
-        precision = _build(param_dtype="auto")
-    assert precision.param_dtype == expected
+    resolved = _resolve(param_dtype="auto")
+    assert resolved.param_dtype == expected
+    assert _build(param_dtype="auto").param_dtype == expected  # the component resolves the same way
     if fast_bf16:
-        assert "precision.param_dtype=auto: bfloat16 on CPU (oneDNN bfloat16 kernels available)" in caplog.text
+        assert resolved.reason == "precision.param_dtype=auto: bfloat16 on CPU (oneDNN bfloat16 kernels available)"
     else:
-        assert ("precision.param_dtype=auto: float32, because this CPU has no oneDNN bfloat16 kernels and "
-                "bfloat16 matmuls would run many times slower than float32") in caplog.text
+        assert resolved.reason.startswith("precision.param_dtype=auto: float32, because this CPU has no oneDNN "
+                                          "bfloat16 kernels and bfloat16 matmuls would run many times slower")
 
 
 @pytest.mark.parametrize("capability, expected", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),
                                                   ((7, 5), torch.float32)])
-def test_auto_on_cuda_depends_on_native_bfloat16(monkeypatch, caplog, capability, expected):
+def test_auto_on_cuda_depends_on_native_bfloat16(monkeypatch, capability, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
-    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
-        precision = _build(param_dtype="auto", device="cuda")
-    assert precision.param_dtype == expected
+    resolved = _resolve(param_dtype="auto", device_type="cuda", cuda_available=True)
+    assert resolved.param_dtype == expected
     if expected == torch.float32:
-        assert ("precision.param_dtype=auto: float32, because FakeGPU has no native bfloat16 "
-                "(compute capability < 8.0)") in caplog.text
+        assert resolved.reason.startswith("precision.param_dtype=auto: float32, because FakeGPU has no native "
+                                          "bfloat16 (compute capability < 8.0)")
 
 
-def test_auto_on_an_unknown_device_type_falls_back_to_float32(caplog):
-    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
-        precision = _build(param_dtype="auto", device="meta")
-    assert precision.param_dtype == torch.float32
-    assert "bfloat16 support on device type 'meta' is not known here" in caplog.text
+def test_auto_for_a_gpu_job_sized_without_a_gpu_assumes_native_bfloat16():
+    resolved = _resolve(param_dtype="auto", device_type="cuda", cuda_available=False)
+    assert resolved.param_dtype == torch.bfloat16
+    assert "assuming GPUs with native bfloat16 (Ampere or newer): this host has none to ask" in resolved.reason
+
+
+def test_auto_on_an_unknown_device_type_falls_back_to_float32():
+    resolved = _resolve(param_dtype="auto", device_type="meta")
+    assert resolved.param_dtype == torch.float32
+    assert "bfloat16 support on device type 'meta' is not known here" in resolved.reason
 
 
 @pytest.mark.parametrize("param, reduce", [("float32", "float32"), ("bfloat16", "float32"), ("float16", "float32"),

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import config_registry
+from config_registry import DEFAULT_REGISTRY
 from models import build_model_args, get_model_spec
 from torchtitan_lite.config import config_to_toml, parse_cli, undocumented_fields
 from torchtitan_lite.trainer import Trainer
@@ -26,7 +27,7 @@ def test_every_config_field_is_documented():
 def test_config_round_trips_through_toml(name, tmp_path):
     path = tmp_path / "cfg.toml"
     path.write_text(config_to_toml(config_registry.get(name)))
-    assert parse_cli(["--config-file", str(path)]).config == config_registry.get(name)
+    assert parse_cli(["--config-file", str(path)], registry=DEFAULT_REGISTRY).config == config_registry.get(name)
 
 
 @pytest.mark.parametrize("name", REQUIRED)

@@ -75,34 +75,19 @@ class Precision(Configurable):
             if self.growth_interval < 1:
                 raise ValueError(f"precision.growth_interval={self.growth_interval} must be >= 1; the default is 2000")
 
-    def __init__(self, config: "Precision.Config", *, device: torch.device | str, fsdp_enabled: bool) -> None:
+    def __init__(self, config: "Precision.Config", *, device: torch.device | str,
+                 resolved: "ResolvedPrecision | None" = None, fsdp_enabled: bool = False) -> None:
+        """``resolved`` is the run's decision (trainer); without it the config is resolved here for
+        ``device`` and ``fsdp_enabled`` (tools and tests that build a precision on their own)."""
         self.config = config
         self.device = torch.device(device)
-        self.fsdp_enabled = fsdp_enabled
-        self.param_dtype = _resolve_param_dtype(config.param_dtype, self.device)
-        self.reduce_dtype = DTYPES[config.reduce_dtype]
-        self.loss_scaling = (
-            config.loss_scaling == "dynamic" or (config.loss_scaling == "auto" and self.param_dtype == torch.float16)
-        )
-        self._check_combination()
-
-    def _check_combination(self) -> None:
-        cfg = self.config
-        if self.param_dtype == torch.float16 and cfg.loss_scaling == "none":
-            logger.warning("precision.param_dtype=float16 with loss_scaling=none: small gradients underflow to zero "
-                           "in float16; use loss_scaling=auto unless this is deliberate")
-        if self.param_dtype != torch.float16 and cfg.loss_scaling == "dynamic":
-            logger.warning("precision.loss_scaling=dynamic with param_dtype=%s: loss scaling only matters for "
-                           "float16, it is applied anyway", _name(self.param_dtype))
-        if not self.fsdp_enabled and cfg.reduce_dtype != "float32":
-            logger.info("precision.reduce_dtype=%s has no effect without FSDP: gradients stay float32",
-                        cfg.reduce_dtype)
-        if self.fsdp_enabled and not cfg.mixed_precision_eval and self.param_dtype != torch.float32:
-            raise ValueError(
-                f"precision.mixed_precision_eval=False (float32 evaluation) cannot be honoured with FSDP: FSDP casts "
-                f"parameters to param_dtype={_name(self.param_dtype)} in every forward, evaluation included. "
-                f"Set precision.mixed_precision_eval=True, or precision.param_dtype=float32"
-            )
+        if resolved is None:
+            resolved = resolve_precision(config, device_type=self.device.type, fsdp_enabled=fsdp_enabled)
+        self.fsdp_enabled = resolved.fsdp
+        self.param_dtype = resolved.param_dtype
+        self.reduce_dtype = resolved.reduce_dtype
+        self.loss_scaling = resolved.loss_scaling
+        self.resolved = resolved
 
     # ----------------------------------------------------------------------------------------------
 
@@ -145,40 +130,104 @@ class Precision(Configurable):
         )
 
     def describe(self) -> str:
-        scaling = f", dynamic loss scaling from {self.config.init_scale:g}" if self.loss_scaling else ""
-        path = "FSDP mixed-precision policy" if self.fsdp_enabled else "autocast"
+        return self.resolved.describe(init_scale=self.config.init_scale)
+
+
+@dataclass(frozen=True)
+class ResolvedPrecision:
+    """What the precision settings mean for one run on one kind of device: decided once, read by the
+    trainer, the float8 converter, the memory estimate and --check-config alike."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    fsdp: bool
+    """Low precision comes from FSDP's mixed-precision policy (else from autocast, or none in float32)."""
+    loss_scaling: bool
+    reason: str
+    """Why param_dtype is what it is (for 'auto': the device's bfloat16 support)."""
+
+    @property
+    def autocast(self) -> bool:
+        """Training forwards run under torch.autocast (no FSDP, below float32)."""
+        return not self.fsdp and self.param_dtype != torch.float32
+
+    @property
+    def param_bytes(self) -> int:
+        return torch.tensor([], dtype=self.param_dtype).element_size()
+
+    def describe(self, *, init_scale: float | None = None) -> str:
+        scaling = ""
+        if self.loss_scaling:
+            scaling = ", dynamic loss scaling" + (f" from {init_scale:g}" if init_scale is not None else "")
+        if self.fsdp:
+            path = "FSDP mixed-precision policy"
+        else:
+            path = "autocast" if self.autocast else "no autocast (float32)"
         return f"param {_name(self.param_dtype)}, reduce {_name(self.reduce_dtype)} via {path}{scaling}"
 
 
-def _resolve_param_dtype(choice: str, device: torch.device) -> torch.dtype:
+def resolve_precision(config: Precision.Config, *, device_type: str, fsdp_enabled: bool,
+                      cuda_available: bool | None = None) -> ResolvedPrecision:
+    """Resolve 'auto' and check the combination for ``device_type`` ('cuda' or 'cpu').
+
+    ``cuda_available`` (default: whether this process sees a GPU) False with device_type 'cuda' sizes a
+    CUDA job from a host without one: 'auto' then assumes a GPU with native bfloat16 (Ampere or newer).
+    """
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    param_dtype, reason = _resolve_param_dtype(config.param_dtype, device_type, cuda_available)
+    loss_scaling = config.loss_scaling == "dynamic" or (config.loss_scaling == "auto" and param_dtype == torch.float16)
+    resolved = ResolvedPrecision(param_dtype=param_dtype, reduce_dtype=DTYPES[config.reduce_dtype],
+                                 fsdp=fsdp_enabled, loss_scaling=loss_scaling, reason=reason)
+    _check_combination(config, resolved)
+    return resolved
+
+
+def _check_combination(cfg: Precision.Config, resolved: ResolvedPrecision) -> None:
+    param_dtype = resolved.param_dtype
+    if param_dtype == torch.float16 and cfg.loss_scaling == "none":
+        logger.warning("precision.param_dtype=float16 with loss_scaling=none: small gradients underflow to zero "
+                       "in float16; use loss_scaling=auto unless this is deliberate")
+    if param_dtype != torch.float16 and cfg.loss_scaling == "dynamic":
+        logger.warning("precision.loss_scaling=dynamic with param_dtype=%s: loss scaling only matters for "
+                       "float16, it is applied anyway", _name(param_dtype))
+    if not resolved.fsdp and cfg.reduce_dtype != "float32":
+        logger.info("precision.reduce_dtype=%s has no effect without FSDP: gradients stay float32", cfg.reduce_dtype)
+    if resolved.fsdp and not cfg.mixed_precision_eval and param_dtype != torch.float32:
+        raise ValueError(
+            f"precision.mixed_precision_eval=False (float32 evaluation) cannot be honoured with FSDP: FSDP casts "
+            f"parameters to param_dtype={_name(param_dtype)} in every forward, evaluation included. "
+            f"Set precision.mixed_precision_eval=True, or precision.param_dtype=float32"
+        )
+
+
+def _resolve_param_dtype(choice: str, device_type: str, cuda_available: bool) -> tuple[torch.dtype, str]:
     if choice != "auto":
         dtype = DTYPES[choice]
-        if dtype == torch.bfloat16 and device.type == "cuda" and not _cuda_native_bf16(device):
+        if dtype == torch.bfloat16 and device_type == "cuda" and cuda_available and not _cuda_native_bf16():
             logger.warning("precision.param_dtype=bfloat16 on %s, which has no native bfloat16: it is emulated and "
-                           "slow; consider float16 with loss scaling", torch.cuda.get_device_name(device))
-        return dtype
-    if device.type == "cpu":
+                           "slow; consider float16 with loss scaling", torch.cuda.get_device_name())
+        return dtype, f"precision.param_dtype={choice}"
+    if device_type == "cpu":
         # Every CPU computes bfloat16 correctly, but without oneDNN's AVX-512 bfloat16 kernels the
         # matmuls fall back to a reference loop: on an AVX2-only CPU a bfloat16 llama3_debug step
         # measured ~50x slower than float32.
         if cpu_has_fast_bf16():
-            logger.info("precision.param_dtype=auto: bfloat16 on CPU (oneDNN bfloat16 kernels available)")
-            return torch.bfloat16
-        logger.info("precision.param_dtype=auto: float32, because this CPU has no oneDNN bfloat16 kernels and "
-                    "bfloat16 matmuls would run many times slower than float32; set precision.param_dtype=bfloat16 "
-                    "explicitly to test bfloat16 numerics anyway")
-        return torch.float32
-    if device.type == "cuda":
-        if _cuda_native_bf16(device):
-            logger.info("precision.param_dtype=auto: bfloat16 on %s", torch.cuda.get_device_name(device))
-            return torch.bfloat16
-        logger.info("precision.param_dtype=auto: float32, because %s has no native bfloat16 (compute "
-                    "capability < 8.0); set float16 explicitly for FP16 with loss scaling",
-                    torch.cuda.get_device_name(device))
-        return torch.float32
-    logger.info("precision.param_dtype=auto: float32, because bfloat16 support on device type '%s' is not "
-                "known here; set bfloat16 explicitly if the device supports it", device.type)
-    return torch.float32
+            return torch.bfloat16, "precision.param_dtype=auto: bfloat16 on CPU (oneDNN bfloat16 kernels available)"
+        return torch.float32, ("precision.param_dtype=auto: float32, because this CPU has no oneDNN bfloat16 kernels "
+                               "and bfloat16 matmuls would run many times slower than float32; set "
+                               "precision.param_dtype=bfloat16 explicitly to test bfloat16 numerics anyway")
+    if device_type == "cuda":
+        if not cuda_available:
+            return torch.bfloat16, ("precision.param_dtype=auto: bfloat16, assuming GPUs with native bfloat16 "
+                                    "(Ampere or newer): this host has none to ask")
+        name = torch.cuda.get_device_name()
+        if _cuda_native_bf16():
+            return torch.bfloat16, f"precision.param_dtype=auto: bfloat16 on {name}"
+        return torch.float32, (f"precision.param_dtype=auto: float32, because {name} has no native bfloat16 "
+                               "(compute capability < 8.0); set float16 explicitly for FP16 with loss scaling")
+    return torch.float32, (f"precision.param_dtype=auto: float32, because bfloat16 support on device type "
+                           f"'{device_type}' is not known here; set bfloat16 explicitly if the device supports it")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -190,8 +239,8 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
-def _cuda_native_bf16(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+def _cuda_native_bf16() -> bool:
+    return torch.cuda.get_device_capability() >= (8, 0)
 
 
 def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -7,28 +7,31 @@ Settings are layered: the registered config function < the TOML file < ``--secti
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchtitan_lite.config.docs import fields_help_text
 from torchtitan_lite.config.errors import ConfigError, closest, did_you_mean
 from torchtitan_lite.config.overrides import Override, apply_overrides, overrides_from_dict
+from torchtitan_lite.config.registry import ConfigRegistry
 from torchtitan_lite.config.toml_io import load_toml_overrides
-
-if TYPE_CHECKING:
-    from config_registry import ConfigRegistry
 
 DEFAULT_CONFIG = "llama3_debug"
 HELP_FLAGS = ("-h", "--help")
 VALUE_FLAGS = {
     "--config": ("NAME", f"registered config to start from (default: {DEFAULT_CONFIG}); see --list-configs"),
     "--config-file": ("FILE", "TOML file of overrides applied on top of it, e.g. a run's saved config.toml"),
+    "--nnodes": ("N", "nodes of the launch that --check-config / --estimate-memory / --dry-run size: world size = "
+                      "NGPU (or NPROC) x N (default 1)"),
 }
 ACTION_FLAGS = {
     "--list-configs": ("list_configs", "list the registered configs and exit"),
     "--print-config": ("print_config", "print the resolved config as TOML (loadable with --config-file) and exit"),
     "--print-fp8-plan": ("print_fp8_plan", "explain which Linear layers get which float8 recipe, and why; exit"),
     "--estimate-memory": ("estimate_memory", "estimate per-device memory for the resolved config and exit"),
-    "--check-config": ("check_config", "validate the config and the parallel degrees against WORLD_SIZE, then exit"),
+    "--check-config": ("check_config", "apply every rule the build applies (degrees, precision, converters, plan) "
+                                       "for the launch (WORLD_SIZE, or NGPU / NPROC x --nnodes), then exit"),
+    "--dry-run": ("dry_run", "build and parallelize rank 0 of NGPU (x --nnodes) ranks on meta over a fake process "
+                             "group; print per-rank bytes, the fp8 plan and the memory estimate; exit"),
 }
 ACTIONS = ("train", "help", *(action for action, _ in ACTION_FLAGS.values()))
 
@@ -43,23 +46,23 @@ class CliResult:
     """One of ACTIONS: train, help, print_config, list_configs, print_fp8_plan, estimate_memory."""
     config_name: str
     """The registered config the resolved config starts from."""
+    nnodes: int = 1
+    """Nodes of the launch the inspecting actions size (--nnodes)."""
 
 
 @dataclasses.dataclass
 class _Argv:
     config: str | None = None
     config_file: str | None = None
+    nnodes: str | None = None
     actions: list[str] = dataclasses.field(default_factory=list)
     overrides: list[Override] = dataclasses.field(default_factory=list)
 
 
-def parse_cli(
-    argv: list[str], *, default_config: str = DEFAULT_CONFIG, registry: ConfigRegistry | None = None
-) -> CliResult:
-    """Resolve ``argv`` (without the program name) into a config and an action.
+def parse_cli(argv: list[str], *, registry: ConfigRegistry, default_config: str = DEFAULT_CONFIG) -> CliResult:
+    """Resolve ``argv`` (without the program name) into a config from ``registry`` and an action.
 
-    ``registry`` defaults to the ``config_registry`` package. Raises ConfigError for anything the
-    user must fix; its message is meant to be printed as is.
+    Raises ConfigError for anything the user must fix; its message is meant to be printed as is.
     """
     if any(arg in HELP_FLAGS for arg in argv):
         return CliResult(None, "help", default_config)  # help must work even when the rest is wrong
@@ -68,12 +71,19 @@ def parse_cli(
     action = _single_action(args.actions)
     if action == "list_configs":
         return CliResult(None, action, name)
-    registry = registry or _default_registry()
     overrides = []
     if args.config_file is not None:
         overrides += overrides_from_dict(load_toml_overrides(args.config_file), origin=args.config_file)
     config = apply_overrides(registry.get(name), overrides + args.overrides, base_label=f"config '{name}'")
-    return CliResult(config, action, name)
+    return CliResult(config, action, name, nnodes=_nnodes(args.nnodes))
+
+
+def _nnodes(value: str | None) -> int:
+    if value is None:
+        return 1
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--nnodes expects a positive integer, got {value!r}")
+    return int(value)
 
 
 def main_help_text(root_cls: type) -> str:
@@ -99,9 +109,9 @@ def main_help_text(root_cls: type) -> str:
     ])
 
 
-def list_configs_text(registry: ConfigRegistry | None = None) -> str:
+def list_configs_text(registry: ConfigRegistry) -> str:
     """``name  first-docstring-line`` for every registered config, one per line."""
-    entries = (registry or _default_registry()).describe()
+    entries = registry.describe()
     if not entries:
         return "no configs are registered"
     width = max(len(name) for name, _ in entries)
@@ -157,10 +167,3 @@ def _single_action(actions: list[str]) -> str:
         flags = [flag for flag, (action, _) in ACTION_FLAGS.items() if action in distinct]
         raise ConfigError(f"choose one action, got {' and '.join(flags)}")
     return distinct[0] if distinct else "train"
-
-
-def _default_registry() -> ConfigRegistry:
-    # Imported here: the registry's modules import the trainer, which imports this package.
-    import config_registry
-
-    return config_registry.DEFAULT_REGISTRY

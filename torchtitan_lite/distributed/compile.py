@@ -29,11 +29,11 @@ def apply_compile(model: nn.Module, compile_config) -> int:
     return len(model.layers)
 
 
-def maybe_compile_loss(loss_fn: Callable, compile_config) -> Callable:
-    """`loss_fn` compiled when compile is enabled with 'loss' in components, else unchanged."""
-    if not (compile_config.enable and "loss" in compile_config.components):
+def maybe_compile_loss(loss_fn: Callable, *, enabled: bool, backend: str) -> Callable:
+    """`loss_fn` compiled with `backend` when `enabled`, else unchanged."""
+    if not enabled:
         return loss_fn
-    return torch.compile(loss_fn, backend=compile_config.backend)
+    return torch.compile(loss_fn, backend=backend)
 
 
 def compile_seconds() -> float:

@@ -1,4 +1,5 @@
-"""FSDP2 (`fully_shard`) for Llama: one unit per block, the embedding, the head (norm + output), the root.
+"""FSDP2 (`fully_shard`) over a family's plan: one unit per block, the embedding, the head (final norm +
+output projection), the root.
 
 Gradients are SUMMED over data-parallel ranks (divide factor 1): the training loop already divides each
 micro-batch loss by the token count of the whole global step, so averaging here would divide twice.
@@ -12,6 +13,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from torchtitan_lite.protocols.model_spec import ParallelPlan
+
 logger = logging.getLogger(__name__)
 
 ReshardPolicy = Literal["default", "always", "never"]
@@ -20,6 +23,7 @@ ReshardPolicy = Literal["default", "always", "never"]
 def apply_fsdp(
     model: nn.Module,
     fsdp_mesh: DeviceMesh,
+    plan: ParallelPlan,
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: ReshardPolicy = "default",
@@ -45,16 +49,17 @@ def apply_fsdp(
     always = reshard_after_forward == "always"
     never = reshard_after_forward == "never"
 
-    blocks = list(model.layers.values())
-    tied = model.output.weight is model.tok_embeddings.weight
+    blocks = list(getattr(model, plan.blocks).values())
+    embedding, output = model.get_submodule(plan.embedding), model.get_submodule(plan.output)
+    tied = output.weight is embedding.weight
     # A tied matrix can belong to one unit only: it stays with the root together with norm and output.
     if not tied:
-        fully_shard(model.tok_embeddings, reshard_after_forward=not never, **common)
+        fully_shard(embedding, reshard_after_forward=not never, **common)
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         fully_shard(block, reshard_after_forward=always or (not never and not last), **common)
     if not tied:
-        fully_shard([model.norm, model.output], reshard_after_forward=always, **common)
+        fully_shard([model.get_submodule(plan.final_norm), output], reshard_after_forward=always, **common)
     fully_shard(model, reshard_after_forward=always, **common)
 
     for module in model.modules():

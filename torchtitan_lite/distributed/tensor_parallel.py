@@ -1,20 +1,24 @@
-"""Tensor parallelism (Megatron column/row split), sequence parallelism and vocab-parallel loss for Llama.
+"""Tensor parallelism (Megatron column/row split), sequence parallelism and vocab-parallel loss: the
+mechanics, applied to whatever plan a model family states (``ParallelPlan``, models/<family>/parallelize.py).
 
-Plan per block: wq/wk/wv/w1/w3 are split by output columns, wo/w2 by input rows, so each block needs one
-all-gather in (attention and FFN inputs) and one reduce(-scatter) out. With sequence parallelism the norms
-and the residual stream between blocks are sharded along the sequence (Shard(1)), turning the all-reduce
-into reduce-scatter + all-gather and sharding norm activations. With loss parallelism the logits stay
-sharded by vocabulary (Shard(-1)) and cross-entropy runs on the shards.
+Plan per block: the Linears that read a shared input are split by output columns, the output projections
+by input rows, so each input region needs one all-gather in and each output projection one
+reduce(-scatter) out. With sequence parallelism the norms and the residual stream between blocks are
+sharded along the sequence (Shard(1)), turning the all-reduce into reduce-scatter + all-gather. With loss
+parallelism the logits stay sharded by vocabulary (Shard(-1)) and cross-entropy runs on the shards.
 
-Blocks whose Linears are all torchao tensorwise Float8Linear use torchao's float8 styles: the activation
-is cast to float8 before the all-gather, so TP communication moves one byte per element (and output
-gradients are all-gathered in float8 in backward). Row-wise float8 recipes keep the plain styles: their
-per-row scales cannot be gathered with the data, so TP communication stays in high precision.
+Float8 communication is decided per region, not per block: a shared input is cast to float8 before its
+all-gather exactly when every Linear that consumes it is a torchao tensorwise Float8Linear (otherwise a
+high-precision consumer would receive float8 data), and an output projection uses torchao's float8
+row-wise style when it is itself tensorwise float8 (its output-gradient all-gather then moves float8).
+Row-wise float8 recipes keep the plain styles: their per-row scales cannot be gathered with the data.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -22,18 +26,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import Placement
+
+from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan
 
 logger = logging.getLogger(__name__)
-
-_BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
-
 
 def is_float8_tensorwise(module: nn.Module) -> bool:
     """True for a torchao Float8Linear whose input, weight and output-gradient casts are all tensorwise."""
@@ -47,52 +51,100 @@ def is_float8_tensorwise(module: nn.Module) -> bool:
     return all(c.scaling_granularity is ScalingGranularity.TENSORWISE for c in casts)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> int:
-    """Parallelize `model` (torchtitan Llama names) over `tp_mesh` in place; returns the number of blocks
-    that use float8 communication."""
+@dataclass(frozen=True)
+class TPRegion:
+    """One communication point of a block and whether it moves float8."""
+
+    name: str
+    """'attention input', 'attention.wo output', ..."""
+    float8: bool
+    why: str
+    """Why it is (not) float8: the consumers that are not tensorwise float8, or the recipe."""
+
+
+def tp_regions(plan: BlockTPPlan, is_float8_tensorwise_linear: Callable[[str], bool]) -> list[TPRegion]:
+    """The communication regions of one block under ``plan``; ``is_float8_tensorwise_linear(fqn)`` says
+    whether the block's Linear ``fqn`` is (or will be) a tensorwise Float8Linear."""
+    regions = []
+    for tp_input in plan.inputs:
+        hp = [fqn for fqn in tp_input.consumers if not is_float8_tensorwise_linear(fqn)]
+        why = "every consumer is tensorwise float8" if not hp else f"{', '.join(hp)} not tensorwise float8"
+        regions.append(TPRegion(tp_input.name, not hp, why))
+    for fqn in plan.rowwise:
+        float8 = is_float8_tensorwise_linear(fqn)
+        regions.append(TPRegion(f"{fqn} output", float8, "tensorwise float8" if float8 else "not tensorwise float8"))
+    return regions
+
+
+def tp_communication_text(plan: ParallelPlan, model: nn.Module, *, tp: int, high_precision: torch.dtype) -> str:
+    """Each TP communication region of ``model``'s (converted, not yet parallelized) blocks: float8 or
+    ``high_precision``, and why."""
+    blocks = list(getattr(model, plan.blocks).values())
+    per_block = [tp_regions(plan.block_tp, lambda fqn, b=b: is_float8_tensorwise(b.get_submodule(fqn)))
+                 for b in blocks]
+    dtype = str(high_precision).removeprefix("torch.")
+    lines = [f"TP {tp} communication per block ({len(blocks)} blocks):"]
+    for i, region in enumerate(per_block[0]):
+        same = sum(regions[i].float8 == region.float8 for regions in per_block)
+        where = "every block" if same == len(blocks) else f"{same} of {len(blocks)} blocks"
+        moves = "float8" if region.float8 else dtype
+        lines.append(f"  {region.name:<24} {moves:<9} ({region.why}; {where})")
+    return "\n".join(lines)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, sequence_parallel: bool,
+             loss_parallel: bool) -> list[list[TPRegion]]:
+    """Parallelize ``model`` over ``tp_mesh`` in place per ``plan``; returns each block's regions."""
     if tp_mesh.device_type == "cpu":
         from torchtitan_lite.distributed.float8_allgather import enable_float8_tensor_all_gather_as_bytes
 
         enable_float8_tensor_all_gather_as_bytes()
     # Layout of the residual stream between TP regions: sharded along the sequence, or whole.
     residual = Shard(1) if sequence_parallel else Replicate()
-    norm_style = SequenceParallel() if sequence_parallel else None
-    root_plan = {
-        "tok_embeddings": _EmbeddingParallel(input_layouts=Replicate(), output_layouts=residual),
-        "output": ColwiseParallel(
+    root_plan: dict[str, ParallelStyle] = {
+        plan.embedding: _EmbeddingParallel(input_layouts=Replicate(), output_layouts=residual),
+        plan.output: ColwiseParallel(
             input_layouts=residual,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         ),
     }
-    if norm_style is not None:
-        root_plan["norm"] = norm_style
+    if sequence_parallel:
+        root_plan[plan.final_norm] = SequenceParallel()
     parallelize_module(model, tp_mesh, root_plan)
 
-    float8_blocks = 0
-    for block in model.layers.values():
-        float8 = all(is_float8_tensorwise(block.get_submodule(fqn)) for fqn in _BLOCK_LINEARS)
-        float8_blocks += float8
-        colwise, rowwise, prepare_input = _styles(float8)
-        plan = {
-            "attention": prepare_input(input_layouts=(residual, None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": colwise(),
-            "attention.wk": colwise(),
-            "attention.wv": colwise(),
-            "attention.wo": rowwise(output_layouts=residual),
-            "feed_forward": prepare_input(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": colwise(),
-            "feed_forward.w2": rowwise(output_layouts=residual),
-            "feed_forward.w3": colwise(),
-        }
-        if norm_style is not None:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
-        parallelize_module(block, tp_mesh, plan)
-    logger.info("applied TP %d%s%s to %d blocks (%d with float8 all-gather)", tp_mesh.size(),
+    all_regions = []
+    for block in getattr(model, plan.blocks).values():
+        regions = tp_regions(plan.block_tp, lambda fqn, b=block: is_float8_tensorwise(b.get_submodule(fqn)))
+        all_regions.append(regions)
+        parallelize_module(block, tp_mesh, _block_styles(plan.block_tp, regions, residual, sequence_parallel))
+    float8 = sum(r.float8 for regions in all_regions for r in regions)
+    total = sum(len(regions) for regions in all_regions)
+    logger.info("applied TP %d%s%s to %d blocks (%d of %d communication regions in float8)", tp_mesh.size(),
                 " + sequence parallel" if sequence_parallel else "", " + loss parallel" if loss_parallel else "",
-                len(model.layers), float8_blocks)
-    return float8_blocks
+                len(all_regions), float8, total)
+    return all_regions
+
+
+def _block_styles(plan: BlockTPPlan, regions: list[TPRegion], residual: Placement,
+                  sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    float8 = {region.name: region.float8 for region in regions}
+    styles: dict[str, ParallelStyle] = {}
+    for tp_input in plan.inputs:
+        colwise, _, prepare_input = _styles(float8[tp_input.name])
+        # Only the first positional input is the activation; the rest (e.g. the rotary table) pass through.
+        passthrough = (None,) * (tp_input.n_inputs - 1)
+        styles[tp_input.module] = prepare_input(input_layouts=(residual, *passthrough),
+                                                desired_input_layouts=(Replicate(), *passthrough))
+        for fqn in tp_input.consumers:
+            styles[fqn] = colwise()
+    for fqn in plan.rowwise:
+        _, rowwise, _ = _styles(float8[f"{fqn} output"])
+        styles[fqn] = rowwise(output_layouts=residual)
+    if sequence_parallel:
+        for norm in plan.norms:
+            styles[norm] = SequenceParallel()
+    return styles
 
 
 class _EmbeddingParallel(RowwiseParallel):
@@ -122,13 +174,9 @@ def _styles(float8: bool):
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
-def loss_parallel_enabled(parallel_dims, config) -> bool:
-    return parallel_dims.tp_enabled and config.parallelism.enable_loss_parallel
-
-
-def loss_parallel_context(parallel_dims, config) -> contextlib.AbstractContextManager:
-    """Context for computing the loss (and its backward) on vocab-sharded logits; a no-op without it."""
-    return loss_parallel() if loss_parallel_enabled(parallel_dims, config) else contextlib.nullcontext()
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Context for computing the loss (and its backward) on vocab-sharded logits; a no-op when disabled."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
 
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:

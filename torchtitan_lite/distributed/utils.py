@@ -12,6 +12,29 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def process_world_size() -> int:
+    """The ranks of the job this process belongs to: WORLD_SIZE under torchrun, else 1."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def launch_world_size() -> int:
+    """The world size a command is about: WORLD_SIZE under torchrun; before a launch, the processes
+    run_train.sh will start (NGPU, else NPROC); else 1."""
+    return int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or os.environ.get("NPROC") or 1)
+
+
+def requested_gpus() -> int | None:
+    """NGPU as run_train.sh reads it: GPU processes per node, or None for a CPU launch."""
+    value = os.environ.get("NGPU")
+    return int(value) if value else None
+
+
+def launch_device_type() -> str:
+    """The device a command is about: this process's, or 'cuda' when NGPU announces a GPU launch (sized
+    possibly from a login node without GPUs)."""
+    return "cuda" if os.environ.get("NGPU") else device_type()
+
+
 def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 

@@ -1,2 +1,2 @@
-"""Parts of the memory estimate (torchtitan_lite/memory_estimate.py): parameter layout per rank,
-optimizer-state bytes, activation bytes."""
+"""Per-rank memory of a training run, predicted before launch: the estimate (estimate.py) and its parts:
+parameter layout per rank (layout.py), optimizer-state bytes, activation bytes, the step timeline."""

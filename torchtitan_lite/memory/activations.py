@@ -7,7 +7,7 @@ heads on this rank (n_heads / tp, n_kv_heads / tp); hd = head_dim; F = ffn_hidde
 where the embedding and the residual additions stay float32).
 
 Saved for backward by one block without checkpointing (eager; verified tensor by tensor with
-`torch.autograd.graph.saved_tensors_hooks` in tests/unit/test_memory_estimate.py):
+`torch.autograd.graph.saved_tensors_hooks` in tests/unit/test_memory/estimate.py):
 
 - each RMSNorm (2 per block), T/sp tokens: CUDA's fused kernel `aten._fused_rms_norm` saves its input
   (D x r) and the float32 rstd (4), what its backward `_fused_rms_norm_backward(grad, input,
@@ -62,10 +62,13 @@ class ActivationSetup:
     compute_bytes: int
     residual_bytes: int
     autocast: bool
-    float8_tp: bool
     fused_rms_norm: bool
     """CUDA: F.rms_norm runs the fused kernel; CPU: the composite."""
     compiled_loss: bool
+    float8_tp_regions: frozenset[str] = frozenset()
+    """TP communication regions that move float8 (names from the family's plan: 'attention input',
+    'feed_forward input', 'attention.wo output', 'feed_forward.w2 output'); their activations are saved
+    as float8 by torchao's float8 TP styles."""
 
     @property
     def sp(self) -> int:
@@ -94,9 +97,10 @@ def norm_saved_bytes(s: ActivationSetup) -> int:
     return per_token * s.tokens // s.sp
 
 
-def norm_output_bytes(s: ActivationSetup, consumers: int) -> int:
-    """The norm output as saved by the `consumers` Linears that read it (full sequence)."""
-    if s.float8_tp:
+def norm_output_bytes(s: ActivationSetup, consumers: int, region: str | None = None) -> int:
+    """The norm output as saved by the `consumers` Linears that read it (full sequence); a float8 TP
+    `region` all-gathers and saves it once, in float8."""
+    if region in s.float8_tp_regions:
         return s.tokens * s.dim
     copies = consumers if s.autocast else 1
     return copies * s.tokens * s.dim * s.compute_bytes
@@ -108,10 +112,11 @@ def block_saved_bytes(s: ActivationSetup) -> dict[str, int]:
     attention = s.hq * s.head_dim
     return {
         "norms": 2 * norm_saved_bytes(s),
-        "norm outputs": norm_output_bytes(s, 3) + norm_output_bytes(s, 2),
+        "norm outputs": norm_output_bytes(s, 3, "attention input") + norm_output_bytes(s, 2, "feed_forward input"),
         "q, k, v": 3 * t * attention * a,
-        "sdpa": t * attention * a + t * s.hq * 4 + (t * attention if s.float8_tp else 0),
-        "swiglu": 3 * t * s.ffn * a + t * s.ffn * (1 if s.float8_tp else a),
+        "sdpa": t * attention * a + t * s.hq * 4 + (t * attention if "attention.wo output" in s.float8_tp_regions
+                                                     else 0),
+        "swiglu": 3 * t * s.ffn * a + t * s.ffn * (1 if "feed_forward.w2 output" in s.float8_tp_regions else a),
     }
 
 

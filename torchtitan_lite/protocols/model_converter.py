@@ -8,7 +8,7 @@ to config classes for the parser.
 
 Lifecycle in the trainer::
 
-    converters = cfg.model_converters.build(parallel_dims=..., config=cfg)
+    converters = cfg.model_converters.build(context=ConversionContext(...))   # once, in resolve_run
     converters.convert(model)                     # meta model, before TP / AC / compile / FSDP
     optimizers.register_step_post_hook(lambda *_: converters.post_optimizer_hook(model_parts))
 """
@@ -18,12 +18,30 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 import torch.nn as nn
 
 from torchtitan_lite.config import Configurable
 from torchtitan_lite.distributed import utils as dist_utils
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConversionContext:
+    """The facts of a resolved run that converters check their settings against."""
+
+    device_type: str
+    """'cuda' or 'cpu': where the run computes (possibly sized from a host without that device)."""
+    param_dtype: torch.dtype
+    """The resolved compute dtype ('auto' already decided)."""
+    autocast: bool
+    """Low precision comes from torch.autocast (no FSDP), not from FSDP's parameter casts."""
+    fsdp_sharded: bool
+    tp_enabled: bool
+    compile_model: bool
+    """The transformer blocks are compiled."""
+    seq_len: int
 
 
 class ModelConverter(Configurable):
@@ -51,22 +69,20 @@ class ModelConverter(Configurable):
 
         @classmethod
         def registry(cls) -> dict[str, type["ModelConverter.Config"]]:
-            """Every converter kind -> its config class."""
-            import torchtitan_lite.components.quantization  # noqa: F401  (defines the built-in kinds)
-
+            """Every converter kind -> its config class (the kinds whose modules have been imported)."""
             return dict(ModelConverter.Config._registry)
 
-        def build(self, *, parallel_dims: Any, config: Any) -> "ModelConverter":
-            """Build the converter; ``config`` is the root ``Trainer.Config`` (cross-section checks)."""
+        def build(self, *, context: ConversionContext) -> "ModelConverter":
+            """Build the converter, checking its settings against the run's ``context``."""
             owner = type(self)._owner
             if owner is None:
                 raise TypeError(f"{type(self).__qualname__} has no converter class to build")
-            return owner(self, parallel_dims=parallel_dims, job_config=config)
+            converter: ModelConverter = owner(self, context=context)
+            return converter
 
-    def __init__(self, config: "ModelConverter.Config", *, parallel_dims: Any, job_config: Any) -> None:
+    def __init__(self, config: "ModelConverter.Config", *, context: ConversionContext) -> None:
         self.config = config
-        self.parallel_dims = parallel_dims
-        self.job_config = job_config
+        self.context = context
 
     def convert(self, model: nn.Module) -> None:
         raise NotImplementedError
@@ -92,15 +108,15 @@ class ModelConvertersContainer(Configurable):
         def __post_init__(self) -> None:
             _check_converters(self.converters)
 
-        def build(self, *, parallel_dims: Any, config: Any) -> "ModelConvertersContainer":
-            """Build every converter in order; ``config`` is the root ``Trainer.Config``."""
-            return ModelConvertersContainer(self, parallel_dims=parallel_dims, job_config=config)
+        def build(self, *, context: ConversionContext) -> "ModelConvertersContainer":
+            """Build every converter in order."""
+            return ModelConvertersContainer(self, context=context)
 
-    def __init__(self, config: "ModelConvertersContainer.Config", *, parallel_dims: Any, job_config: Any) -> None:
+    def __init__(self, config: "ModelConvertersContainer.Config", *, context: ConversionContext) -> None:
         self.config = config
         # Checked again: registry functions may append entries after the config was constructed.
         _check_converters(config.converters)
-        self.converters = [c.build(parallel_dims=parallel_dims, config=job_config) for c in config.converters]
+        self.converters = [c.build(context=context) for c in config.converters]
 
     def convert(self, model: nn.Module) -> None:
         for converter in self.converters:

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torchtitan_lite.components.checkpoint import hf_io
 from torchtitan_lite.components.checkpoint.layout import new_marker
 from torchtitan_lite.components.checkpoint.manager import EXPORT_DTYPES
+from torchtitan_lite.protocols.model_spec import ModelSpec, build_model_args, get_model_spec
 from torchtitan_lite.components.checkpoint.verify import (
     WeightsOnlyLoadPlanner,
     check_compatible,
@@ -26,16 +27,12 @@ logger = logging.getLogger(__name__)
 VOCAB_KEY = "tok_embeddings.weight"
 
 
-def resolve_model(config_name: str, *, vocab_size: int) -> tuple[Any, Any]:
-    """(model spec, model args) of a registered config, with the vocabulary size the weights have.
+def resolve_model(cfg: Any, *, vocab_size: int) -> tuple[ModelSpec, Any]:
+    """(model spec, model args) of root config ``cfg``, with the vocabulary size the weights have.
 
     The vocabulary comes from the weights rather than the tokenizer: training grows the flavor's
     vocabulary to the tokenizer's, and the weights record the outcome.
     """
-    import config_registry
-    from models import build_model_args, get_model_spec
-
-    cfg = config_registry.get(config_name)
     spec = get_model_spec(cfg.model.name)
     args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=vocab_size)
     return spec, args

@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
-from torchtitan_lite.components.precision import cpu_has_fast_bf16
 from torchtitan_lite.components.quantization.float8_plan import (
     AUTO_FILTER_SMALL_KN,
     PlanRow,
@@ -29,7 +28,7 @@ from torchtitan_lite.components.quantization.float8_plan import (
     format_float8_plan,
 )
 from torchtitan_lite.distributed import utils as dist_utils
-from torchtitan_lite.protocols.model_converter import ModelConverter
+from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +89,17 @@ class Float8LinearConverter(ModelConverter):
                     f"list small layers in filter_fqns, or use recipe_name='rowwise'"
                 )
 
-    def __init__(self, config: "Float8LinearConverter.Config", *, parallel_dims: Any, job_config: Any) -> None:
-        super().__init__(config, parallel_dims=parallel_dims, job_config=job_config)
-        self.fsdp_sharded = bool(parallel_dims is not None and parallel_dims.fsdp_enabled)
+    def __init__(self, config: "Float8LinearConverter.Config", *, context: ConversionContext) -> None:
+        super().__init__(config, context=context)
+        self.fsdp_sharded = context.fsdp_sharded
         self.fsdp_float8_all_gather = config.enable_fsdp_float8_all_gather and self.fsdp_sharded
         self.precompute_scales = config.precompute_float8_dynamic_scale_for_fsdp and self.fsdp_sharded
         if config.enable_fsdp_float8_all_gather and not self.fsdp_sharded:
             both = config.precompute_float8_dynamic_scale_for_fsdp
             logger.warning("%s: enable_fsdp_float8_all_gather%s no effect without FSDP sharding; ignoring", _FIELD,
                            " and precompute_float8_dynamic_scale_for_fsdp have" if both else " has")
-        self._check_precision(job_config)
-        self._check_compile(job_config)
+        self._check_precision()
+        self._check_compile()
         self._check_hardware()
         # A fresh torchao config; our own config object is never modified.
         self.float8_config = dataclasses.replace(
@@ -113,10 +112,11 @@ class Float8LinearConverter(ModelConverter):
     # ----------------------------------------------------------------------------------------------
     # Cross-section rules
 
-    def _check_precision(self, job_config: Any) -> None:
-        param_dtype = job_config.precision.param_dtype
+    def _check_precision(self) -> None:
+        param_dtype = self.context.param_dtype
+        dtype_name = str(param_dtype).removeprefix("torch.")
         recipe = self.config.recipe_name
-        if param_dtype == "float16" and recipe != "tensorwise":
+        if param_dtype == torch.float16 and recipe != "tensorwise":
             raise ValueError(
                 f"{_FIELD}.recipe_name={recipe!r} cannot be combined with precision.param_dtype=float16: the "
                 f"rowwise FP8 GEMM writes only bfloat16, so torchao computes each float16 Linear output in "
@@ -124,23 +124,20 @@ class Float8LinearConverter(ModelConverter):
                 f"range (inf above 65504). Use precision.param_dtype=bfloat16 (every FP8-capable GPU has it "
                 f"natively, and it needs no loss scaling) or recipe_name='tensorwise'"
             )
-        if param_dtype == "float16":
+        if param_dtype == torch.float16:
             logger.warning("FP8 with precision.param_dtype=float16 trains with loss scaling, but every FP8-capable "
                            "GPU supports bfloat16, which needs none; prefer precision.param_dtype=bfloat16")
-        cpu_autocast = (dist_utils.device_type() == "cpu" and not self.fsdp_sharded
-                        and (param_dtype in ("bfloat16", "float16") or (param_dtype == "auto" and cpu_has_fast_bf16())))
-        if recipe == "rowwise_with_gw_hp" and cpu_autocast:
+        if recipe == "rowwise_with_gw_hp" and self.context.device_type == "cpu" and self.context.autocast:
             raise ValueError(
-                f"{_FIELD}.recipe_name='rowwise_with_gw_hp' fails on CPU without FSDP when "
-                f"precision.param_dtype={param_dtype}: torchao's Float8Linear casts its input only under CUDA "
-                f"autocast, so under CPU autocast the high-precision weight-gradient matmul mixes a float32 "
-                f"input with {'bfloat16' if param_dtype == 'auto' else param_dtype} gradients. Use FSDP "
-                f"(parallelism.dp_shard > 1), precision.param_dtype=float32, or recipe_name='rowwise'"
+                f"{_FIELD}.recipe_name='rowwise_with_gw_hp' fails on CPU without FSDP when the run computes in "
+                f"{dtype_name}: torchao's Float8Linear casts its input only under CUDA autocast, so under CPU "
+                f"autocast the high-precision weight-gradient matmul mixes a float32 input with {dtype_name} "
+                f"gradients. Use FSDP (parallelism.dp_shard > 1), precision.param_dtype=float32, or "
+                f"recipe_name='rowwise'"
             )
 
-    def _check_compile(self, job_config: Any) -> None:
-        compile_cfg = job_config.compile
-        if not compile_cfg.enable or "model" not in compile_cfg.components:
+    def _check_compile(self) -> None:
+        if not self.context.compile_model:
             logger.warning(
                 "FP8 training without torch.compile of the model is usually slower than BF16: the float8 "
                 "casts and amax/scale computations run as separate eager kernels. Set compile.enable=true "
@@ -152,8 +149,8 @@ class Float8LinearConverter(ModelConverter):
             logger.info("%s.emulate=True: FP8 numerics emulated in high precision (for testing; slower than BF16)",
                         _FIELD)
             return
-        if dist_utils.device_type() != "cuda":
-            return  # torch._scaled_mm has a CPU implementation
+        if self.context.device_type != "cuda" or not torch.cuda.is_available():
+            return  # torch._scaled_mm has a CPU implementation; a GPU job sized from a login node is not checked
         capability = torch.cuda.get_device_capability()
         if capability < MIN_FP8_CAPABILITY:
             raise ValueError(
@@ -191,7 +188,7 @@ class Float8LinearConverter(ModelConverter):
         ``model.flops_per_token(seq_len)`` when the model has it, else the share is of Linear FLOPs only.
         """
         rows = float8_plan(model, self.config)
-        seq_len = self.job_config.training.seq_len if seq_len is None else seq_len
+        seq_len = self.context.seq_len if seq_len is None else seq_len
         flops_fn = getattr(model, "flops_per_token", None)
         if total_flops_per_token is None and callable(flops_fn):
             total_flops_per_token = flops_fn(seq_len)

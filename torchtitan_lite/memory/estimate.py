@@ -1,8 +1,10 @@
 """Per-rank memory of a training config, predicted before launch from the config alone.
 
-`estimate_memory(config, world_size=N)` builds the model on the meta device, lays its parameters out the
-way `models.llama3.parallelize` will (TP, then FSDP2 sharding; memory/layout.py), sizes every component
-below per rank, and finds the peak over the moments of a training step (memory/timeline.py).
+`estimate_run_memory(run)` takes the resolved run (torchtitan_lite/resolved_run.py: degrees, model args,
+precision with 'auto' decided, micro-batches, converters), builds the model on the meta device, lays its
+parameters out by the family's parallel plan (TP, then FSDP2 sharding; memory/layout.py), sizes every
+component below per rank, and finds the peak over the moments of a training step (memory/timeline.py).
+`estimate_memory(config, world_size=N)` resolves the run first.
 
 Components:
 
@@ -39,8 +41,8 @@ one a training command launched here would use.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -54,17 +56,18 @@ from torchtitan_lite.memory.activations import (
     loss_transient_bytes,
 )
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, ModelLayout, ParamLayout, model_layout
+from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
 from torchtitan_lite.memory.timeline import Moment, StepSizes, step_moments
+
+if TYPE_CHECKING:
+    from torchtitan_lite.trainer import Trainer
 
 GIB = 1024**3
 
 CUDA_CONTEXT_BYTES = 768 * 1024**2
 """CUDA context, loaded kernels, cuBLAS/NCCL internal buffers: device memory that nvidia-smi shows but
 torch.cuda.max_memory_allocated() does not (typically 0.5-1 GiB on H100 with torch 2.x + NCCL)."""
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 @dataclass(frozen=True)
 class MemoryTerm:
@@ -122,25 +125,32 @@ class MemoryEstimate:
         return self.peak_allocated + (CUDA_CONTEXT_BYTES if self.device_type == "cuda" else 0)
 
 
-def estimate_memory(config, *, world_size: int, device_type: str | None = None) -> MemoryEstimate:
+def estimate_memory(config: Trainer.Config, *, world_size: int, device_type: str | None = None) -> MemoryEstimate:
     """Predict the per-rank memory of training `config` on `world_size` ranks of `device_type`
     ('cuda' or 'cpu'; default: this machine's)."""
     device_type = device_type or dist_utils.device_type()
-    layout = model_layout(config, world_size=world_size)
-    dims, ac = layout.dims, config.activation_checkpoint
-    param_bytes = _param_dtype_bytes(config.precision.param_dtype, device_type)
-    reduce_bytes = _DTYPE_BYTES[config.precision.reduce_dtype]
-    s = _activation_setup(config, layout, param_bytes, device_type)
+    return estimate_run_memory(resolve_run(config, world_size=world_size, device_type=device_type))
+
+
+def estimate_run_memory(run: ResolvedRun) -> MemoryEstimate:
+    """Predict the per-rank memory of the resolved run."""
+    device_type, world_size = run.device_type, run.world_size
+    layout = model_layout(run)
+    dims, ac = layout.dims, run.activation_checkpoint
+    param_bytes = run.precision.param_bytes
+    reduce_bytes = torch.tensor([], dtype=run.precision.reduce_dtype).element_size()
+    s = _activation_setup(run, layout)
+    optimizer = run.optimizer
     fsdp = dims.fsdp_enabled
-    offload = config.parallelism.fsdp_cpu_offload and fsdp
+    offload = run.parallelism.fsdp_cpu_offload and fsdp
     units = sorted({p.unit for p in layout.params})
-    low_bit = config.optimizer.low_bit
+    low_bit = optimizer.low_bit
 
     params = sum(p.local_numel for p in layout.params) * MASTER_WEIGHT_BYTES
     states = sum(state_bytes(p.local_numel, low_bit) for p in layout.params)
     grads = {u: sum(_grad_numel(p, fsdp) for p in layout.unit_params(u)) * MASTER_WEIGHT_BYTES for u in units}
     scratch, scratch_how = step_temporary_bytes([p.local_numel for p in layout.params], low_bit=low_bit,
-                                                implementation=config.optimizer.implementation,
+                                                implementation=optimizer.implementation,
                                                 device_type=device_type)
     if not fsdp and any(p.replicated_grad for p in layout.params):
         # The optimizer's DTensor op redistributes a replicated gradient to the parameter's shard: a copy.
@@ -158,8 +168,8 @@ def estimate_memory(config, *, world_size: int, device_type: str | None = None) 
         gathered=gathered, block_plan=plan, head_saved=head_saved_bytes(s), autocast_copies=_autocast_copies(layout, s),
         loss_transient=loss_transient_bytes(s), logits_grad=logits_grad_bytes(s),
         block_working=block_backward_working_bytes(s) + float8, optimizer_scratch=0 if offload else scratch,
-        accumulating=_microbatches(config, dims) > 1,
-        reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+        accumulating=run.n_microbatches > 1,
+        reshard_after_forward=run.parallelism.fsdp_reshard_after_forward,
         head_units=tuple(u for u in ("head", "root") if u in units),
     )
     moments = step_moments(sizes)
@@ -183,7 +193,7 @@ def estimate_memory(config, *, world_size: int, device_type: str | None = None) 
         MemoryTerm("block backward transient", max(r for _, r in plan) + sizes.block_working,
                    "recomputed activations (AC) + activation gradients of one block"),
         MemoryTerm("FSDP gathered params", max(m.parts.get("FSDP gathered", 0) for m in moments),
-                   _gathered_text(config, fsdp, layout)),
+                   _gathered_text(run, fsdp, layout)),
         MemoryTerm("autocast weight copies", sizes.autocast_copies,
                    f"{param_bytes}-byte copy of each non-float8 Linear weight" if s.autocast else "no autocast"),
         MemoryTerm("float8 casts", float8, "float8 operands of the largest converted Linear" if float8
@@ -200,34 +210,19 @@ def estimate_memory(config, *, world_size: int, device_type: str | None = None) 
 # Dtypes and setup
 
 
-def _param_dtype_bytes(choice: str, device_type: str) -> int:
-    if choice != "auto":
-        return _DTYPE_BYTES[choice]
-    # 'auto' is bfloat16 on CPUs and on CUDA GPUs from Ampere on (components/precision.py); an estimate
-    # for CUDA made on a machine without a GPU assumes such a GPU.
-    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
-        return 4
-    return 2
-
-
-def _activation_setup(config, layout: ModelLayout, param_bytes: int, device_type: str) -> ActivationSetup:
-    args, dims, par = layout.args, layout.dims, config.parallelism
-    # Without FSDP, low precision comes from autocast: parameters, embedding output and residual stay fp32.
-    autocast = not dims.fsdp_enabled and param_bytes < 4
+def _activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
+    args, dims, precision = layout.args, layout.dims, run.precision
+    param_bytes = precision.param_bytes
     return ActivationSetup(
-        tokens=config.training.local_batch_size * config.training.seq_len,
+        tokens=run.tokens_per_microbatch,
         dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
         ffn_dim=args.ffn_hidden_dim, vocab_size=args.vocab_size, n_layers=args.n_layers, tp=dims.tp,
-        sequence_parallel=par.enable_sequence_parallel, loss_parallel=par.enable_loss_parallel,
-        compute_bytes=param_bytes, residual_bytes=4 if autocast else param_bytes, autocast=autocast,
-        float8_tp=layout.float8_tp, fused_rms_norm=device_type == "cuda",
-        compiled_loss=config.compile.enable and "loss" in config.compile.components,
+        sequence_parallel=run.parallelism.enable_sequence_parallel, loss_parallel=run.parallelism.enable_loss_parallel,
+        # Without FSDP, low precision comes from autocast: parameters, embedding output and residual stay fp32.
+        compute_bytes=param_bytes, residual_bytes=4 if precision.autocast else param_bytes,
+        autocast=precision.autocast, float8_tp_regions=layout.float8_tp_regions,
+        fused_rms_norm=run.device_type == "cuda", compiled_loss=run.compile_loss,
     )
-
-
-def _microbatches(config, dims) -> int:
-    t = config.training
-    return 1 if t.global_batch_size < 0 else max(1, t.global_batch_size // (t.local_batch_size * dims.dp_degree))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,10 +265,10 @@ def _float8_cast_bytes(layout: ModelLayout, s: ActivationSetup) -> int:
     return max((s.tokens * (lin.in_features + lin.out_features) + lin.tp_numel for lin in converted), default=0)
 
 
-def _gathered_text(config, fsdp: bool, layout: ModelLayout) -> str:
+def _gathered_text(run: ResolvedRun, fsdp: bool, layout: ModelLayout) -> str:
     if not fsdp:
         return "no FSDP"
-    policy = config.parallelism.fsdp_reshard_after_forward
+    policy = run.parallelism.fsdp_reshard_after_forward
     float8 = ", float8 all-gather" if layout.float8_all_gather else ""
     return f"reshard_after_forward={policy}{float8}"
 
@@ -300,15 +295,9 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 1024**2:.1f} MiB"
 
 
-def estimate_memory_text(config, *, world_size: int | None = None, device_type: str | None = None) -> str:
-    """The estimate as a table. World size defaults to the launch environment (WORLD_SIZE, else NGPU or
-    NPROC as run_train.sh uses them, else 1); the device type to CUDA when NGPU is set, else this
-    machine's."""
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or os.environ.get("NPROC") or 1)
-    if device_type is None and os.environ.get("NGPU"):
-        device_type = "cuda"  # sizing a GPU job, possibly from a login node without one
-    est = estimate_memory(config, world_size=world_size, device_type=device_type)
+def estimate_memory_text(run: ResolvedRun) -> str:
+    """The estimate of the resolved run as a table."""
+    est = estimate_run_memory(run)
     peak = est.peak_moment
     # Blocks differ only by how many activations remain: show the largest block moments.
     blocks = [m for m in est.moments if m.name.startswith("block ")]

@@ -1,0 +1,37 @@
+"""--check-config (run before every launch by run_train.sh) applies every rule the build applies, and holds
+the launch against the host's devices and memory, before any process starts."""
+from __future__ import annotations
+
+
+def test_rowwise_float8_with_float16_is_rejected_by_the_converter_rule(cli):
+    result = cli(["--config", "llama3_debug_fp8_rowwise", "--precision.param_dtype", "float16", "--check-config"])
+    assert result.returncode == 2
+    assert "recipe_name='rowwise' cannot be combined with precision.param_dtype=float16" in result.stderr
+
+
+def test_float32_evaluation_with_fsdp_and_bf16_is_rejected_by_the_precision_rule(cli):
+    result = cli(["--config", "llama3_debug_bf16", "--precision.mixed_precision_eval", "false", "--check-config"],
+                 NPROC="2")
+    assert result.returncode == 2
+    assert "precision.mixed_precision_eval=False (float32 evaluation) cannot be honoured with FSDP" in result.stderr
+
+
+def test_8b_on_one_gpu_does_not_fit_and_the_error_names_estimate_limit_and_fixes(cli):
+    result = cli(["--config", "llama3_8b_fp8", "--check-config"], NGPU="1", TTL_GPU_MEMORY_GIB="80")
+    assert result.returncode == 2
+    err = result.stderr
+    assert "exceeds 80.0 GiB (80 GiB per GPU" in err and "estimated peak per rank" in err
+    assert "more GPUs" in err and "--activation_checkpoint.mode full" in err
+
+
+def test_8b_on_8_gpus_fits(cli):
+    result = cli(["--config", "llama3_8b_fp8", "--check-config"], NGPU="8", TTL_GPU_MEMORY_GIB="80")
+    assert result.returncode == 0, result.stderr
+    assert "config 'llama3_8b_fp8' is valid for 8 process(es) (FSDP 8); estimated peak" in result.stdout
+
+
+def test_a_gpu_launch_on_a_host_without_gpus_stops_before_torchrun(cli):
+    result = cli(["--config", "llama3_debug", "--training.steps", "1"], NGPU="2", CUDA_VISIBLE_DEVICES="")
+    assert result.returncode != 0
+    assert "NGPU=2 but this host has no CUDA device" in result.stderr
+    assert "Use NPROC=2 for CPU processes (gloo)" in result.stderr and "--dry-run" in result.stderr

@@ -1,0 +1,62 @@
+"""--dry-run at cluster size: the real build and parallelize of rank 0 over a fake process group, with
+per-rank bytes read off the DTensor shards, in one CPU process (no GPU, no real ranks)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+GIB = 1024**3
+
+
+def _bytes(stdout: str, label: str) -> tuple[int, int]:
+    """(shard bytes, the estimate's bytes) of a 'per-rank bytes read off the DTensor shards' row."""
+    match = re.search(rf"^  {label}\s+[\d.]+ GiB\s+([\d,]+)\s+\[([\d,]+)\]$", stdout, re.M)
+    assert match, f"no {label} row in:\n{stdout[:2000]}"
+    return int(match.group(1).replace(",", "")), int(match.group(2).replace(",", ""))
+
+
+def _peak_gib(stdout: str) -> float:
+    match = re.search(r"^total per device\s+([\d.]+)", stdout, re.M)
+    assert match, stdout[-2000:]
+    return float(match.group(1))
+
+
+def _dry_run(cli, config: str, ngpu: int, *extra: str):
+    result = cli(["--config", config, *extra, "--dry-run"], launcher="train.py", NGPU=str(ngpu), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The estimate sizes exactly the shards the real parallelize step produced.
+    for label in ("parameters", "gradients", "optimizer states"):
+        shards, estimated = _bytes(result.stdout, label)
+        assert shards == estimated, label
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_8b_fp8_on_8_gpus_with_tp_2_uses_float8_tp_for_the_ffn_and_wo(cli):
+    out = _dry_run(cli, "llama3_8b_fp8", 8, "--parallelism.tp", "2")
+    assert "dry run: rank 0 of 8, FSDP 4 + TP 2" in out
+    # auto_filter_small_kn keeps wk/wv in bf16: their shared input stays bf16, every other region is float8.
+    assert re.search(r"attention input\s+bfloat16\s+\(attention.wk, attention.wv not tensorwise float8; every block\)",
+                     out)
+    for region in ("feed_forward input", "attention.wo output", "feed_forward.w2 output"):
+        assert re.search(rf"{region}\s+float8\s+\(.*; every block\)", out), region
+    params, _ = _bytes(out, "parameters")
+    # 8,030,261,248 fp32 parameters over 8 ranks, plus FSDP's padding of rank 0's shards (< 0.1%).
+    assert 8_030_261_248 * 4 / 8 <= params < 8_030_261_248 * 4 / 8 * 1.001
+
+
+@pytest.mark.slow
+def test_70b_fp8_on_64_gpus_with_tp_8(cli):
+    out = _dry_run(cli, "llama3_70b_fp8", 64, "--parallelism.tp", "8")
+    assert "dry run: rank 0 of 64, FSDP 8 + TP 8" in out
+    assert _peak_gib(out) < 80
+
+
+@pytest.mark.slow
+def test_405b_fp8_on_512_gpus_with_tp_8_and_hsdp_fits_80_gib(cli):
+    """The layout the README recommends for 405B: TP 8 within a node, HSDP 4 x 16 across nodes."""
+    out = _dry_run(cli, "llama3_405b_fp8", 512, "--parallelism.tp", "8", "--parallelism.dp_replicate", "4")
+    assert "dry run: rank 0 of 512, HSDP 4x16 + TP 8" in out
+    assert "FP8 plan: 882 of 883 Linear layers run in FP8" in out
+    assert _peak_gib(out) < 80

@@ -1,0 +1,97 @@
+"""Dry run at cluster size: the real build and parallelize step of N ranks, in one CPU process.
+
+Rank 0 of a world of N joins a fake process group (torch's ``fake`` backend: collectives complete at once
+and move nothing), builds the meshes, builds the model on the meta device, converts it (float8) and runs
+the family's parallelize function exactly as the trainer would: TP / SP / loss parallel, float8 TP
+styles, activation checkpointing, compile wrapping, FSDP / HSDP. What comes out are real DTensor shards
+(on meta), so the per-rank parameter, gradient and optimizer bytes below are read off the shards, not
+computed on paper; the memory estimate is printed beside them.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
+from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_run_memory
+from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES
+from torchtitan_lite.memory.optimizer_states import state_bytes
+from torchtitan_lite.resolved_run import ResolvedRun
+
+if TYPE_CHECKING:
+    from torchtitan_lite.components.precision import Precision
+
+
+def dry_run_text(run: ResolvedRun, precision_config: Precision.Config) -> str:
+    """Build and parallelize ``run`` for rank 0 of its world over a fake process group; the report."""
+    start = time.perf_counter()
+    with _fake_world(run.world_size):
+        run.parallel_dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = run.model_spec.model_cls(run.model_args)
+        run.converters.convert(model)
+        plan_text = _float8_text(run, model)
+        precision = precision_config.build(device="cpu", resolved=run.precision)
+        model = run.model_spec.parallelize_fn(model, run, mp_policy=precision.mp_policy())
+        shards = _shard_bytes(model, run)
+    seconds = time.perf_counter() - start
+    estimate = estimate_run_memory(run)
+    width = 22
+    lines = [
+        f"dry run: rank 0 of {run.world_size}, {run.parallel_dims.describe()}, built and parallelized on meta "
+        f"over a fake process group in {seconds:.1f}s",
+        f"precision: {run.precision.describe()}; {run.n_microbatches} micro-batch(es) of "
+        f"{run.tokens_per_microbatch} tokens per step",
+        "per-rank bytes read off the DTensor shards (estimate's own figure in brackets):",
+    ]
+    for name, nbytes, estimated in (("parameters", shards["parameters"], estimate.parameters),
+                                    ("gradients", shards["gradients"], estimate.gradients),
+                                    ("optimizer states", shards["optimizer states"], estimate.optimizer_states)):
+        lines.append(f"  {name:<{width}} {nbytes / GIB:>9.3f} GiB  {nbytes:>17,}  [{estimated:,}]")
+    lines += ["", plan_text, "", estimate_memory_text(run)]
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int) -> Iterator[None]:
+    if dist.is_initialized():
+        raise RuntimeError("--dry-run runs in a single process: launch it without torchrun")
+    # Importing the module registers the 'fake' backend.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _shard_bytes(model: nn.Module, run: ResolvedRun) -> dict[str, int]:
+    local = [(p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()]
+    params = sum(local) * MASTER_WEIGHT_BYTES
+    return {
+        "parameters": params,
+        # FSDP reduce-scatters gradients into the parameters' shards and their dtype (float32).
+        "gradients": params,
+        "optimizer states": sum(state_bytes(n, run.optimizer.low_bit) for n in local),
+    }
+
+
+def _float8_text(run: ResolvedRun, model: nn.Module) -> str:
+    """The float8 plan of the converted model and, under TP, what each communication region moves."""
+    float8 = [c for c in run.converters.converters if isinstance(c, Float8LinearConverter)]
+    if not float8:
+        return "no float8 converter: every Linear runs in the precision above"
+    text = float8[0].explain(model, seq_len=run.training.seq_len)
+    if run.parallel_dims.tp_enabled:
+        text += "\n" + tp_communication_text(run.model_spec.parallel_plan, model, tp=run.parallel_dims.tp,
+                                              high_precision=run.precision.param_dtype)
+    return text

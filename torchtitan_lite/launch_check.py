@@ -1,0 +1,87 @@
+"""Does the launch fit the host? Devices and memory, checked before torchrun starts any process.
+
+``--check-config`` (which run_train.sh runs before every launch) resolves the run and then asks two
+questions the build itself would only answer by crashing: are the requested GPUs there, and does the
+estimated per-rank peak fit the memory each rank will have (GPU memory, or host RAM shared by the CPU
+processes of one node)?
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from torchtitan_lite.memory.estimate import GIB, MemoryEstimate, estimate_run_memory
+from torchtitan_lite.resolved_run import ResolvedRun
+
+ASSUMED_GPU_MEMORY_GIB = 80.0
+"""GPU memory assumed when the launch is sized from a host without the GPUs (an H100 SXM has 80 GiB)."""
+GPU_MEMORY_ENV = "TTL_GPU_MEMORY_GIB"
+
+
+def check_devices(*, ngpu: int | None, preflight: bool) -> None:
+    """Before a launch (``preflight``), ``NGPU`` GPU processes need that many CUDA devices on this host. A
+    login node without GPUs may still size the job: --check-config / --estimate-memory / --dry-run."""
+    if ngpu is None or not preflight:
+        return
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available == 0:
+        raise ValueError(
+            f"NGPU={ngpu} but this host has no CUDA device, so torchrun would start {ngpu} CPU processes that each "
+            f"build the whole model. Use NPROC={ngpu} for CPU processes (gloo), or check the {ngpu}-GPU layout "
+            f"here with --dry-run (add --nnodes N for N nodes)"
+        )
+    if available < ngpu:
+        raise ValueError(f"NGPU={ngpu} but this host has {available} CUDA device(s); launch at most {available} "
+                         f"processes per node")
+
+
+def memory_limit(run: ResolvedRun, *, processes_on_host: int) -> tuple[int, str]:
+    """Bytes one rank may use, and where that figure comes from."""
+    if run.device_type == "cuda":
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return props.total_memory, f"{props.name} memory"
+        gib = float(os.environ.get(GPU_MEMORY_ENV, ASSUMED_GPU_MEMORY_GIB))
+        return int(gib * GIB), (f"{gib:g} GiB per GPU (assumed: this host has no GPU to ask; set "
+                                f"{GPU_MEMORY_ENV} for other GPUs)")
+    total = _host_memory_bytes()
+    share = total // max(1, processes_on_host)
+    return share, f"host RAM {total / GIB:.1f} GiB shared by {processes_on_host} CPU process(es)"
+
+
+def check_memory(run: ResolvedRun, *, processes_on_host: int) -> MemoryEstimate:
+    """The estimate of ``run``; an error naming estimate, limit and the cheapest fixes when it does not fit."""
+    estimate = estimate_run_memory(run)
+    limit, source = memory_limit(run, processes_on_host=processes_on_host)
+    if estimate.total <= limit:
+        return estimate
+    raise ValueError(
+        f"estimated peak per rank {estimate.total / GIB:.1f} GiB ({run.parallel_dims.describe()}, world size "
+        f"{run.world_size}) exceeds {limit / GIB:.1f} GiB ({source}). Cheapest fixes: "
+        + "; ".join(_fixes(run)) + ". See --estimate-memory for the breakdown"
+    )
+
+
+def _fixes(run: ResolvedRun) -> list[str]:
+    fixes = [f"more GPUs / processes (FSDP shards parameters, gradients and optimizer states over them: "
+             f"NGPU x --nnodes > {run.world_size})"]
+    if run.activation_checkpoint.mode != "full":
+        fixes.append("--activation_checkpoint.mode full (recompute activations in backward)")
+    if run.training.local_batch_size > 1:
+        fixes.append(f"a smaller --training.local_batch_size (now {run.training.local_batch_size}; keep the global "
+                     f"batch with --training.global_batch_size)")
+    if run.optimizer.low_bit is None:
+        fixes.append("--optimizer.low_bit adamw8bit (8-bit AdamW states: a quarter of the fp32 bytes)")
+    return fixes
+
+
+def _host_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,186 @@
+"""What the core needs to know about a model family, and the registry the families add themselves to.
+
+A family package (``models/llama3``) registers one ``ModelSpec`` when it is imported; the entry points
+(``train.py``, the scripts) import the families, the core only looks them up by ``model.name``. The spec
+carries the family's parallel plan as data (``ParallelPlan``): the trainer's parallelize step, the
+memory estimator and the dry run all read that one table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from torchtitan_lite.resolved_run import ResolvedRun
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TPInput:
+    """An activation that several column-parallel Linears consume: TP all-gathers it once, at the input
+    of ``module``, and it can travel in float8 only when every consumer casts to float8 itself."""
+
+    module: str
+    """Module (relative to a block) whose input is prepared, e.g. 'attention'."""
+    consumers: tuple[str, ...]
+    """Column-parallel Linears (relative to a block) that read it, e.g. ('attention.wq', ...)."""
+    name: str
+    """What the activation is, for logs and plans ('attention input')."""
+    n_inputs: int = 1
+    """Positional inputs of ``module``; only the first is the activation, the others (e.g. the rotary
+    table) pass through untouched."""
+
+
+@dataclass(frozen=True)
+class BlockTPPlan:
+    """Megatron-style split of one transformer block."""
+
+    inputs: tuple[TPInput, ...]
+    rowwise: tuple[str, ...]
+    """Output projections split by input features; their output is reduced (or reduce-scattered)."""
+    norms: tuple[str, ...]
+    """Norms that run sharded along the sequence under sequence parallelism."""
+
+    @property
+    def colwise(self) -> tuple[str, ...]:
+        return tuple(fqn for tp_input in self.inputs for fqn in tp_input.consumers)
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        return self.colwise + self.rowwise
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A family's tensor-parallel plan and FSDP units, by module name.
+
+    Blocks live in ``model.<blocks>`` (a ModuleDict); block-relative names apply to each of them.
+    """
+
+    blocks: str
+    block_tp: BlockTPPlan
+    embedding: str
+    """Vocabulary-sharded embedding (weight rows split over TP ranks)."""
+    output: str
+    """Output projection, split by vocabulary (column-parallel); its logits may stay sharded."""
+    final_norm: str
+    """The norm before the output projection (sequence parallel with SP)."""
+    tp_shard_dims: dict[str, int] = field(default_factory=dict)
+    """Weight dim each TP-split module shards, by block-relative or root-level module name."""
+
+    def tp_shard_dim(self, module: str) -> int | None:
+        """Shard dim of ``module``'s weight under TP (full FQN, e.g. 'layers.3.attention.wo'); None if whole."""
+        prefix = f"{self.blocks}."
+        if module.startswith(prefix):
+            module = module.split(".", 2)[-1]
+        return self.tp_shard_dims.get(module)
+
+    def fsdp_unit(self, module: str, *, tied: bool) -> str:
+        """The FSDP unit that holds ``module``'s parameters: '<blocks>.<i>', the embedding, 'head' (final norm
+        + output) or 'root'. A tied embedding/output matrix can belong to one unit only: the root."""
+        if module.startswith(f"{self.blocks}."):
+            return ".".join(module.split(".")[:2])
+        if tied:
+            return "root"
+        return self.embedding if module == self.embedding else "head"
+
+
+def build_tp_plan(block_tp: BlockTPPlan, **root: str) -> ParallelPlan:
+    """A ParallelPlan whose shard dims follow from the Megatron split: column-parallel Linears and the
+    embedding and output split dim 0 (output features / vocabulary rows), row-parallel Linears dim 1."""
+    dims = {fqn: 0 for fqn in block_tp.colwise} | {fqn: 1 for fqn in block_tp.rowwise}
+    dims |= {root["embedding"]: 0, root["output"]: 0}
+    return ParallelPlan(block_tp=block_tp, tp_shard_dims=dims, **root)  # type: ignore[arg-type]
+
+
+class ParallelizeFn(Protocol):
+    def __call__(self, model: nn.Module, run: ResolvedRun, *, mp_policy: Any) -> nn.Module:
+        """Apply TP, AC, compile and FSDP to ``model`` (on meta, meshes built) as ``run`` says; returns it."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    """Family name, the value of model.name in the config."""
+    model_cls: type[nn.Module]
+    """Called as model_cls(args); the module offers init_weights, num_params and flops_per_token."""
+    args_cls: type
+    """Dataclass of the family's hyper-parameters."""
+    flavors: dict[str, Any]
+    """Size presets: flavor name -> args_cls instance."""
+    parallel_plan: ParallelPlan
+    """Which modules TP splits how, and the FSDP units."""
+    parallelize_fn: ParallelizeFn
+    """Applies the parallelisms in the family's order (TP, AC, compile, FSDP)."""
+    state_dict_adapter_cls: type | None
+    """Converts state dicts to and from Hugging Face names; None when the family has no HF counterpart."""
+
+
+_MODEL_SPECS: dict[str, ModelSpec] = {}
+
+
+def register_model_spec(spec: ModelSpec) -> ModelSpec:
+    """Make ``spec`` known under ``spec.name`` (a family package calls this when imported)."""
+    known = _MODEL_SPECS.get(spec.name)
+    if known is not None and known is not spec:
+        raise ValueError(f"model family {spec.name!r} is registered twice")
+    _MODEL_SPECS[spec.name] = spec
+    return spec
+
+
+def model_specs() -> dict[str, ModelSpec]:
+    """Every registered family by name."""
+    return dict(_MODEL_SPECS)
+
+
+def _unknown(kind: str, name: str, valid: list[str]) -> ValueError:
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return ValueError(f"unknown {kind} {name!r}; valid: {', '.join(valid)}.{hint}")
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The spec of family ``name``; the error lists the known families."""
+    if name not in _MODEL_SPECS:
+        if not _MODEL_SPECS:
+            raise ValueError(f"no model family is registered, so model.name={name!r} cannot be built: the entry "
+                             f"point must import the model packages first (import models)")
+        raise _unknown("model.name", name, sorted(_MODEL_SPECS))
+    return _MODEL_SPECS[name]
+
+
+def build_model_args(spec: ModelSpec, flavor: str, *, vocab_size: int | None = None, n_layers: int | None = None,
+                     max_seq_len: int | None = None, min_vocab_size: int | None = None) -> Any:
+    """A fresh copy of ``spec.flavors[flavor]`` with overrides applied and validated again.
+
+    vocab_size / n_layers / max_seq_len replace the flavor's value when not None. min_vocab_size (the
+    tokenizer's vocabulary) grows vocab_size when the flavor's is smaller, so that every token id has an
+    embedding row; a larger flavor vocabulary is kept (HF-compatible shapes, unused rows are harmless).
+    """
+    if flavor not in spec.flavors:
+        raise _unknown(f"model.flavor for {spec.name}", flavor, list(spec.flavors))
+    overrides = {k: v for k, v in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_seq_len", max_seq_len))
+                 if v is not None}
+    try:
+        args = dataclasses.replace(spec.flavors[flavor], **overrides)  # re-runs __post_init__ validation
+    except ValueError as e:
+        raise ValueError(f"{spec.name} flavor {flavor!r} with overrides {overrides}: {e}") from None
+    if min_vocab_size is not None:
+        if min_vocab_size < 1:
+            raise ValueError(f"min_vocab_size={min_vocab_size} must be positive (it is the tokenizer's vocab size)")
+        if vocab_size is not None and vocab_size < min_vocab_size:
+            raise ValueError(
+                f"vocab_size={vocab_size} is smaller than the tokenizer's vocabulary ({min_vocab_size}): token ids "
+                f"above {vocab_size - 1} would have no embedding; use vocab_size >= {min_vocab_size} or leave it unset"
+            )
+        if args.vocab_size < min_vocab_size:
+            logger.info("model vocab_size raised from %d to the tokenizer's %d", args.vocab_size, min_vocab_size)
+            args = dataclasses.replace(args, vocab_size=min_vocab_size)
+    return args

@@ -1,0 +1,116 @@
+"""One resolved run: every fact derived from the config, computed once, in one place.
+
+``resolve_run(config, ...)`` turns the root config plus the launch (world size, device type, the
+tokenizer's vocabulary) into a ``ResolvedRun``: validated parallel degrees, model args, the precision
+policy with 'auto' decided, micro-batches per step, what is compiled, and the model converters with their
+cross-section rules checked. The trainer, ``--check-config``, ``--estimate-memory``, ``--print-fp8-plan``
+and the dry run all consume this object, so they cannot disagree, and everything a build would reject is
+rejected here, before any process group or model exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torchtitan_lite.components.precision import ResolvedPrecision, resolve_precision
+from torchtitan_lite.config.sections import (
+    ActivationCheckpointConfig,
+    CompileConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
+from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConvertersContainer
+from torchtitan_lite.protocols.model_spec import ModelSpec, build_model_args, get_model_spec
+
+if TYPE_CHECKING:
+    from torchtitan_lite.components.optimizer import OptimizersContainer
+    from torchtitan_lite.components.tokenizer import Tokenizer
+    from torchtitan_lite.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    world_size: int
+    device_type: str
+    """'cuda' or 'cpu': where the ranks compute (a CUDA job may be resolved on a host without GPUs)."""
+    parallel_dims: ParallelDims
+    model_spec: ModelSpec
+    model_args: Any
+    """The family's args, flavor overrides applied and the vocabulary grown to the tokenizer's."""
+    precision: ResolvedPrecision
+    n_microbatches: int
+    """Forward/backward passes per optimizer step (gradient accumulation)."""
+    compile_model: bool
+    """The transformer blocks are compiled."""
+    compile_loss: bool
+    sequence_parallel: bool
+    """Norms and the residual stream are sharded along the sequence (TP > 1 and enabled)."""
+    loss_parallel: bool
+    """Logits stay sharded by vocabulary and the loss runs on the shards (TP > 1 and enabled)."""
+    converters: ModelConvertersContainer
+    training: TrainingConfig
+    parallelism: ParallelismConfig
+    activation_checkpoint: ActivationCheckpointConfig
+    compile: CompileConfig
+    optimizer: OptimizersContainer.Config
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.training.local_batch_size * self.training.seq_len
+
+
+def resolve_run(config: Trainer.Config, *, world_size: int, device_type: str, vocab_size: int | None = None,
+                cuda_available: bool | None = None) -> ResolvedRun:
+    """Resolve ``config`` for a launch of ``world_size`` ranks on ``device_type``.
+
+    ``vocab_size`` is the tokenizer's (the model's vocabulary grows to it); None reads it from the
+    tokenizer config without training the default tokenizer. ``cuda_available`` (default: whether this
+    process sees a GPU) False with device_type 'cuda' resolves a GPU job from a host without one.
+    """
+    par = config.parallelism
+    dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size)
+    spec = get_model_spec(config.model.name)
+    if vocab_size is None:
+        vocab_size = planned_vocab_size(config.tokenizer)
+    args = build_model_args(spec, config.model.flavor, n_layers=config.model.n_layers, min_vocab_size=vocab_size)
+    sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
+    dims.validate_for_model(args, config.training.seq_len, sequence_parallel=sequence_parallel)
+    precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
+                                  cuda_available=cuda_available)
+    compile_model = config.compile.enable and "model" in config.compile.components
+    context = ConversionContext(
+        device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
+        fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,
+        seq_len=config.training.seq_len,
+    )
+    return ResolvedRun(
+        world_size=world_size, device_type=device_type, parallel_dims=dims, model_spec=spec, model_args=args,
+        precision=precision, n_microbatches=microbatches_per_step(config.training, dims.dp_degree),
+        compile_model=compile_model, compile_loss=config.compile.enable and "loss" in config.compile.components,
+        sequence_parallel=sequence_parallel, loss_parallel=dims.tp_enabled and par.enable_loss_parallel,
+        converters=config.model_converters.build(context=context),
+        training=config.training, parallelism=par, activation_checkpoint=config.activation_checkpoint,
+        compile=config.compile, optimizer=config.optimizer,
+    )
+
+
+def microbatches_per_step(training: TrainingConfig, dp_degree: int) -> int:
+    """global_batch_size / (local_batch_size x dp degree); anything but an exact multiple is an error."""
+    per_pass = training.local_batch_size * dp_degree
+    global_batch = per_pass if training.global_batch_size < 0 else training.global_batch_size
+    if global_batch % per_pass != 0:
+        raise ValueError(
+            f"training.global_batch_size={global_batch} must be a multiple of training.local_batch_size "
+            f"x data-parallel degree = {training.local_batch_size} x {dp_degree} = {per_pass}; "
+            f"use {max(per_pass, global_batch // per_pass * per_pass)} or -1"
+        )
+    return global_batch // per_pass
+
+
+def planned_vocab_size(tokenizer_config: Tokenizer.Config) -> int:
+    """The vocabulary the trainer will size the model with, without building the default tokenizer."""
+    if tokenizer_config.path is None:
+        # The default tokenizer is trained to exactly this size: no need to build (or train) it here.
+        return tokenizer_config.vocab_size
+    return tokenizer_config.build().vocab_size
