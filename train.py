@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
 
         return run_action(cli, registry=DEFAULT_REGISTRY)
 
-    from torchtitan_lite.trainer import NonFiniteLossError, Trainer
+    from torchtitan_lite.trainer import NonFiniteLossError
 
     try:
         trainer = cli.config.build()

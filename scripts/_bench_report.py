@@ -59,7 +59,7 @@ class Measurement:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "Measurement":
+    def from_json(cls, data: dict) -> Measurement:
         return cls(**data)
 
 
@@ -82,7 +82,7 @@ class BareMeasurement:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "BareMeasurement":
+    def from_json(cls, data: dict) -> BareMeasurement:
         return cls(**data)
 
 
@@ -285,9 +285,9 @@ def markdown_section(rows: list[Row], info: RunInfo, *, baseline: str, title: st
         f"- {info.warmup} warm-up step(s) excluded, {info.steps} timed step(s){repeats}; MFU against {info.peak_note}",
         f"- peak memory: {memory_note}; 'outside train_step' is the share of step time spent in the loop around "
         f"it (data loading, metrics, gc)",
-        *([f"- bare loop: scripts/bare_loop.py --against-trainer, the same steps alternated one by one in one process "
-           f"with the trainer's data fetch + train_step (its ratio); the loop around train_step is the "
-           f"'outside train_step' share"] if any(r.bare_tokens_per_s is not None for r in rows) else []),
+        *(["- bare loop: scripts/bare_loop.py --against-trainer, the same steps alternated one by one in one process "
+           "with the trainer's data fetch + train_step (its ratio); the loop around train_step is the "
+           "'outside train_step' share"] if any(r.bare_tokens_per_s is not None for r in rows) else []),
         "",
         markdown_table(rows, baseline),
         "",

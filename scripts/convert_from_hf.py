@@ -13,7 +13,6 @@ import logging
 
 import config_registry
 import models  # noqa: F401  (registers the model families)
-
 from torchtitan_lite.components.checkpoint.convert import hf_to_dcp, resolve_model
 from torchtitan_lite.components.checkpoint.hf_io import read_hf_config
 

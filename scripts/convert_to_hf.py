@@ -13,7 +13,6 @@ import logging
 
 import config_registry
 import models  # noqa: F401  (registers the model families)
-
 from torchtitan_lite.components.checkpoint.convert import checkpoint_vocab_size, dcp_to_hf, resolve_model
 
 

@@ -29,7 +29,6 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -289,10 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan_lite.library_notices import silence_known_library_notices
 
     silence_known_library_notices()
-    from torchtitan_lite.components.checkpoint.verify import CheckpointError
-    from torchtitan_lite.components.quantization.float8_plan import float8_plan
     import models  # noqa: F401  (registers the model families)
     from config_registry import DEFAULT_REGISTRY
+    from torchtitan_lite.components.checkpoint.verify import CheckpointError
+    from torchtitan_lite.components.quantization.float8_plan import float8_plan
     from torchtitan_lite.config import ConfigError, parse_cli
     from torchtitan_lite.distributed import utils as dist_utils
 

@@ -168,11 +168,11 @@ def main(argv: list[str]) -> int:
 def resolve(name: str, overrides: list[str]):
     """Our resolved config, the settings torchtitan must copy, and our tokenizer's path."""
     import torch
-
     from bare_loop import unsupported_reason
-    from models import build_model_args, get_model_spec
+
     import models  # noqa: F401  (registers the model families)
     from config_registry import DEFAULT_REGISTRY
+    from models import build_model_args, get_model_spec
     from torchtitan_lite.config import ConfigError, parse_cli
 
     try:
@@ -389,7 +389,6 @@ def _parse_params(log: str, pattern: re.Pattern, what: str) -> int:
 def summary_text(args, s: Settings, versions: dict[str, str], ours: list[float], theirs: list[float], n_params: int,
                  ours_cmd: list[str], theirs_cmd: list[str], config_path: Path, load: str = "") -> str:
     import torch
-
     from _bench_report import cpu_description, git_commit
 
     def runs(values: list[float]) -> str:

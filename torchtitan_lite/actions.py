@@ -9,8 +9,8 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 

@@ -86,7 +86,7 @@ class Trainer(Configurable):
         debug: DebugConfig = field(default_factory=DebugConfig)
         """Determinism and anomaly detection."""
 
-    def __init__(self, config: "Trainer.Config") -> None:
+    def __init__(self, config: Trainer.Config) -> None:
         self.config = config
         cfg = config
         self.tokenizer = cfg.tokenizer.build()

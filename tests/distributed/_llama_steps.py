@@ -8,13 +8,14 @@ gradients over data-parallel ranks. So every layout must reproduce the single-pr
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from _collectives import CollectiveLog
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
@@ -28,8 +29,6 @@ from torchtitan_lite.distributed.compile import maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
-
-from _collectives import CollectiveLog
 
 # All Linear dims are multiples of 16 (float8 GEMMs need it); heads and KV heads split over tp=2.
 TINY = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
@@ -66,7 +65,7 @@ class Run:
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp
 
-    def single_process(self) -> "Run":
+    def single_process(self) -> Run:
         """The reference for this run: the same numerics on one process (layout-only settings reset)."""
         defaults = Run()
         return dataclasses.replace(
@@ -257,7 +256,7 @@ def layout_runs(layout: str) -> dict[str, Run]:
     return {name: Run(**LAYOUTS[layout], **kw) for name, kw in variants.items()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layout_results(layout: str) -> dict[str, dict]:
     """Rank 0's results of every variant of `layout`, trained in one multi-process launch (cached)."""
     from _harness import run_ranks
@@ -268,6 +267,6 @@ def layout_results(layout: str) -> dict[str, dict]:
     return dict(zip(runs, results[0]))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def single_process_results(run: Run) -> dict:
     return run_single(run, keep_first_grads=True)

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+from _ckpt_spawn import run_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from _ckpt_spawn import run_ranks
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
 
 DIM = 64

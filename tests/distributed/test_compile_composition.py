@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from _harness import run_ranks
 from _llama_steps import Run, run_layout, single_process_results
+
 from torchtitan_lite.distributed.compile import compile_seconds
 
 RUN = Run(dp_shard=2, float8="tensorwise", fp8_all_gather=True, precompute=True, ac_mode="selective",

@@ -12,12 +12,12 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from _harness import run_ranks
+from _llama_steps import TINY, layout_results
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from _harness import run_ranks
-from _llama_steps import TINY, layout_results
 from torchtitan_lite.distributed.float8_allgather import use_byte_view_all_gather
 
 DP = 2
@@ -73,14 +73,14 @@ def test_tensor_parallel_all_gathers_activations_and_gradients_in_float8(layout)
     high = [c for c in _fwd_bwd(layout, "fp32") if c.op == "all_gather_into_tensor"]
     low = [c for c in _fwd_bwd(layout, "fp8") if c.op == "all_gather_into_tensor"]
     assert len(low) == len(high)
-    float8 = [(h, l) for h, l in zip(high, low) if l.dtype == torch.uint8]
+    float8 = [(h, lo) for h, lo in zip(high, low) if lo.dtype == torch.uint8]
     # Forward: attention and FFN inputs of every block; backward: gradients of the wo and w2 outputs.
     assert len(float8) == 4 * TINY.n_layers
-    for h, l in float8:
-        assert h.dtype == torch.float32 and l.numel == h.numel and l.nbytes * _FLOAT32_BYTES == h.nbytes
+    for h, lo in float8:
+        assert h.dtype == torch.float32 and lo.numel == h.numel and lo.nbytes * _FLOAT32_BYTES == h.nbytes
     # The rest (the vocabulary projection's input, kept in high precision) is unchanged.
-    assert [(h.dtype, h.nbytes) for h, l in zip(high, low) if l.dtype != torch.uint8] == \
-           [(l.dtype, l.nbytes) for l in low if l.dtype != torch.uint8]
+    assert [(h.dtype, h.nbytes) for h, lo in zip(high, low) if lo.dtype != torch.uint8] == \
+           [(lo.dtype, lo.nbytes) for lo in low if lo.dtype != torch.uint8]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "fsdp2_tp2"])
@@ -91,12 +91,12 @@ def test_float8_tp_is_decided_per_region_when_wk_and_wv_stay_high_precision(layo
     # The FFN input in forward and the wo / w2 output gradients in backward: 3 of the 4 regions per block
     # move 1 byte per element; the attention input (shared by wq and the high-precision wk / wv) and the
     # vocabulary projection's input are gathered exactly as in the float32 run.
-    assert sum(l.dtype == torch.uint8 for l in mixed) == 3 * TINY.n_layers
-    for h, l in zip(high, mixed):
-        if l.dtype == torch.uint8:
-            assert h.dtype == torch.float32 and l.nbytes * _FLOAT32_BYTES == h.nbytes
+    assert sum(lo.dtype == torch.uint8 for lo in mixed) == 3 * TINY.n_layers
+    for h, lo in zip(high, mixed):
+        if lo.dtype == torch.uint8:
+            assert h.dtype == torch.float32 and lo.nbytes * _FLOAT32_BYTES == h.nbytes
         else:
-            assert (l.dtype, l.nbytes) == (h.dtype, h.nbytes)
+            assert (lo.dtype, lo.nbytes) == (h.dtype, h.nbytes)
 
 
 def test_fsdp_float8_allgather_on_fsdp_x_tp_moves_bytes():

@@ -4,10 +4,10 @@ from __future__ import annotations
 import math
 
 import torch
+from _harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from _harness import run_ranks
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _llama_steps import LAYOUTS, layout_results, layout_runs, single_process_results
 
 # fp32: a layout only changes the order of float32 sums (reduce-scatter of per-rank partial gradients,

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -55,7 +54,7 @@ class Launch:
     signal the launcher, the whole group or one worker, as a scheduler or a crash would.
     """
 
-    running: list["Launch"] = []
+    running: list[Launch] = []
     """Launches not yet finished; the suite kills what a failed test leaves behind (see conftest.py)."""
 
     def __init__(self, cmd: list[str], **env: str) -> None:
@@ -136,9 +135,9 @@ class Launch:
         """Wait for the launch to exit (killing its whole group past ``timeout``); returns its exit code."""
         try:
             self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as timed_out:
             self.kill()
-            raise AssertionError(f"still running after {timeout}s:\n{self.output[-4000:]}")
+            raise AssertionError(f"still running after {timeout}s:\n{self.output[-4000:]}") from timed_out
         self._reader.join(10)
         Launch.running.remove(self)
         return self.proc.returncode

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import tomllib
-
 from _cli import read_scalars
 
 

@@ -26,7 +26,7 @@ report = _script("_bench_report")
 side = _script("torchtitan_side_by_side")
 
 
-def _measurement(config: str, step_s: list[float], **kw) -> "report.Measurement":
+def _measurement(config: str, step_s: list[float], **kw) -> report.Measurement:
     fields = dict(
         config=config, device_type="cpu", device_name="fake cpu", dp_degree=1, tp_degree=1, tokens_per_step=1000,
         flops_per_token=1e9, peak_flops=1e13, compile_enabled=False, first_step_s=5.0, step_s=step_s,

@@ -11,8 +11,7 @@ import torch
 from safetensors import safe_open
 
 from models import build_model_args, get_model_spec
-from torchtitan_lite.components.checkpoint import CheckpointError, CheckpointManager, ModelWrapper
-from torchtitan_lite.components.checkpoint import convert, hf_io
+from torchtitan_lite.components.checkpoint import CheckpointError, CheckpointManager, ModelWrapper, convert, hf_io
 
 SPEC = get_model_spec("llama3")
 ARGS = build_model_args(SPEC, "debug", n_layers=1, vocab_size=512)

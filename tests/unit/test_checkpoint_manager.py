@@ -259,8 +259,9 @@ def test_async_save_writes_the_state_of_its_step(tmp_path):
 
 
 def test_async_failure_is_reported_and_keeps_previous(tmp_path, monkeypatch):
-    import torch.distributed.checkpoint as dcp
     from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
 
     run = Run(str(tmp_path), async_mode="async")
     run.train(2)

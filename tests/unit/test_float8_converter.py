@@ -4,17 +4,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
+from _conversion import context
 from torchao.float8 import ScalingGranularity
 
-from _conversion import context
-from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
-from torchtitan_lite.config.sections import CompileConfig, TrainingConfig
 
 FSDP = True
 NO_FSDP = False

@@ -2,20 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
+from _conversion import context
 from torchao.float8 import _auto_filter_for_recipe
 from torchao.float8.float8_linear import Float8Linear
 
-from _conversion import context
-from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
 from torchtitan_lite.components.quantization.float8_plan import float8_plan, format_float8_plan, skip_reason
-from torchtitan_lite.config.sections import CompileConfig, TrainingConfig
-
 
 
 def _tiny_llama_like() -> nn.Module:

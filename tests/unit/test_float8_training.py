@@ -2,18 +2,16 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _conversion import context
 from torchao.float8.float8_linear import Float8Linear
 
-from _conversion import context
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
-from torchtitan_lite.config.sections import CompileConfig, TrainingConfig
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 
 FSDP = True

@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from models import build_model_args, get_model_spec
 from models.llama3 import Llama3ModelArgs, Transformer
+from torchtitan_lite.actions import launch_run
 from torchtitan_lite.components.loss import cross_entropy_sum
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
@@ -24,11 +25,9 @@ from torchtitan_lite.config.sections import (
     TrainingConfig,
 )
 from torchtitan_lite.distributed.activation_checkpoint import apply_ac
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.memory.activations import ActivationSetup, block_plan, block_saved_bytes
-from torchtitan_lite.memory.optimizer_states import state_bytes
-from torchtitan_lite.actions import launch_run
 from torchtitan_lite.memory.estimate import CUDA_CONTEXT_BYTES, estimate_memory, estimate_memory_text
+from torchtitan_lite.memory.optimizer_states import state_bytes
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.trainer import Trainer

@@ -8,13 +8,10 @@ from typing import ClassVar
 
 import pytest
 import torch.nn as nn
-
 from _conversion import context
-from torchtitan_lite.components.precision import Precision
-from torchtitan_lite.components.quantization import Float8LinearConverter
-from torchtitan_lite.config.sections import CompileConfig, TrainingConfig
-from torchtitan_lite.protocols.model_converter import ModelConverter, ModelConvertersContainer
 
+from torchtitan_lite.components.quantization import Float8LinearConverter
+from torchtitan_lite.protocols.model_converter import ModelConverter, ModelConvertersContainer
 
 
 @pytest.fixture

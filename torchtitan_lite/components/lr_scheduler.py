@@ -77,7 +77,7 @@ class LRSchedulersContainer(Configurable):
                     f"{self.decay_ratio}; unset decay_ratio or pick decay_type linear, cosine or wsd"
                 )
 
-    def __init__(self, config: "LRSchedulersContainer.Config", *, optimizers: Any, training_steps: int) -> None:
+    def __init__(self, config: LRSchedulersContainer.Config, *, optimizers: Any, training_steps: int) -> None:
         self.config = config
         self.training_steps = training_steps
         self.warmup_steps, self.decay_steps = _warmup_and_decay_steps(config, training_steps)
@@ -147,7 +147,7 @@ def lr_factor(
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def _warmup_and_decay_steps(config: "LRSchedulersContainer.Config", training_steps: int) -> tuple[int, int]:
+def _warmup_and_decay_steps(config: LRSchedulersContainer.Config, training_steps: int) -> tuple[int, int]:
     """Warmup and decay lengths for this run; warmup shrinks (with a warning) when the run is shorter.
 
     A short run of a long-run config (``--training.steps 5``) is a normal thing to ask for, so a

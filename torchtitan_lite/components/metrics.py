@@ -19,8 +19,8 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
 
 import torch
 
@@ -72,7 +72,7 @@ class MetricsProcessor(Configurable):
 
     def __init__(
         self,
-        config: "MetricsProcessor.Config",
+        config: MetricsProcessor.Config,
         *,
         dump_folder: str,
         device: torch.device | str,

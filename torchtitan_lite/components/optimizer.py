@@ -21,8 +21,9 @@ multiple of its quantisation block.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -108,7 +109,7 @@ class OptimizersContainer(Configurable):
                     f"optimizer.implementation='auto' or set optimizer.low_bit=None"
                 )
 
-    def __init__(self, config: "OptimizersContainer.Config", *, model_parts: list[nn.Module]) -> None:
+    def __init__(self, config: OptimizersContainer.Config, *, model_parts: list[nn.Module]) -> None:
         self.config = config
         if not model_parts:
             raise ValueError("OptimizersContainer needs at least one model part, got an empty model_parts list")
@@ -151,7 +152,7 @@ class OptimizersContainer(Configurable):
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
-    def register_step_post_hook(self, hook: StepPostHook) -> "_Handles":
+    def register_step_post_hook(self, hook: StepPostHook) -> _Handles:
         """Call ``hook(optimizer, args, kwargs)`` after every ``step()`` of each part's optimizer.
 
         The hook is registered on the torch optimizers themselves, so it also runs when something

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -75,8 +76,8 @@ class Precision(Configurable):
             if self.growth_interval < 1:
                 raise ValueError(f"precision.growth_interval={self.growth_interval} must be >= 1; the default is 2000")
 
-    def __init__(self, config: "Precision.Config", *, device: torch.device | str,
-                 resolved: "ResolvedPrecision | None" = None, fsdp_enabled: bool = False) -> None:
+    def __init__(self, config: Precision.Config, *, device: torch.device | str,
+                 resolved: ResolvedPrecision | None = None, fsdp_enabled: bool = False) -> None:
         """``resolved`` is the run's decision (trainer); without it the config is resolved here for
         ``device`` and ``fsdp_enabled`` (tools and tests that build a precision on their own)."""
         self.config = config
@@ -100,7 +101,7 @@ class Precision(Configurable):
             param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, output_dtype=None, cast_forward_inputs=True
         )
 
-    def autocast(self) -> ContextManager[None]:
+    def autocast(self) -> AbstractContextManager[None]:
         """Context for the training forward: torch.autocast in param_dtype on the non-FSDP path.
 
         With FSDP, or in float32, it does nothing: FSDP's mp_policy already casts the parameters.
@@ -109,7 +110,7 @@ class Precision(Configurable):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.param_dtype)
 
-    def eval_autocast(self) -> ContextManager[None]:
+    def eval_autocast(self) -> AbstractContextManager[None]:
         """Context for validation forwards: like ``autocast()``, or float32 when mixed_precision_eval=False."""
         if not self.config.mixed_precision_eval:
             return contextlib.nullcontext()

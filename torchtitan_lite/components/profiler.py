@@ -69,7 +69,7 @@ class Profiler(Configurable):
                 raise ValueError("profiling.save_traces_folder must be a folder name, got an empty string")
 
     def __init__(
-        self, config: "Profiler.Config", *, dump_folder: str, start_step: int = 0, rank: int | None = None
+        self, config: Profiler.Config, *, dump_folder: str, start_step: int = 0, rank: int | None = None
     ) -> None:
         """
         Args:
@@ -86,7 +86,7 @@ class Profiler(Configurable):
         self._torch_profiler: torch.profiler.profile | None = None
         self._recording_memory = False
 
-    def __enter__(self) -> "Profiler":
+    def __enter__(self) -> Profiler:
         cfg = self.config
         if cfg.enable_profiling:
             self._torch_profiler = self._start_torch_profiler()

@@ -17,9 +17,9 @@ import logging
 import os
 import random
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
@@ -54,7 +54,7 @@ class Tokenizer(Configurable):
                 raise ValueError(f"tokenizer.vocab_size={self.vocab_size} is too small: byte fallback alone "
                                  f"needs 256 pieces; use at least {MIN_VOCAB_SIZE}")
 
-    def __init__(self, config: "Tokenizer.Config") -> None:
+    def __init__(self, config: Tokenizer.Config) -> None:
         super().__init__(config)
         if config.path is None:
             self.path = default_tokenizer_path(config.vocab_size)

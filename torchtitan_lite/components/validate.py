@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ logger = logging.getLogger("torchtitan_lite")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-ContextFactory = Callable[[], ContextManager]
+ContextFactory = Callable[[], AbstractContextManager]
 
 
 class Validator(Configurable):
@@ -48,7 +49,7 @@ class Validator(Configurable):
 
     def __init__(
         self,
-        config: "Validator.Config",
+        config: Validator.Config,
         *,
         loss_fn: LossFn,
         device: torch.device | str,

@@ -32,5 +32,5 @@ class Configurable:
         if config_cls is not None:
             config_cls._owner = cls
 
-    def __init__(self, config: "Configurable.Config", **runtime: Any) -> None:
+    def __init__(self, config: Configurable.Config, **runtime: Any) -> None:
         self.config = config

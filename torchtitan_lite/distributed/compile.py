@@ -7,7 +7,7 @@ the first forward/backward, which `compile_seconds()` reports.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -56,9 +56,9 @@ from torchtitan_lite.memory.activations import (
     loss_transient_bytes,
 )
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, ModelLayout, ParamLayout, model_layout
-from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
 from torchtitan_lite.memory.timeline import Moment, StepSizes, step_moments
+from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
 if TYPE_CHECKING:
     from torchtitan_lite.trainer import Trainer

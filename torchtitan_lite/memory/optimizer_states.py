@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 MOMENTS = 2
 """exp_avg and exp_avg_sq (amsgrad is not offered by the optimizer section)."""
@@ -45,7 +45,7 @@ class LowBitLayout:
         return int(numel * self.code_bytes_per_element) + 4 * (numel // self.block_size) + 4 * self.qmap_entries
 
 
-@lru_cache(maxsize=None)
+@cache
 def low_bit_layout(low_bit: str) -> LowBitLayout:
     """Block size (the torchao class's default, which the optimizer component keeps), code width and
     qmap length for `optimizer.low_bit`."""

@@ -55,7 +55,7 @@ class ModelConverter(Configurable):
         swaps: ClassVar[str | None] = None
         """Module type the converter replaces (e.g. 'nn.Linear'): two converters swapping the same
         type cannot be combined, since a module can be converted only once."""
-        _registry: ClassVar[dict[str, type["ModelConverter.Config"]]] = {}
+        _registry: ClassVar[dict[str, type[ModelConverter.Config]]] = {}
 
         def __init_subclass__(cls, **kwargs: Any) -> None:
             super().__init_subclass__(**kwargs)
@@ -68,11 +68,11 @@ class ModelConverter(Configurable):
             ModelConverter.Config._registry[kind] = cls
 
         @classmethod
-        def registry(cls) -> dict[str, type["ModelConverter.Config"]]:
+        def registry(cls) -> dict[str, type[ModelConverter.Config]]:
             """Every converter kind -> its config class (the kinds whose modules have been imported)."""
             return dict(ModelConverter.Config._registry)
 
-        def build(self, *, context: ConversionContext) -> "ModelConverter":
+        def build(self, *, context: ConversionContext) -> ModelConverter:
             """Build the converter, checking its settings against the run's ``context``."""
             owner = type(self)._owner
             if owner is None:
@@ -80,7 +80,7 @@ class ModelConverter(Configurable):
             converter: ModelConverter = owner(self, context=context)
             return converter
 
-    def __init__(self, config: "ModelConverter.Config", *, context: ConversionContext) -> None:
+    def __init__(self, config: ModelConverter.Config, *, context: ConversionContext) -> None:
         self.config = config
         self.context = context
 
@@ -108,11 +108,11 @@ class ModelConvertersContainer(Configurable):
         def __post_init__(self) -> None:
             _check_converters(self.converters)
 
-        def build(self, *, context: ConversionContext) -> "ModelConvertersContainer":
+        def build(self, *, context: ConversionContext) -> ModelConvertersContainer:
             """Build every converter in order."""
             return ModelConvertersContainer(self, context=context)
 
-    def __init__(self, config: "ModelConvertersContainer.Config", *, context: ConversionContext) -> None:
+    def __init__(self, config: ModelConvertersContainer.Config, *, context: ConversionContext) -> None:
         self.config = config
         # Checked again: registry functions may append entries after the config was constructed.
         _check_converters(config.converters)

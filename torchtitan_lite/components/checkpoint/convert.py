@@ -14,13 +14,13 @@ import torch.distributed.checkpoint as dcp
 from torchtitan_lite.components.checkpoint import hf_io
 from torchtitan_lite.components.checkpoint.layout import new_marker
 from torchtitan_lite.components.checkpoint.manager import EXPORT_DTYPES
-from torchtitan_lite.protocols.model_spec import ModelSpec, build_model_args, get_model_spec
 from torchtitan_lite.components.checkpoint.verify import (
     WeightsOnlyLoadPlanner,
     check_compatible,
     read_metadata,
     saved_tensor_shape,
 )
+from torchtitan_lite.protocols.model_spec import ModelSpec, build_model_args, get_model_spec
 
 logger = logging.getLogger(__name__)
 

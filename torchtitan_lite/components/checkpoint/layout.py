@@ -32,7 +32,7 @@ class Marker:
     time: float
 
     @staticmethod
-    def read(checkpoint_dir: str) -> "Marker | None":
+    def read(checkpoint_dir: str) -> Marker | None:
         path = os.path.join(checkpoint_dir, MARKER_NAME)
         if not os.path.isfile(path):
             return None

@@ -113,7 +113,7 @@ class CheckpointManager(Configurable):
             if self.last_save_in_hf and not self.enable:
                 raise ValueError("checkpoint.last_save_in_hf=True needs checkpoint.enable=True")
 
-    def __init__(self, config: "CheckpointManager.Config", *, dump_folder: str, states: dict[str, Stateful],
+    def __init__(self, config: CheckpointManager.Config, *, dump_folder: str, states: dict[str, Stateful],
                  model_args: Any = None, model_spec: Any = None) -> None:
         self.config = config
         self.folder = os.path.join(dump_folder, config.folder)

@@ -23,8 +23,9 @@ It holds only ints, strings, dicts and one tensor, so it loads with ``torch.load
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -83,7 +84,7 @@ class TextDataLoader(Configurable):
 
     def __init__(
         self,
-        config: "TextDataLoader.Config",
+        config: TextDataLoader.Config,
         *,
         tokenizer: Any,
         dp_rank: int,

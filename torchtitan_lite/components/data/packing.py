@@ -12,7 +12,7 @@ The buffer is a numpy int32 array (token ids fit easily), so concatenation and c
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -44,7 +44,7 @@ class DataSourceError(ValueError):
     """A data source is missing, empty or not shaped as configured; the message says how to fix it."""
 
 
-def load_split(cfg: "TextDataLoader.Config", role: Role) -> Dataset | IterableDataset:
+def load_split(cfg: TextDataLoader.Config, role: Role) -> Dataset | IterableDataset:
     """The documents of ``role`` as a dataset holding only ``cfg.text_field``, checked for usability."""
     split = cfg.train_split if role == "train" else cfg.validation_split
     if role == "validation" and cfg.validation_files is not None:
@@ -115,7 +115,7 @@ def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
 # Source kinds
 
 
-def _load_files(pattern: str, cfg: "TextDataLoader.Config", split: str, where: str):
+def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str):
     files = resolve_files(pattern, where)
     builder = infer_format(files, cfg.data_format, where)
     return _load_builder(builder, {split: files}, cfg, split, f"{where} ({len(files)} file(s))")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn as nn
@@ -89,7 +89,7 @@ class Float8LinearConverter(ModelConverter):
                     f"list small layers in filter_fqns, or use recipe_name='rowwise'"
                 )
 
-    def __init__(self, config: "Float8LinearConverter.Config", *, context: ConversionContext) -> None:
+    def __init__(self, config: Float8LinearConverter.Config, *, context: ConversionContext) -> None:
         super().__init__(config, context=context)
         self.fsdp_sharded = context.fsdp_sharded
         self.fsdp_float8_all_gather = config.enable_fsdp_float8_all_gather and self.fsdp_sharded

@@ -18,8 +18,9 @@ A Linear stays in high precision when, checked in this order:
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch.nn as nn
 
