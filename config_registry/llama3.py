@@ -6,7 +6,7 @@ from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
 from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
-from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+from torchtitan_lite.components.quantization.float8 import Float8LinearConverter, Float8Recipe
 from torchtitan_lite.components.validate import Validator
 from torchtitan_lite.config.sections import CompileConfig, ModelConfig, TrainingConfig
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
@@ -112,7 +112,7 @@ def llama3_405b() -> Trainer.Config:
     return cfg
 
 
-def _fp8(recipe: str, *, all_gather: bool) -> ModelConvertersContainer.Config:
+def _fp8(recipe: Float8Recipe, *, all_gather: bool) -> ModelConvertersContainer.Config:
     """FP8 on every large Linear: the output projection and layers too small to gain are skipped."""
     return ModelConvertersContainer.Config(
         converters=[

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ class PreemptionWatcher:
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum: int, frame) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         logger.warning("received %s: finishing the current step, then saving and exiting",
                        signal.Signals(signum).name)
         self._requested = True

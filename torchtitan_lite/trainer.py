@@ -36,6 +36,7 @@ from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.compile import compile_seconds, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
+from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.shutdown import PreemptionWatcher
@@ -85,6 +86,8 @@ class Trainer(Configurable):
         """torch.profiler traces."""
         debug: DebugConfig = field(default_factory=DebugConfig)
         """Determinism and anomaly detection."""
+
+    config: Trainer.Config
 
     def __init__(self, config: Trainer.Config) -> None:
         self.config = config
@@ -160,7 +163,7 @@ class Trainer(Configurable):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.autograd.set_detect_anomaly(self.config.debug.detect_anomaly)
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_model(self) -> BaseModel:
         cfg, spec = self.config, self.run.model_spec
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
@@ -192,7 +195,7 @@ class Trainer(Configurable):
             loss_context=lambda: loss_parallel_context(self.run.loss_parallel),
         )
 
-    def _dp_group(self):
+    def _dp_group(self) -> dist.ProcessGroup | None:
         mesh = self.parallel_dims.dp_mesh
         return None if mesh is None else mesh.get_group()
 
@@ -277,7 +280,7 @@ class Trainer(Configurable):
         self._check_finite(loss_value, float(grad_norm))
         return loss_value, float(grad_norm)
 
-    def _global_target_tokens(self, batches) -> torch.Tensor:
+    def _global_target_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         count = torch.tensor(float(local), device=self.device)
         group = self._dp_group()

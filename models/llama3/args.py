@@ -93,6 +93,11 @@ class Llama3ModelArgs:
             raise ValueError(f"model args: rope_theta={self.rope_theta} must be positive")
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads (n_kv_heads, which defaults to n_heads)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 

@@ -1,6 +1,9 @@
 """Llama 3 decoder-only transformer with torchtitan module names (see the HF adapter for the mapping)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +12,7 @@ from models.llama3.args import Llama3ModelArgs, RopeScaling
 from models.llama3.attention import Attention
 from models.llama3.init import trunc_normal_
 from models.llama3.rope import RotaryEmbedding
+from torchtitan_lite.protocols.model import BaseModel
 
 __all__ = ["Llama3ModelArgs", "RopeScaling", "RMSNorm", "FeedForward", "TransformerBlock", "Transformer"]
 
@@ -67,7 +71,7 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
+class Transformer(BaseModel):
     """tokens [batch, seq] -> logits [batch, seq, vocab]. Build on meta, then `to_empty` + `init_weights`."""
 
     def __init__(self, args: Llama3ModelArgs) -> None:
@@ -89,7 +93,7 @@ class Transformer(nn.Module):
         if self.args.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
-    def _apply(self, fn, recurse: bool = True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Transformer:
         # Moving off the meta device gives each module its own new Parameter, which would silently
         # untie a shared embedding; restore the sharing after every conversion.
         super()._apply(fn, recurse)
@@ -113,7 +117,7 @@ class Transformer(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
             trunc_normal_(self.output.weight, std=out_std)
         for layer in self.layers.values():
-            layer.init_weights()
+            cast(TransformerBlock, layer).init_weights()
         self.norm.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

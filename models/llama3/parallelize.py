@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
+from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, TPInput, build_tp_plan
 
 if TYPE_CHECKING:
@@ -39,7 +38,7 @@ LLAMA3_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
 )
 
 
-def parallelize_llama(model: nn.Module, run: ResolvedRun, *, mp_policy: Any) -> nn.Module:
+def parallelize_llama(model: BaseModel, run: ResolvedRun, *, mp_policy: Any) -> BaseModel:
     """Parallelize ``model`` (on meta, meshes built) in place as ``run`` resolved it; returns it.
 
     ``mp_policy`` is FSDP's MixedPrecisionPolicy. Without data parallelism no FSDP is applied (the
@@ -52,7 +51,7 @@ def parallelize_llama(model: nn.Module, run: ResolvedRun, *, mp_policy: Any) -> 
 
     plan, dims = LLAMA3_PARALLEL_PLAN, run.parallel_dims
     layouts = [dims.describe()]
-    if dims.tp_enabled:
+    if dims.tp_mesh is not None:
         regions = apply_tp(model, dims.tp_mesh, plan, sequence_parallel=run.sequence_parallel,
                            loss_parallel=run.loss_parallel)
         layouts.append("SP" if run.sequence_parallel else "no SP")
@@ -68,7 +67,7 @@ def parallelize_llama(model: nn.Module, run: ResolvedRun, *, mp_policy: Any) -> 
     if apply_compile(model, run.compile):
         layouts.append(f"compiled blocks ({run.compile.backend})")
 
-    if dims.fsdp_enabled:
+    if dims.fsdp_mesh is not None:
         apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=mp_policy,
                    reshard_after_forward=run.parallelism.fsdp_reshard_after_forward,
                    cpu_offload=run.parallelism.fsdp_cpu_offload)

@@ -6,6 +6,7 @@ adapter permutes the rows of wq / wk so that both conventions compute the same a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -73,6 +74,7 @@ class RotaryEmbedding(nn.Module):
         self.max_seq_len = max_seq_len
         self.theta = theta
         self.scaling = scaling
+        self.cache: torch.Tensor
         self.register_buffer("cache", self._compute(device=None), persistent=False)
 
     def _compute(self, device: torch.device | str | None) -> torch.Tensor:
@@ -82,7 +84,7 @@ class RotaryEmbedding(nn.Module):
         """Recompute the table on `device` (default: where it is now)."""
         self.cache = self._compute(self.cache.device if device is None else device)
 
-    def _apply(self, fn, recurse: bool = True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
         super()._apply(fn, recurse)
         self.reset_cache()
         return self

@@ -8,6 +8,7 @@ untouched because the permutation of q and k cancels in q . k.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,8 +138,9 @@ class Llama3StateDictAdapter:
 
     def _expected_shape(self, key: str) -> tuple[int, ...]:
         a = self.args
-        q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        name = _OUR_LAYER_KEY.match(key).group(2) if key.startswith("layers.") else key
+        q_out, kv_out = a.n_heads * a.head_dim, a.kv_heads * a.head_dim
+        layer_key = _OUR_LAYER_KEY.match(key)
+        name = layer_key.group(2) if layer_key else key
         return {
             "tok_embeddings.weight": (a.vocab_size, a.dim),
             "output.weight": (a.vocab_size, a.dim),
@@ -163,17 +165,18 @@ class Llama3StateDictAdapter:
             )
         return tensor
 
-    def _check_complete(self, present: set[str], expected: list[str], what: str, show=lambda k: k) -> None:
+    def _check_complete(self, present: set[str], expected: list[str], what: str,
+                        show: Callable[[str], str] = lambda k: k) -> None:
         missing = [show(k) for k in expected if k not in present]
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise KeyError(f"{what} lacks {len(missing)} expected key(s): {shown}; pass strict=False for a partial dict")
 
-    def _permute(self, key: str, tensor: torch.Tensor, fn) -> torch.Tensor:
+    def _permute(self, key: str, tensor: torch.Tensor, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
         if key.endswith(("attention.wq.weight", "attention.wk.weight")):
             if isinstance(tensor, DTensor):
                 raise TypeError(f"{key} is a DTensor: its rows must be whole to be permuted; gather a full state dict first")
-            n_heads = self.args.n_heads if key.endswith("wq.weight") else self.args.n_kv_heads
+            n_heads = self.args.n_heads if key.endswith("wq.weight") else self.args.kv_heads
             return fn(tensor, n_heads)
         return tensor
 

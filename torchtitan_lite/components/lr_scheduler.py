@@ -77,6 +77,8 @@ class LRSchedulersContainer(Configurable):
                     f"{self.decay_ratio}; unset decay_ratio or pick decay_type linear, cosine or wsd"
                 )
 
+    config: LRSchedulersContainer.Config
+
     def __init__(self, config: LRSchedulersContainer.Config, *, optimizers: Any, training_steps: int) -> None:
         self.config = config
         self.training_steps = training_steps
@@ -155,7 +157,7 @@ def _warmup_and_decay_steps(config: LRSchedulersContainer.Config, training_steps
     """
     if training_steps < 1:
         raise ValueError(f"training.steps must be >= 1 to build an LR schedule, got {training_steps}")
-    decay = 0
+    decay: int | None = 0
     if config.decay_type != "constant":
         decay = None if config.decay_ratio is None else max(1, round(config.decay_ratio * training_steps))
     room = training_steps - (decay or 0)

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,6 +71,8 @@ class MetricsProcessor(Configurable):
                     f"metrics.cpu_peak_tflops must be > 0 or None (measure it), got {self.cpu_peak_tflops}"
                 )
 
+    config: MetricsProcessor.Config
+
     def __init__(
         self,
         config: MetricsProcessor.Config,
@@ -112,7 +115,7 @@ class MetricsProcessor(Configurable):
     # ----------------------------------------------------------------------------------------------
     # Construction
 
-    def _build_writer(self, dump_folder: str):
+    def _build_writer(self, dump_folder: str) -> Any:
         cfg = self.config
         if not cfg.enable_tensorboard or (cfg.rank_0_only and self.rank != 0):
             return None

@@ -109,6 +109,8 @@ class OptimizersContainer(Configurable):
                     f"optimizer.implementation='auto' or set optimizer.low_bit=None"
                 )
 
+    config: OptimizersContainer.Config
+
     def __init__(self, config: OptimizersContainer.Config, *, model_parts: list[nn.Module]) -> None:
         self.config = config
         if not model_parts:
@@ -125,7 +127,7 @@ class OptimizersContainer(Configurable):
         params = [p for g in groups for p in g["params"]]
         if not params:
             raise ValueError(f"model part {type(part).__name__} has no trainable parameters to optimize")
-        common = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        common: dict[str, Any] = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
         if cfg.low_bit is not None:
             _check_low_bit_supported(cfg.low_bit, params)
             import torchao.optim
@@ -235,7 +237,7 @@ def _param_groups(part: nn.Module, weight_decay: float, exempt_norms_and_embeddi
     no_decay = [p for p in trainable if p.ndim < 2 or id(p) in embedding_params]
     no_decay_ids = {id(p) for p in no_decay}
     decay = [p for p in trainable if id(p) not in no_decay_ids]
-    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
@@ -255,7 +257,7 @@ def _split_dtensor_and_plain(groups: list[dict]) -> list[dict]:
     return split
 
 
-def _kernel_flags(implementation: str, params: list[torch.Tensor]) -> dict[str, bool]:
+def _kernel_flags(implementation: str, params: list[torch.Tensor]) -> dict[str, Any]:
     fused_devices = _get_fused_kernels_supported_devices()
     unsupported = [p for p in params if p.device.type not in fused_devices or not torch.is_floating_point(p)]
     if implementation == "fused" and unsupported:

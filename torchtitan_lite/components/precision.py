@@ -76,6 +76,8 @@ class Precision(Configurable):
             if self.growth_interval < 1:
                 raise ValueError(f"precision.growth_interval={self.growth_interval} must be >= 1; the default is 2000")
 
+    config: Precision.Config
+
     def __init__(self, config: Precision.Config, *, device: torch.device | str,
                  resolved: ResolvedPrecision | None = None, fsdp_enabled: bool = False) -> None:
         """``resolved`` is the run's decision (trainer); without it the config is resolved here for

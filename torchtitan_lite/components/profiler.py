@@ -21,6 +21,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass
+from types import TracebackType
 
 import torch
 
@@ -68,6 +69,8 @@ class Profiler(Configurable):
             if not self.save_traces_folder:
                 raise ValueError("profiling.save_traces_folder must be a folder name, got an empty string")
 
+    config: Profiler.Config
+
     def __init__(
         self, config: Profiler.Config, *, dump_folder: str, start_step: int = 0, rank: int | None = None
     ) -> None:
@@ -108,7 +111,7 @@ class Profiler(Configurable):
         if self._recording_memory and self.step_num % self.config.profile_freq == 0:
             self._dump_memory_snapshot(f"iteration_{self.step_num}")
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._torch_profiler is not None:
             self._torch_profiler.stop()
             self._torch_profiler = None
@@ -117,7 +120,6 @@ class Profiler(Configurable):
                 self._dump_memory_snapshot(f"iteration_{self.step_num}_exit")
             torch.cuda.memory._record_memory_history(enabled=None)
             self._recording_memory = False
-        return False
 
     # ----------------------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 
@@ -53,6 +54,8 @@ class Tokenizer(Configurable):
             if self.vocab_size < MIN_VOCAB_SIZE:
                 raise ValueError(f"tokenizer.vocab_size={self.vocab_size} is too small: byte fallback alone "
                                  f"needs 256 pieces; use at least {MIN_VOCAB_SIZE}")
+
+    config: Tokenizer.Config
 
     def __init__(self, config: Tokenizer.Config) -> None:
         super().__init__(config)
@@ -112,7 +115,7 @@ def embedded_training_texts() -> Iterable[str]:
     return iter_texts(load_split(TextDataLoader.Config(dataset="embedded"), "train"), "text")
 
 
-def iter_texts(dataset, field: str, batch_size: int = 256) -> Iterable[str]:
+def iter_texts(dataset: Any, field: str, batch_size: int = 256) -> Iterable[str]:
     """Texts of a map-style or streaming dataset, read in batches."""
     for batch in dataset.iter(batch_size=batch_size):
         yield from batch[field]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -47,6 +47,8 @@ class Validator(Configurable):
                     f"validation.steps must be a positive number of batches or -1 for the whole split, got {self.steps}"
                 )
 
+    config: Validator.Config
+
     def __init__(
         self,
         config: Validator.Config,
@@ -72,14 +74,18 @@ class Validator(Configurable):
         self.config = config
         if (dataloader_factory is None) == (dataloader is None):
             raise ValueError("Validator needs exactly one of dataloader_factory= or dataloader=")
-        self.dataloader_factory = dataloader_factory if dataloader is None else (lambda: dataloader)
+        if dataloader_factory is None:
+            assert dataloader is not None  # exactly one of the two was given (checked above)
+            fixed = dataloader
+            dataloader_factory = lambda: fixed  # noqa: E731
+        self.dataloader_factory = dataloader_factory
         self.loss_fn = loss_fn
         self.device = torch.device(device)
         self.dp_group = dp_group
         self.autocast = autocast or contextlib.nullcontext
         self.loss_context = loss_context or contextlib.nullcontext
 
-    def validate(self, model_parts: list[nn.Module], step: int) -> float:
+    def validate(self, model_parts: Sequence[nn.Module], step: int) -> float:
         """Validation loss of the model at training step ``step``; the model's train/eval modes are kept."""
         if len(model_parts) != 1:
             raise ValueError(
@@ -112,7 +118,7 @@ class Validator(Configurable):
         data = iter(self.dataloader_factory())
         while self.config.steps < 0 or batches < self.config.steps:
             batch = next(data, None)
-            if not self._every_rank_has(batch is not None):
+            if not self._every_rank_has(batch is not None) or batch is None:
                 break
             inputs, labels = batch
             inputs, labels = inputs.to(self.device), labels.to(self.device)

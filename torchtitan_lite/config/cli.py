@@ -40,7 +40,7 @@ ACTIONS = ("train", "help", *(action for action, _ in ACTION_FLAGS.values()))
 class CliResult:
     """What the command line asks for."""
 
-    config: Any | None
+    config: Any
     """The resolved root config; None for the actions that need none (help, list_configs)."""
     action: str
     """One of ACTIONS: train, help, print_config, list_configs, print_fp8_plan, estimate_memory."""

@@ -149,7 +149,9 @@ def _own_field_docs(cls: type) -> dict[str, str]:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):  # builtins and classes made at runtime have no source
         return {}
-    body = ast.parse(source).body[0].body
+    class_def = ast.parse(source).body[0]
+    assert isinstance(class_def, ast.ClassDef)  # getsource of a class starts with its class statement
+    body = class_def.body
     docs = {}
     for stmt, following in zip(body, body[1:]):
         if (

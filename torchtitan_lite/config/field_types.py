@@ -19,8 +19,16 @@ NoneType = type(None)
 SCALARS = (bool, int, float, str)
 
 
-@functools.cache
 def config_fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
+    """The settable fields of a config dataclass with their resolved types, in declaration order (cached).
+
+    Fields with ``init=False`` or a leading underscore are internal and not part of the config.
+    """
+    return _config_fields(cls)
+
+
+@functools.cache
+def _config_fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
     """The settable fields of a config dataclass with their resolved types, in declaration order.
 
     Fields with ``init=False`` or a leading underscore are internal and not part of the config.
@@ -59,7 +67,7 @@ def typed_list_base(tp: Any) -> type | None:
 
 def kinds(base: type) -> dict[str, type]:
     """Kind name -> Config class of a typed-config list."""
-    return dict(base.registry())
+    return dict(base.registry())  # type: ignore[attr-defined]  # typed-list bases define registry()
 
 
 def kind_of(entry: Any) -> str:

@@ -75,7 +75,7 @@ class ConfigRegistry:
         return [(name, _first_line(self._functions[name])) for name in sorted(self._functions)]
 
     def _load(self) -> None:
-        if self._loaded:
+        if self._loaded or self.package is None:
             return
         package = importlib.import_module(self.package)
         for module in pkgutil.iter_modules(package.__path__):

@@ -24,7 +24,7 @@ else:  # pragma: no cover - the package depends on tomli there
 
 def config_to_dict(config: Any) -> dict[str, Any]:
     """Nested plain dict of a config tree; typed-config list entries get a leading ``kind`` key."""
-    result = {}
+    result: dict[str, Any] = {}
     for f, tp in config_fields(type(config)):
         value = getattr(config, f.name)
         if is_section(tp):

@@ -8,6 +8,7 @@ because TOML has no null.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torchtitan_lite.config.errors import ConfigError, closest, did_you_mean
@@ -114,7 +115,7 @@ def _from_native(value: Any, tp: Any) -> Any:
     raise ConfigError(f"field type {tp!r} is not supported by the config parser")
 
 
-def _first_fit(value: Any, members: tuple[Any, ...], convert) -> Any:
+def _first_fit(value: Any, members: tuple[Any, ...], convert: Callable[[Any, Any], Any]) -> Any:
     # Most specific first, so "3" becomes an int in an `int | str` field rather than a string.
     for member in sorted((m for m in members if m is not NoneType), key=_specificity):
         try:
@@ -133,7 +134,7 @@ def _specificity(tp: Any) -> int:
     return 5 if tp is str else 4
 
 
-def _call(parse, text: str) -> Any:
+def _call(parse: Callable[[str], Any], text: str) -> Any:
     try:
         return parse(text)
     except ValueError:

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from torchtitan_lite.protocols.model import BaseModel
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,8 @@ ALWAYS_SAVED_OPS = ATTENTION_OPS | frozenset({
 })
 
 
-def _op_policy(counts: dict[str, int]):
-    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+def _op_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if func in MATMUL_OPS:
             # Forward and recompute passes count separately so both make the same decisions.
             key = "recompute" if ctx.is_recompute else "forward"
@@ -51,11 +55,11 @@ def _op_policy(counts: dict[str, int]):
     return policy
 
 
-def _selective_op_context():
+def _selective_op_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_op_policy(defaultdict(int)))
 
 
-def apply_ac(model: nn.Module, mode: str, selective_option: str = "op", *, compiled_tp: bool = False) -> str:
+def apply_ac(model: BaseModel, mode: str, selective_option: str = "op", *, compiled_tp: bool = False) -> str:
     """Wrap the blocks of `model.layers` in place; returns a short description for logs.
 
     mode: 'none' | 'full' | 'selective'. With 'selective', selective_option is 'op' (per-op policy above)
@@ -66,7 +70,7 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str = "op", *, compi
     """
     if mode == "none":
         return "none"
-    full = partial(_full, save_attention=compiled_tp)
+    full: Callable[[nn.Module], nn.Module] = partial(_full, save_attention=compiled_tp)
     full_what = "full, attention saved" if compiled_tp else "full"
     if mode == "full":
         wrap, every, what = full, 1, full_what
@@ -101,7 +105,7 @@ def _parse_every(option: str) -> int:
     return every
 
 
-def _save_attention_only(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+def _save_attention_only(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 

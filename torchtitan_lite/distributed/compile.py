@@ -10,12 +10,14 @@ import logging
 from collections.abc import Callable
 
 import torch
-from torch import nn
+
+from torchtitan_lite.config.sections import CompileConfig
+from torchtitan_lite.protocols.model import BaseModel
 
 logger = logging.getLogger(__name__)
 
 
-def apply_compile(model: nn.Module, compile_config) -> int:
+def apply_compile(model: BaseModel, compile_config: CompileConfig) -> int:
     """Compile every block of `model.layers` in place (`Module.compile`, so parameter names are unchanged).
 
     Returns the number of compiled blocks. A no-op unless compile is enabled with 'model' in components.

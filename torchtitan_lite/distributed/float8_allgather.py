@@ -13,6 +13,9 @@ bit-identical on every backend, and the payload stays one byte per element.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,7 +33,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 class ByteViewAllGather(AllGather):
     """FSDP2 all-gather that gathers float8 buffers through their uint8 view."""
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -64,7 +67,7 @@ def enable_float8_tensor_all_gather_as_bytes() -> None:
     from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    def all_gather_float8_as_bytes(aten_op, args, kwargs=None):
+    def all_gather_float8_as_bytes(aten_op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
         fp8_input = args[0]
         if not isinstance(fp8_input, Float8TrainingTensor):
             raise TypeError(f"expected a Float8TrainingTensor to all-gather, got {type(fp8_input).__name__}")

@@ -44,8 +44,12 @@ def apply_fsdp(
         raise ValueError(
             f"parallelism.fsdp_reshard_after_forward={reshard_after_forward!r} must be 'default', 'always' or 'never'"
         )
-    common = dict(mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
-                  offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    policy = mp_policy or MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+
+    def shard(modules: nn.Module | list[nn.Module], reshard: bool) -> None:
+        fully_shard(modules, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+
     always = reshard_after_forward == "always"
     never = reshard_after_forward == "never"
 
@@ -54,13 +58,13 @@ def apply_fsdp(
     tied = output.weight is embedding.weight
     # A tied matrix can belong to one unit only: it stays with the root together with norm and output.
     if not tied:
-        fully_shard(embedding, reshard_after_forward=not never, **common)
+        shard(embedding, not never)
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
-        fully_shard(block, reshard_after_forward=always or (not never and not last), **common)
+        shard(block, always or (not never and not last))
     if not tied:
-        fully_shard([model.get_submodule(plan.final_norm), output], reshard_after_forward=always, **common)
-    fully_shard(model, reshard_after_forward=always, **common)
+        shard([model.get_submodule(plan.final_norm), output], always)
+    shard(model, always)
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -73,6 +77,5 @@ def apply_fsdp(
         use_byte_view_all_gather(model)
     kind = f"HSDP {tuple(fsdp_mesh.shape)}" if fsdp_mesh.ndim == 2 else f"FSDP {fsdp_mesh.size()}"
     logger.info("applied %s: %d blocks, reshard_after_forward=%s, param_dtype=%s, reduce_dtype=%s%s", kind,
-                len(blocks), reshard_after_forward, common["mp_policy"].param_dtype,
-                common["mp_policy"].reduce_dtype, ", CPU offload" if cpu_offload else "")
+                len(blocks), reshard_after_forward, policy.param_dtype, policy.reduce_dtype, ", CPU offload" if cpu_offload else "")
     return model

@@ -79,7 +79,7 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | Non
             norm = norm.full_tensor()
         norms.append(norm.float())
     device = norms[0].device
-    norms = torch.stack([n.to(device) for n in norms])
+    stacked = torch.stack([n.to(device) for n in norms])
     if math.isinf(norm_type):
-        return norms.max()
-    return norms.pow(norm_type).sum().pow(1.0 / norm_type)
+        return stacked.max()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)

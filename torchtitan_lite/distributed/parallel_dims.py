@@ -7,6 +7,7 @@ layout fails before any process group exists.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -52,7 +53,7 @@ class ParallelDims:
         self.world_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
 
-    def validate_for_model(self, args, seq_len: int, *, sequence_parallel: bool = True) -> None:
+    def validate_for_model(self, args: Any, seq_len: int, *, sequence_parallel: bool = True) -> None:
         """Check that the model's shapes split over `tp`; `args` needs n_heads, n_kv_heads, tie_word_embeddings."""
         if self.tp == 1:
             return

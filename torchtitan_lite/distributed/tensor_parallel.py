@@ -19,6 +19,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,12 +78,15 @@ def tp_regions(plan: BlockTPPlan, is_float8_tensorwise_linear: Callable[[str], b
     return regions
 
 
+def _is_float8_in(block: nn.Module, fqn: str) -> bool:
+    return is_float8_tensorwise(block.get_submodule(fqn))
+
+
 def tp_communication_text(plan: ParallelPlan, model: nn.Module, *, tp: int, high_precision: torch.dtype) -> str:
     """Each TP communication region of ``model``'s (converted, not yet parallelized) blocks: float8 or
     ``high_precision``, and why."""
     blocks = list(getattr(model, plan.blocks).values())
-    per_block = [tp_regions(plan.block_tp, lambda fqn, b=b: is_float8_tensorwise(b.get_submodule(fqn)))
-                 for b in blocks]
+    per_block = [tp_regions(plan.block_tp, partial(_is_float8_in, b)) for b in blocks]
     dtype = str(high_precision).removeprefix("torch.")
     lines = [f"TP {tp} communication per block ({len(blocks)} blocks):"]
     for i, region in enumerate(per_block[0]):
@@ -115,7 +120,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, seque
 
     all_regions = []
     for block in getattr(model, plan.blocks).values():
-        regions = tp_regions(plan.block_tp, lambda fqn, b=block: is_float8_tensorwise(b.get_submodule(fqn)))
+        regions = tp_regions(plan.block_tp, partial(_is_float8_in, block))
         all_regions.append(regions)
         parallelize_module(block, tp_mesh, _block_styles(plan.block_tp, regions, residual, sequence_parallel))
     float8 = sum(r.float8 for regions in all_regions for r in regions)
@@ -156,13 +161,14 @@ class _EmbeddingParallel(RowwiseParallel):
     """
 
     @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: DeviceMesh) -> Any:
         if outputs.placements != output_layouts:
             outputs = outputs.redistribute(placements=output_layouts, async_op=False)
         return outputs.to_local() if use_local_output else outputs
 
 
-def _styles(float8: bool):
+def _styles(float8: bool) -> tuple[type, type, type]:
     if float8:
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,

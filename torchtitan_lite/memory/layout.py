@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,8 +73,9 @@ class LinearLayout:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    args: object
-    """The model family's args (Llama3ModelArgs): dims, heads, vocabulary."""
+    args: Any
+    """The model family's args dataclass; the estimator reads its transformer fields (dim, n_heads,
+    n_kv_heads, head_dim, ffn_hidden_dim, vocab_size, n_layers)."""
     dims: ParallelDims
     params: tuple[ParamLayout, ...]
     linears: tuple[LinearLayout, ...]

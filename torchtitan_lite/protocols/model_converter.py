@@ -15,6 +15,7 @@ Lifecycle in the trainer::
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -72,13 +73,15 @@ class ModelConverter(Configurable):
             """Every converter kind -> its config class (the kinds whose modules have been imported)."""
             return dict(ModelConverter.Config._registry)
 
-        def build(self, *, context: ConversionContext) -> ModelConverter:
+        def build(self, *, context: ConversionContext) -> ModelConverter:  # type: ignore[override]  # narrows **runtime
             """Build the converter, checking its settings against the run's ``context``."""
             owner = type(self)._owner
             if owner is None:
                 raise TypeError(f"{type(self).__qualname__} has no converter class to build")
             converter: ModelConverter = owner(self, context=context)
             return converter
+
+    config: ModelConverter.Config
 
     def __init__(self, config: ModelConverter.Config, *, context: ConversionContext) -> None:
         self.config = config
@@ -87,7 +90,7 @@ class ModelConverter(Configurable):
     def convert(self, model: nn.Module) -> None:
         raise NotImplementedError
 
-    def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
+    def post_optimizer_hook(self, model_parts: Sequence[nn.Module]) -> None:
         raise NotImplementedError
 
     def explain(self, model: nn.Module) -> str:
@@ -108,9 +111,11 @@ class ModelConvertersContainer(Configurable):
         def __post_init__(self) -> None:
             _check_converters(self.converters)
 
-        def build(self, *, context: ConversionContext) -> ModelConvertersContainer:
+        def build(self, *, context: ConversionContext) -> ModelConvertersContainer:  # type: ignore[override]  # narrows **runtime
             """Build every converter in order."""
             return ModelConvertersContainer(self, context=context)
+
+    config: ModelConvertersContainer.Config
 
     def __init__(self, config: ModelConvertersContainer.Config, *, context: ConversionContext) -> None:
         self.config = config
@@ -124,7 +129,7 @@ class ModelConvertersContainer(Configurable):
         if self.converters and self.config.print_after_conversion and dist_utils.is_rank0():
             logger.info("model after conversion:\n%s", model)
 
-    def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
+    def post_optimizer_hook(self, model_parts: Sequence[nn.Module]) -> None:
         for converter in self.converters:
             converter.post_optimizer_hook(model_parts)
 

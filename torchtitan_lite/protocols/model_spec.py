@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from torch import nn
+from torchtitan_lite.protocols.model import BaseModel
 
 if TYPE_CHECKING:
     from torchtitan_lite.resolved_run import ResolvedRun
@@ -96,11 +96,11 @@ def build_tp_plan(block_tp: BlockTPPlan, **root: str) -> ParallelPlan:
     embedding and output split dim 0 (output features / vocabulary rows), row-parallel Linears dim 1."""
     dims = {fqn: 0 for fqn in block_tp.colwise} | {fqn: 1 for fqn in block_tp.rowwise}
     dims |= {root["embedding"]: 0, root["output"]: 0}
-    return ParallelPlan(block_tp=block_tp, tp_shard_dims=dims, **root)  # type: ignore[arg-type]
+    return ParallelPlan(block_tp=block_tp, tp_shard_dims=dims, **root)
 
 
 class ParallelizeFn(Protocol):
-    def __call__(self, model: nn.Module, run: ResolvedRun, *, mp_policy: Any) -> nn.Module:
+    def __call__(self, model: BaseModel, run: ResolvedRun, *, mp_policy: Any) -> BaseModel:
         """Apply TP, AC, compile and FSDP to ``model`` (on meta, meshes built) as ``run`` says; returns it."""
         ...
 
@@ -109,8 +109,8 @@ class ParallelizeFn(Protocol):
 class ModelSpec:
     name: str
     """Family name, the value of model.name in the config."""
-    model_cls: type[nn.Module]
-    """Called as model_cls(args); the module offers init_weights, num_params and flops_per_token."""
+    model_cls: type[BaseModel]
+    """Called as model_cls(args)."""
     args_cls: type
     """Dataclass of the family's hyper-parameters."""
     flavors: dict[str, Any]

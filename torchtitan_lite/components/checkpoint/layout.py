@@ -73,7 +73,8 @@ def scan_steps(folder: str) -> tuple[list[int], list[int]]:
     """(complete, incomplete) step numbers found in ``folder``, each sorted ascending."""
     if not os.path.isdir(folder):
         return [], []
-    complete, incomplete = [], []
+    complete: list[int] = []
+    incomplete: list[int] = []
     for name in os.listdir(folder):
         match = _STEP_DIR.match(name)
         if match is None or not os.path.isdir(os.path.join(folder, name)):

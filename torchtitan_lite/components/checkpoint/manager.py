@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
@@ -113,6 +114,8 @@ class CheckpointManager(Configurable):
             if self.last_save_in_hf and not self.enable:
                 raise ValueError("checkpoint.last_save_in_hf=True needs checkpoint.enable=True")
 
+    config: CheckpointManager.Config
+
     def __init__(self, config: CheckpointManager.Config, *, dump_folder: str, states: dict[str, Stateful],
                  model_args: Any = None, model_spec: Any = None) -> None:
         self.config = config
@@ -170,6 +173,8 @@ class CheckpointManager(Configurable):
 
         path = step_dir(self.folder, step)
         marker = Marker.read(path)
+        if marker is None:  # scan_steps counts a step complete only when its marker exists
+            raise CheckpointError(f"{path} lost its completion marker while loading; {describe_steps(self.folder)}")
         wanted = [n for n in self.states if n not in cfg.exclude_from_loading]
         absent = [n for n in wanted if n not in marker.states]
         if absent:
@@ -199,7 +204,7 @@ class CheckpointManager(Configurable):
             return int(restored["train_state"]["step"])
         return 0
 
-    def _load_from(self, path: str, metadata, names: list[str], saved_world_size: int | None) -> dict[str, Any]:
+    def _load_from(self, path: str, metadata: Metadata, names: list[str], saved_world_size: int | None) -> dict[str, Any]:
         """DCP-load ``names`` from ``path`` after checking the folder; returns decoded per-rank states."""
         target: dict[str, Any] = {}
         per_rank_keys: dict[str, str] = {}
@@ -230,7 +235,7 @@ class CheckpointManager(Configurable):
                 self.states[name].load_state_dict(value)
         return restored
 
-    def _per_rank_source(self, path: str, metadata, name: str, saved_world_size: int | None) -> str | None:
+    def _per_rank_source(self, path: str, metadata: Metadata, name: str, saved_world_size: int | None) -> str | None:
         own = f"rank{self.rank}"
         if saved_world_size == self.world_size:
             return own
@@ -243,7 +248,7 @@ class CheckpointManager(Configurable):
         return own if saved_tensor_shape(metadata, f"{name}.{own}") is not None else "rank0"
 
     def _agreed_scan(self) -> tuple[list[int], list[int]]:
-        found = [scan_steps(self.folder) if self.rank == 0 else None]
+        found: list[Any] = [scan_steps(self.folder) if self.rank == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(found, src=0)
         return found[0]
@@ -279,7 +284,7 @@ class CheckpointManager(Configurable):
         no_dist = not dist.is_initialized()
         if cfg.async_mode == "async":
             upload = dcp.async_save(state, checkpoint_id=path, process_group=self._save_group, no_dist=no_dist)
-            self._pending = self._then_mark_complete(upload, path, marker)
+            self._pending = self._then_mark_complete(upload, path, marker)  # type: ignore[arg-type]  # a Future without async_stager
             logger.info("staged checkpoint %s in %.1fs; writing in the background", path, time.perf_counter() - start)
         else:
             try:
@@ -374,6 +379,6 @@ class CheckpointManager(Configurable):
             self._save_group = None
 
 
-def _count_rank_keys(metadata) -> int | None:
+def _count_rank_keys(metadata: Metadata) -> int | None:
     ranks = [k for k in metadata.state_dict_metadata if k.startswith("train_state.rank")]
     return len(ranks) or None

@@ -11,6 +11,7 @@ position, random number generators) as one serialized byte tensor under a rank-u
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 
 class ModelWrapper(Stateful):
-    def __init__(self, model_parts: nn.Module | list[nn.Module]) -> None:
+    def __init__(self, model_parts: nn.Module | Sequence[nn.Module]) -> None:
         self.model_parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -121,7 +121,7 @@ def describe_failure(e: BaseException) -> str:
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner unpickles non-tensor entries with ``weights_only=False``; this one does not."""
 
-    def load_bytes(self, read_item, value) -> None:
+    def load_bytes(self, read_item: Any, value: Any) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

@@ -82,6 +82,8 @@ class TextDataLoader(Configurable):
                                  "streaming dataset is read in its stable shard order so that it resumes "
                                  "exactly: set data.shuffle=false (or data.streaming=false)")
 
+    config: TextDataLoader.Config
+
     def __init__(
         self,
         config: TextDataLoader.Config,
@@ -165,7 +167,7 @@ class TextDataLoader(Configurable):
     def _indexed_groups(self) -> Iterator[list[str]]:
         """The rest of this epoch of a map-style dataset, in (shuffled) index order."""
         n = len(self.documents)
-        order = np.random.default_rng([self.seed, self._epoch]).permutation(n) if self.shuffle else None
+        order = np.random.default_rng([self.seed or 0, self._epoch]).permutation(n) if self.shuffle else None
         field = self.config.text_field
         while self._position < n:
             start, stop = self._position, min(self._position + DOCS_PER_ENCODE, n)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import datasets
 from datasets import Dataset, DatasetDict, IterableDataset
@@ -102,33 +103,35 @@ def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
     if data_format != "auto":
         return _BUILDERS[data_format]
     found = {_format_of(f) for f in files}
-    if None in found or len(found) != 1:
+    if len(found) != 1 or None in found:
         extensions = sorted({"".join(Path(f).suffixes[-2:]) for f in files})
         raise DataSourceError(
             f"cannot infer the format of {what} from its file extensions {extensions}; set data.data_format "
             f"to one of json, jsonl, parquet, text, csv (files of one format per source)"
         )
-    return found.pop()
+    builder = found.pop()
+    assert builder is not None
+    return builder
 
 
 # --------------------------------------------------------------------------------------------------
 # Source kinds
 
 
-def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str):
+def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str) -> Any:
     files = resolve_files(pattern, where)
     builder = infer_format(files, cfg.data_format, where)
     return _load_builder(builder, {split: files}, cfg, split, f"{where} ({len(files)} file(s))")
 
 
-def _load_builder(builder: str, data_files: dict[str, list[str]], cfg, split: str, where: str):
+def _load_builder(builder: str, data_files: dict[str, list[str]], cfg: TextDataLoader.Config, split: str, where: str) -> Any:
     return _call_datasets(
         lambda: datasets.load_dataset(builder, data_files=data_files, split=split, streaming=cfg.streaming),
         where, split, hint=f"the files must be valid {builder} with one document per "
                            f"{'line' if builder == 'text' else 'record'}")
 
 
-def _load_directory(cfg, split: str, where: str):
+def _load_directory(cfg: TextDataLoader.Config, split: str, where: str) -> Any:
     path = os.path.expanduser(cfg.dataset)
     if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
         return _load_saved(path, cfg, split, where)
@@ -142,7 +145,7 @@ def _load_directory(cfg, split: str, where: str):
                                                    "(train.jsonl, validation-00000.parquet, ...)")
 
 
-def _load_saved(path: str, cfg, split: str, where: str):
+def _load_saved(path: str, cfg: TextDataLoader.Config, split: str, where: str) -> Any:
     """A folder written by ``save_to_disk``: a DatasetDict is indexed by split name."""
     _reject_dataset_config(cfg, where)
     saved = _call_datasets(lambda: datasets.load_from_disk(path), where, split, hint="the folder must be "
@@ -163,7 +166,7 @@ def _load_saved(path: str, cfg, split: str, where: str):
 # Checks
 
 
-def _text_column(ds, field: str, where: str, split: str):
+def _text_column(ds: Any, field: str, where: str, split: str) -> Any:
     columns = ds.column_names
     if columns is None:  # a streaming source whose schema is only known from its records
         first = _first_record(ds, where, split)
@@ -192,7 +195,7 @@ def _first_record(ds: IterableDataset, where: str, split: str) -> dict:
                               f"at a non-empty source") from None
 
 
-def _call_datasets(load, where: str, split: str, *, hint: str):
+def _call_datasets(load: Callable[[], Any], where: str, split: str, *, hint: str) -> Any:
     try:
         return load()
     except DataSourceError:
@@ -205,7 +208,7 @@ def _call_datasets(load, where: str, split: str, *, hint: str):
                               f"{hint}") from error
 
 
-def _reject_dataset_config(cfg, where: str) -> None:
+def _reject_dataset_config(cfg: TextDataLoader.Config, where: str) -> None:
     if cfg.dataset_config is not None:
         raise DataSourceError(f"data.dataset_config={cfg.dataset_config!r} selects a configuration of a hub "
                               f"dataset or dataset folder; {where} has none, so leave it unset")

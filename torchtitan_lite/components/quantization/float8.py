@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -37,6 +38,9 @@ _FIELD = "model_converters.converters[float8]"
 # FP8 tensor cores arrived with Ada (sm_89) and Hopper (sm_90).
 MIN_FP8_CAPABILITY = (8, 9)
 
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+"""torchao's float8 training recipes (Float8LinearConfig.from_recipe_name)."""
+
 
 class Float8LinearConverter(ModelConverter):
     @dataclass(kw_only=True)
@@ -44,7 +48,7 @@ class Float8LinearConverter(ModelConverter):
         kind: ClassVar[str] = "float8"
         swaps: ClassVar[str | None] = "nn.Linear"
 
-        recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+        recipe_name: Float8Recipe = "tensorwise"
         """FP8 scaling recipe: tensorwise (fastest, supports FP8 all-gather), rowwise (per-row scales,
         more accurate), rowwise_with_gw_hp (rowwise with the weight-gradient GEMM in high precision)."""
         enable_fsdp_float8_all_gather: bool = False
@@ -88,6 +92,8 @@ class Float8LinearConverter(ModelConverter):
                     f"'rowwise_with_gw_hp' (torchao defines them for tensorwise and rowwise only). Remove it and "
                     f"list small layers in filter_fqns, or use recipe_name='rowwise'"
                 )
+
+    config: Float8LinearConverter.Config
 
     def __init__(self, config: Float8LinearConverter.Config, *, context: ConversionContext) -> None:
         super().__init__(config, context=context)
@@ -173,7 +179,7 @@ class Float8LinearConverter(ModelConverter):
         if dist_utils.is_rank0():
             logger.info("%s", self.explain(model))
 
-    def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
+    def post_optimizer_hook(self, model_parts: Sequence[nn.Module]) -> None:
         """Refresh the float8 scales of FSDP-sharded weights (one batched amax all-reduce per part)."""
         if not self.precompute_scales:
             return
