@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -101,7 +102,7 @@ def make_variant(recipe: str | None, k: int, n: int, dtype: torch.dtype, device:
     module: nn.Module = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
     if recipe is not None:
         module = Float8Linear.from_float(copy.deepcopy(module), config=Float8LinearConfig.from_recipe_name(recipe))
-    return torch.compile(module) if compile else module
+    return cast(nn.Module, torch.compile(module)) if compile else module  # compiling a Module gives a Module
 
 
 def time_fwd_bwd(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, *, warmup: int, iters: int) -> float:

@@ -29,7 +29,7 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,9 @@ import torch.nn.functional as F
 from torchtitan_lite.config.registry import ConfigRegistry
 
 logger = logging.getLogger("fp8_sqnr")
+
+
+QUANTITIES = ("output", "grad_input", "grad_weight")
 
 
 @dataclass
@@ -58,9 +61,6 @@ class LinearSqnr:
 
     def db(self, quantity: str) -> float:
         return sqnr_db(self.signal[quantity], self.noise[quantity])
-
-
-QUANTITIES = ("output", "grad_input", "grad_weight")
 
 
 def sqnr_db(signal_energy: float, noise_energy: float) -> float:
@@ -96,6 +96,8 @@ def compare_linear(linear: nn.Linear, x: torch.Tensor, float8_config: Any, stats
     out_fp8 = fp8(x_fp8)
     out_fp8.backward(grad_out)
 
+    assert x_ref.grad is not None and x_fp8.grad is not None  # both backward passes reached the inputs
+    assert w_ref.grad is not None and fp8.weight.grad is not None
     stats.add("output", out_ref, out_fp8)
     stats.add("grad_input", x_ref.grad, x_fp8.grad)
     stats.add("grad_weight", w_ref.grad, fp8.weight.grad)
@@ -114,14 +116,15 @@ def measure_sqnr(model: nn.Module, rows: list[Any], float8_config: Any, batches:
         raise ValueError("the float8 converter converts no Linear of this model (see --print-fp8-plan for why)")
     modules = dict(model.named_modules())
     stats = {row.fqn: LinearSqnr(row.fqn, row.in_features, row.out_features, row.recipe) for row in converted}
+    linears = {fqn: cast(nn.Linear, modules[fqn]) for fqn in stats}  # the plan converts nn.Linear modules only
     generator = torch.Generator().manual_seed(seed)
 
-    def compare_on_input(module: nn.Module, args: tuple, fqn: str) -> None:
+    def compare_on_input(fqn: str, args: tuple[Any, ...]) -> None:
         with torch.enable_grad():
-            compare_linear(module, args[0].detach(), float8_config, stats[fqn], generator=generator)
+            compare_linear(linears[fqn], args[0].detach(), float8_config, stats[fqn], generator=generator)
 
-    handles = [modules[fqn].register_forward_pre_hook(lambda m, a, fqn=fqn: compare_on_input(m, a, fqn))
-               for fqn in stats]
+    handles = [linear.register_forward_pre_hook(lambda m, a, fqn=fqn: compare_on_input(fqn, a))
+               for fqn, linear in linears.items()]
     try:
         for tokens in batches:
             with torch.no_grad():
@@ -215,7 +218,7 @@ def build_model(cfg: Any, device: torch.device, vocab_size: int) -> nn.Module:
     spec = get_model_spec(cfg.model.name)
     args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=vocab_size)
     with torch.device("meta"):
-        model = spec.model_cls(args)
+        model: Any = spec.model_cls(args)  # a family's model class offers init_weights (ModelSpec.model_cls)
     model.to_empty(device=device)
     if cfg.training.seed is not None:
         torch.manual_seed(cfg.training.seed)
@@ -305,7 +308,7 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
         cli = parse_cli(config_argv, registry=registry)
         if cli.action != "train":
             raise ConfigError("fp8_sqnr takes --config, --config-file and --section.field flags only, no train.py action")
-        cfg = cli.config
+        cfg: Any = cli.config  # set: the action is train
         converter_config = float8_converter_config(cfg, cli.config_name)
         device = torch.device(dist_utils.device_type())
         precision = cfg.precision.build(device=device, fsdp_enabled=False)

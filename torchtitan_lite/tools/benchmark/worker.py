@@ -53,7 +53,8 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
         # Later flags win: the user's overrides come after these defaults, the step count last.
         cli = parse_cli(["--validation.enable", "false", "--job.dump_folder", dump, *config_argv,
                          "--training.steps", str(args.warmup + args.steps)], registry=registry)
-        trainer = cli.config.build()
+        config: Any = cli.config  # set: the action is train
+        trainer = config.build()
         spans, memory = _record_steps(trainer)
         try:
             trainer.train()

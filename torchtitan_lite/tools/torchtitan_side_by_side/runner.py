@@ -150,7 +150,7 @@ def resolve(name: str, overrides: list[str], registry: ConfigRegistry) -> tuple[
     from torchtitan_lite.tools.bare_loop import unsupported_reason
 
     try:
-        cfg = parse_cli(["--config", name, *overrides], registry=registry).config
+        cfg: Any = parse_cli(["--config", name, *overrides], registry=registry).config
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     reason = unsupported_reason(cfg)
@@ -168,7 +168,7 @@ def resolve(name: str, overrides: list[str], registry: ConfigRegistry) -> tuple[
         raise SystemExit(f"error: flavor {cfg.model.flavor!r} uses RoPE scaling or tied embeddings, which the "
                          f"generated torchtitan config does not map; use a flavor without them (e.g. debug)")
     with torch.device("meta"):
-        model = spec.model_cls(margs)
+        model: Any = spec.model_cls(margs)
     o, s, t = cfg.optimizer, cfg.lr_scheduler, cfg.training
     settings = Settings(
         dim=margs.dim, n_layers=margs.n_layers, n_heads=margs.n_heads, n_kv_heads=margs.n_kv_heads or margs.n_heads,

@@ -36,6 +36,7 @@ import runpy
 import sys
 import types
 from collections.abc import Iterator
+from typing import Any
 
 
 def main(argv: list[str]) -> int:
@@ -87,7 +88,7 @@ def apply_cpu_shims() -> None:
 
     if not torch.cuda.is_available():
         torch._utils._get_available_device_type = lambda: "cpu"
-        cpu = torch.cpu
+        cpu: Any = torch.cpu  # patched with functions torch does not declare there
         cpu.get_device_name = lambda device=None: _cpu_name()
         cpu.get_device_properties = lambda device=None: types.SimpleNamespace(
             name=_cpu_name(), total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -95,8 +96,9 @@ def apply_cpu_shims() -> None:
         cpu.reset_peak_memory_stats = lambda device=None: None
         cpu.empty_cache = lambda: None
         cpu.current_device = lambda: 0
-    if not hasattr(torch.distributed, "set_timeout"):
-        torch.distributed.set_timeout = lambda timeout, group=None: None
+    dist: Any = torch.distributed
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = lambda timeout, group=None: None
 
 
 def _cpu_name() -> str:
