@@ -1,108 +1,13 @@
-"""Runs inside the separate torchtitan virtual environment made by scripts/torchtitan_side_by_side.py
-(it imports torchtitan and the ``tokenizers`` package, neither of which this project depends on).
-
-    python _torchtitan_cpu.py tokenizer OUT_DIR VOCAB_SIZE FILE.jsonl...
-        byte-level BPE tokenizer.json + tokenizer_config.json, trained on the "text" field of the files
-    python _torchtitan_cpu.py train --module M --config C [torchtitan flags...]
-        ``python -m torchtitan.train`` with the shims below applied first (launch it under torchrun)
-
-torchtitan 0.3.0 on a machine without an accelerator, with torch 2.13, fails in three places. Each
-shim is applied only where the thing it replaces is missing:
-
-1. ``torchtitan.tools.utils`` takes ``torch._utils._get_available_device_type() or "cuda"`` as the
-   device type, so without a GPU it calls ``torch.cuda.set_device`` and stops with
-   ``AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'``. Shim: the available
-   device type is "cpu" (then ``torch.cpu`` is its device module and gloo its process-group backend).
-2. Its ``DeviceMemoryMonitor`` calls the CUDA memory API on that module
-   (``AttributeError: module 'torch.cpu' has no attribute 'get_device_name'``), and after step 1
-   ``barrier(device_ids=[device_module.current_device()])`` needs an int where ``torch.cpu`` returns
-   "cpu". Shim: the CPU model as name, physical RAM as capacity, empty memory statistics (torchtitan
-   then logs memory as -0.00GiB), no-op peak reset / cache flush, device index 0.
-3. After step 1 it shortens process-group timeouts with ``torch.distributed.set_timeout``, which
-   torch 2.13 does not have (``AttributeError: module 'torch.distributed' has no attribute
-   'set_timeout'``; the release targets newer torch builds). Shim: a no-op (a timeout only).
-
-A fourth limit is not shimmed but configured around by the generated config: torchtitan's default
-FlexAttention raises ``NotImplementedError: FlexAttention does not support backward on CPU``, so the
-side-by-side config uses torchtitan's own ``ScaledDotProductAttention`` (causal), as our model does.
-"""
-from __future__ import annotations
-
-import json
-import os
-import runpy
+"""Runs inside torchtitan's own virtual environment (scripts/torchtitan_side_by_side.py makes it); the
+logic is in torchtitan_lite.tools.torchtitan_side_by_side.torchtitan_cpu."""
 import sys
-import types
+from pathlib import Path
 
+# The repository root last: this runs in torchtitan's environment, where nothing of ours may shadow
+# its modules; the module imported here needs only the standard library and torch.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("tokenizer", "train"):
-        print(__doc__, file=sys.stderr)
-        return 2
-    if argv[0] == "tokenizer":
-        out_dir, vocab_size, *files = argv[1:]
-        build_tokenizer(out_dir, int(vocab_size), files)
-        return 0
-    apply_cpu_shims()
-    sys.argv = ["torchtitan.train", *argv[1:]]
-    runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
-    return 0
-
-
-def build_tokenizer(out_dir: str, vocab_size: int, files: list[str]) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[bos, eos],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(_texts(files), trainer)
-    os.makedirs(out_dir, exist_ok=True)
-    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    # Documents are packed between BOS and EOS, as the project's own loader packs them.
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": bos, "eos_token": eos, "add_bos_token": True, "add_eos_token": True}, f)
-    print(f"tokenizer with {tokenizer.get_vocab_size()} pieces written to {out_dir}")
-
-
-def _texts(files: list[str]):
-    for path in files:
-        with open(path) as f:
-            for line in f:
-                yield json.loads(line)["text"]
-
-
-def apply_cpu_shims() -> None:
-    import torch
-    import torch._utils
-    import torch.distributed
-
-    if not torch.cuda.is_available():
-        torch._utils._get_available_device_type = lambda: "cpu"
-        cpu = torch.cpu
-        cpu.get_device_name = lambda device=None: _cpu_name()
-        cpu.get_device_properties = lambda device=None: types.SimpleNamespace(
-            name=_cpu_name(), total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        cpu.memory_stats = lambda device=None: {}
-        cpu.reset_peak_memory_stats = lambda device=None: None
-        cpu.empty_cache = lambda: None
-        cpu.current_device = lambda: 0
-    if not hasattr(torch.distributed, "set_timeout"):
-        torch.distributed.set_timeout = lambda timeout, group=None: None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
-
+from torchtitan_lite.tools.torchtitan_side_by_side.torchtitan_cpu import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,8 +1,8 @@
-"""scripts/benchmark.py and its helpers: the rate arithmetic and report on fake measurements, the
-torchtitan side-by-side log parsing and generated config, and the benchmark CLI end to end on 2 tiny steps."""
+"""scripts/benchmark.py and its library (torchtitan_lite/tools/benchmark): the rate arithmetic and report on
+fake measurements, the torchtitan side-by-side log parsing and generated config, and the benchmark CLI end to
+end on 2 tiny steps."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,36 +11,30 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan_lite.tools.benchmark import report, runner
+from torchtitan_lite.tools.benchmark.measurement import BareMeasurement, Measurement
+from torchtitan_lite.tools.benchmark.run_info import RunInfo
+from torchtitan_lite.tools.torchtitan_side_by_side import logs
+from torchtitan_lite.tools.torchtitan_side_by_side.torchtitan_config import Settings, torchtitan_config_source
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _script("_bench_report")
-side = _script("torchtitan_side_by_side")
-
-
-def _measurement(config: str, step_s: list[float], **kw) -> report.Measurement:
+def _measurement(config: str, step_s: list[float], **kw) -> Measurement:
     fields = dict(
         config=config, device_type="cpu", device_name="fake cpu", dp_degree=1, tp_degree=1, tokens_per_step=1000,
         flops_per_token=1e9, peak_flops=1e13, compile_enabled=False, first_step_s=5.0, step_s=step_s,
         train_step_s=[s * 0.9 for s in step_s], peak_memory_gib=1.5,
     )
     fields.update(kw)
-    return report.Measurement(**fields)
+    return Measurement(**fields)
 
 
 def test_rates_speedup_and_bare_ratio_from_fake_measurements():
     base = _measurement("fp32", [0.5, 0.5])  # 1000 tokens / 0.5 s = 2000 tokens/s
     fast = _measurement("fp8", [0.2, 0.3], dp_degree=2, tp_degree=2, compile_enabled=True, first_step_s=3.0,
                         peak_memory_gib=2.0, peak_reserved_gib=3.0)
-    bare = {"fp32": report.BareMeasurement(config="fp32", tokens_per_s=2500.0, steps=2, elapsed_s=0.8,
+    bare = {"fp32": BareMeasurement(config="fp32", tokens_per_s=2500.0, steps=2, elapsed_s=0.8,
                                           trainer_tokens_per_s=2000.0)}
     rows = report.build_rows([base, fast], "fp32", bare, {"fp8": "n/a (model converters (FP8))"})
 
@@ -79,7 +73,7 @@ def test_baseline_must_be_measured_and_steps_must_exist():
 
 def test_markdown_section_append_and_chart(tmp_path):
     rows = report.build_rows([_measurement("fp32", [0.5])], "fp32")
-    info = report.RunInfo(device="fake cpu", peak_note="a given CPU peak", torch_version="2.13.0",
+    info = RunInfo(device="fake cpu", peak_note="a given CPU peak", torch_version="2.13.0",
                           torchao_version="0.18.0", commit="abc1234", date="2026-01-01 00:00 UTC",
                           command="python scripts/benchmark.py --configs fp32", warmup=1, steps=1)
     section = report.markdown_section(rows, info, baseline="fp32", title="T", memory_note="RSS")
@@ -100,24 +94,24 @@ def test_side_by_side_parses_both_logs_and_combines_intervals():
                       "[titan] INFO - step: 20  loss:  6.9  tps: 1,000  tflops: 0.03\n")
     ours_log = ("[rank0] INFO torchtitan_lite: step      1  loss   8.14  tok/s 2,453 (global 2,453)\n"
                 "[rank0] INFO torchtitan_lite: step     20  loss   6.50  tok/s 3,540 (global 3,540)\n")
-    theirs = side.parse_throughput(torchtitan_log, side._TORCHTITAN_STEP)
+    theirs = logs.parse_throughput(torchtitan_log, logs.TORCHTITAN_STEP)
     assert theirs == {1: 194.0, 10: 3000.0, 20: 1000.0}
-    assert side.parse_throughput(ours_log, side._OURS_STEP) == {1: 2453.0, 20: 3540.0}
+    assert logs.parse_throughput(ours_log, logs.OURS_STEP) == {1: 2453.0, 20: 3540.0}
     # Equal-token intervals: 2 intervals / (1/3000 + 1/1000) s per token = 1500 tokens/s.
-    assert side.steady_tokens_per_s(theirs, warmup=1) == pytest.approx(1500.0, rel=1e-12)
-    assert side.steady_tokens_per_s(theirs, warmup=10) == pytest.approx(1000.0, rel=1e-12)
+    assert logs.steady_tokens_per_s(theirs, warmup=1) == pytest.approx(1500.0, rel=1e-12)
+    assert logs.steady_tokens_per_s(theirs, warmup=10) == pytest.approx(1000.0, rel=1e-12)
     with pytest.raises(ValueError, match=r"no throughput was logged after step 20; logged steps: \[1, 10, 20\]"):
-        side.steady_tokens_per_s(theirs, warmup=20)
+        logs.steady_tokens_per_s(theirs, warmup=20)
 
 
 def test_side_by_side_generated_config_carries_our_settings(tmp_path):
-    settings = side.Settings(
+    settings = Settings(
         dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=2048, ffn_hidden_dim=768, norm_eps=1e-5,
         rope_theta=500000.0, max_seq_len=2048, seq_len=128, local_batch_size=8, lr=2e-3, betas=(0.9, 0.95),
         eps=1e-8, weight_decay=0.1, warmup_steps=20, decay_type="cosine", decay_ratio=None, min_lr_factor=0.1,
         max_norm=1.0, gc_freq=50, seed=0,
     )
-    source = side.torchtitan_config_source(settings, tokenizer_dir=tmp_path / "tok", data_dir=tmp_path / "data")
+    source = torchtitan_config_source(settings, tokenizer_dir=tmp_path / "tok", data_dir=tmp_path / "data")
     compile(source, "ttl_side_by_side_config.py", "exec")  # valid Python
     assert "DIM, N_LAYERS, N_HEADS, N_KV_HEADS = 256, 6, 8, 4" in source
     assert "VOCAB_SIZE, FFN_HIDDEN_DIM, NORM_EPS = 2048, 768, 1e-05" in source
@@ -128,11 +122,10 @@ def test_side_by_side_generated_config_carries_our_settings(tmp_path):
 
 
 def test_benchmark_rejects_flags_it_owns():
-    bench = _script("benchmark")
     with pytest.raises(SystemExit):
-        bench.parse_args(["--configs", "llama3_debug", "--training.steps", "5"])
+        runner.parse_args(["--configs", "llama3_debug", "--training.steps", "5"])
     with pytest.raises(SystemExit):
-        bench.parse_args(["--configs", "llama3_debug", "--baseline", "llama3_debug_bf16"])
+        runner.parse_args(["--configs", "llama3_debug", "--baseline", "llama3_debug_bf16"])
 
 
 def test_benchmark_cli_runs_two_tiny_steps_with_bare_loop(tmp_path):

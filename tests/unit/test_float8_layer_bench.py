@@ -1,25 +1,11 @@
-"""scripts/float8_layer_bench.py: shape parsing, the 8B presets, and the CLI on a tiny eager shape."""
+"""scripts/float8_layer_bench.py (torchtitan_lite/tools/float8_layer_bench.py): shape parsing, the 8B presets, and the
+CLI on a tiny eager shape."""
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _script("float8_layer_bench")
+from torchtitan_lite.tools import float8_layer_bench as bench
 
 
 def test_llama3_8b_preset_has_the_published_linear_shapes():

@@ -1,10 +1,9 @@
-"""scripts/fp8_sqnr.py: SQNR arithmetic, per-Linear FP8 numerics on a tiny model, checkpoints, the CLI."""
+"""scripts/fp8_sqnr.py (torchtitan_lite/tools/fp8_sqnr.py): SQNR arithmetic, per-Linear FP8 numerics on a tiny model,
+checkpoints, the CLI."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from config_registry import DEFAULT_REGISTRY
 from models.llama3.model import Llama3ModelArgs, Transformer
 from torchtitan_lite.components.checkpoint import ModelWrapper
 from torchtitan_lite.components.checkpoint.layout import new_marker
@@ -20,19 +20,9 @@ from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
 from torchtitan_lite.components.quantization.float8_plan import float8_plan
 from torchtitan_lite.config.sections import CompileConfig, TrainingConfig
+from torchtitan_lite.tools import fp8_sqnr as sq
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-sq = _script("fp8_sqnr")
 TINY = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=64, max_seq_len=64)
 
 
@@ -152,7 +142,7 @@ TINY_CLI = ["--config", "llama3_debug_fp8", "--precision.param_dtype", "float32"
 
 
 def test_cli_prints_one_row_per_converted_linear(capsys):
-    assert sq.main([*TINY_CLI, "--min-fwd-sqnr", "20"]) == 0
+    assert sq.main([*TINY_CLI, "--min-fwd-sqnr", "20"], registry=DEFAULT_REGISTRY) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("layers.")]
     assert [line.split()[0] for line in rows] == [f"layers.0.{name}" for name in (
@@ -162,11 +152,11 @@ def test_cli_prints_one_row_per_converted_linear(capsys):
     assert "model initialised from seed 0; high precision = float32" in out
     assert "every forward SQNR is above 20 dB" in out
     # An impossible bar flips the exit status and names the layers below it.
-    assert sq.main([*TINY_CLI, "--min-fwd-sqnr", "60"]) == 1
+    assert sq.main([*TINY_CLI, "--min-fwd-sqnr", "60"], registry=DEFAULT_REGISTRY) == 1
     assert "forward SQNR below 60 dB: layers.0.attention.wq" in capsys.readouterr().out
 
 
 def test_cli_refuses_a_config_without_float8(capsys):
-    assert sq.main(["--config", "llama3_debug", "--model.n_layers", "1"]) == 2
+    assert sq.main(["--config", "llama3_debug", "--model.n_layers", "1"], registry=DEFAULT_REGISTRY) == 2
     assert "config 'llama3_debug' has no float8 converter" in capsys.readouterr().err
 

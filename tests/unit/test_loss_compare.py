@@ -1,24 +1,15 @@
-"""scripts/loss_compare.py: gap arithmetic, exit codes and outputs on fake runs, plus one real comparison."""
+"""scripts/loss_compare.py (torchtitan_lite/tools/loss_compare.py): gap arithmetic, exit codes and outputs on fake runs,
+plus one real comparison."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
+from torchtitan_lite.tools import loss_compare as lc
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-lc = _script("loss_compare")
 
 
 def _fake_run(folder: Path, losses: dict[int, float]) -> Path:

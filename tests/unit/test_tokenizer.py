@@ -1,4 +1,3 @@
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from torchtitan_lite.components.tokenizer import (
     sample_lines,
     train_tokenizer,
 )
+from torchtitan_lite.tools import train_tokenizer as train_tokenizer_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,20 +123,13 @@ def test_model_without_bos_is_rejected(small_corpus, tmp_path):
         Tokenizer.Config(path=f"{prefix}.model").build()
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("train_tokenizer_script", ROOT / "scripts" / "train_tokenizer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_train_tokenizer_script_on_local_files(small_corpus, tmp_path, capsys):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"body": t}) + "\n" for t in small_corpus))
     out = tmp_path / "out" / "tok.model"
     argv = ["--vocab-size", "512", "--output", str(out), "--input", str(data), "--text-field", "body",
             "--max-sentences", "2000"]
-    assert _script().main(argv) == 0
+    assert train_tokenizer_tool.main(argv) == 0
     assert "512 pieces (unk=0, bos=1, eos=2, pad=-1)" in capsys.readouterr().out
     tok = Tokenizer.Config(path=str(out), vocab_size=512).build()
     assert tok.decode(tok.encode(CODE)) == CODE
@@ -144,5 +137,5 @@ def test_train_tokenizer_script_on_local_files(small_corpus, tmp_path, capsys):
 
 def test_train_tokenizer_script_rejects_a_tiny_vocabulary(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        _script().main(["--vocab-size", "100", "--output", str(tmp_path / "t.model")])
+        train_tokenizer_tool.main(["--vocab-size", "100", "--output", str(tmp_path / "t.model")])
     assert "--vocab-size 100 is too small; byte fallback needs at least 512" in capsys.readouterr().err

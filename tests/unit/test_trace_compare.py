@@ -1,22 +1,13 @@
-"""scripts/trace_compare.py: self time per op and per step from Chrome traces."""
+"""scripts/trace_compare.py (torchtitan_lite/tools/trace_compare.py): self time per op and per step from Chrome
+traces."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("trace_compare", REPO / "scripts" / "trace_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["trace_compare"] = module
-    spec.loader.exec_module(module)
-    return module
+from torchtitan_lite.tools import trace_compare as tc
 
 
 def _x(name, ts, dur, tid=1, cat="cpu_op"):
@@ -36,7 +27,6 @@ def _trace(path: Path, mm_us: float) -> Path:
 
 
 def test_self_time_subtracts_children_and_divides_by_steps(tmp_path):
-    tc = _script()
     times, step_ms, n = tc.self_times_per_step(tc.load_events(_trace(tmp_path / "a.json", 300)))
     assert n == 2 and step_ms == pytest.approx(1.0)
     # Exact: integer microseconds in, ms per step out.
@@ -45,7 +35,6 @@ def test_self_time_subtracts_children_and_divides_by_steps(tmp_path):
 
 
 def test_main_prints_largest_differences_first(tmp_path, capsys):
-    tc = _script()
     a, b = _trace(tmp_path / "a.json", 300), _trace(tmp_path / "b.json", 200)
     folder = tmp_path / "traces"
     folder.mkdir()
@@ -60,7 +49,6 @@ def test_gzipped_traces_in_a_folder_are_read_like_plain_ones(tmp_path):
     """torchtitan writes ``rank0_trace.json.gz``; the folder search must find and inflate it."""
     import gzip
 
-    tc = _script()
     plain = _trace(tmp_path / "a.json", 300)
     folder = tmp_path / "iteration_20"
     folder.mkdir()
@@ -69,7 +57,6 @@ def test_gzipped_traces_in_a_folder_are_read_like_plain_ones(tmp_path):
 
 
 def test_a_trace_without_steps_is_refused(tmp_path, capsys):
-    tc = _script()
     path = tmp_path / "t.json"
     path.write_text(json.dumps([_x("aten::mm", 0, 5)]))
     assert tc.main([str(path), str(path)]) == 2

@@ -7,83 +7,13 @@ measurements without training anything.
 """
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import importlib.metadata
-import os
-import platform
 import statistics
-import subprocess
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """Raw numbers from one run of one config (also the JSON a worker writes)."""
-
-    config: str
-    """Registry name of the config."""
-    device_type: str
-    """'cpu' or 'cuda'."""
-    device_name: str
-    """CPU model (with thread count) or GPU name."""
-    dp_degree: int
-    """Data-parallel ranks: each processes its own tokens."""
-    tp_degree: int
-    """Tensor-parallel ranks: they process the same tokens together."""
-    tokens_per_step: int
-    """Input tokens one data-parallel rank processes per optimizer step (micro-batches x batch x seq len)."""
-    flops_per_token: float
-    """Training FLOPs (forward + backward) per token of the whole model."""
-    peak_flops: float | None
-    """Per-device peak FLOP/s that MFU is measured against; None when unknown."""
-    compile_enabled: bool
-    """Whether torch.compile was on (then the first step includes compilation)."""
-    first_step_s: float
-    """Duration of train_step for step 1."""
-    step_s: list[float]
-    """Wall time of each timed step: from the end of the previous train_step to the end of this one,
-    so it covers the whole loop iteration (data, train_step, metrics, checkpoint checks, gc)."""
-    train_step_s: list[float]
-    """Duration of train_step alone for each timed step."""
-    peak_memory_gib: float
-    """CUDA: max allocated over all steps; CPU: peak resident set size of the process."""
-    peak_reserved_gib: float | None = None
-    """CUDA: max reserved by the caching allocator; None on CPU."""
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> Measurement:
-        return cls(**data)
-
-
-@dataclass(frozen=True)
-class BareMeasurement:
-    """The hand-written loop's result for one config (JSON written by scripts/bare_loop.py)."""
-
-    config: str
-    tokens_per_s: float
-    """Input tokens per second over the timed steps."""
-    steps: int
-    """Timed steps."""
-    elapsed_s: float
-    """Wall time of the timed steps."""
-    trainer_tokens_per_s: float | None = None
-    """The trainer's step (data + train_step) in the same process, alternated step by step with the
-    bare one so that both see the same machine load; None when it was not run."""
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> BareMeasurement:
-        return cls(**data)
+from torchtitan_lite.tools.benchmark.measurement import BareMeasurement, Measurement
+from torchtitan_lite.tools.benchmark.run_info import RunInfo
 
 
 @dataclass(frozen=True)
@@ -160,84 +90,6 @@ def build_rows(measurements: list[Measurement], baseline: str, bare: dict[str, B
     bare, bare_notes = bare or {}, bare_notes or {}
     return [summarize(m, baseline_tokens_per_s=base_total, bare=bare.get(m.config),
                       bare_note=bare_notes.get(m.config, "")) for m in measurements]
-
-
-# --------------------------------------------------------------------------------------------------
-# Run description
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """Where and how the numbers were produced."""
-
-    device: str
-    peak_note: str
-    """What MFU is measured against, in words."""
-    torch_version: str
-    torchao_version: str
-    commit: str
-    date: str
-    command: str
-    warmup: int
-    steps: int
-    repeats: int = 1
-    load: str = ""
-    """Host load average before and after the run (other work on the machine slows it down)."""
-
-
-def run_info(*, device: str, peak_note: str, command: str, warmup: int, steps: int, repeats: int = 1,
-             load: str = "") -> RunInfo:
-    import torch
-
-    return RunInfo(
-        device=device, peak_note=peak_note, torch_version=torch.__version__,
-        torchao_version=package_version("torchao"), commit=git_commit(),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        command=command, warmup=warmup, steps=steps, repeats=repeats, load=load,
-    )
-
-
-def load_average() -> float | None:
-    """1-minute load average of the host, None where the OS does not report it."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-
-
-def package_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def git_commit() -> str:
-    """Short HEAD hash, marked when tracked files differ from it (the numbers may include those edits)."""
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
-
-    head = git("rev-parse", "--short", "HEAD")
-    if head.returncode != 0:
-        return "unknown (not a git checkout)"
-    dirty = git("diff", "--quiet", "HEAD", "--").returncode != 0
-    return head.stdout.strip() + (" + uncommitted changes" if dirty else "")
-
-
-def cpu_name() -> str:
-    """CPU model from /proc/cpuinfo (platform.processor() is often empty on Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_description(threads: int) -> str:
-    return f"{cpu_name()} ({os.cpu_count()} cores, {threads} torch thread{'s' if threads != 1 else ''})"
 
 
 # --------------------------------------------------------------------------------------------------

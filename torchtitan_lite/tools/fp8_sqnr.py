@@ -1,0 +1,336 @@
+"""Per-Linear FP8 numerics: SQNR (dB) of the FP8 forward output and gradients against high precision.
+
+    python scripts/fp8_sqnr.py --config llama3_debug_fp8
+    python scripts/fp8_sqnr.py --config llama3_debug_fp8_rowwise --checkpoint outputs/checkpoint --batches 4
+    python scripts/fp8_sqnr.py --config llama3_debug_fp8 --precision.param_dtype float32 --model.n_layers 2
+
+Builds the config's model (initialised from ``training.seed``, or loaded from a DCP checkpoint: a
+``step-<N>`` folder, or a checkpoint folder whose newest complete step is taken), casts its
+parameters to the config's ``precision.param_dtype`` as FSDP's mixed-precision policy does, and
+runs ``--batches`` batches of the config's training data through it. A forward hook on every Linear
+the config's float8 converter converts runs that Linear twice on the input it receives: as is (the
+high-precision reference) and as torchao ``Float8Linear`` built with the converter's float8 config;
+a fixed random upstream gradient drives both backward passes.
+
+    SQNR = 10 * log10(||reference||^2 / ||reference - fp8||^2)
+
+summed over all batches, for the output, the input gradient and the weight gradient. 20 dB means
+the FP8 error is 10% of the signal (RMS), 30 dB about 3%. ``--min-fwd-sqnr DB`` makes the exit
+status 1 when a Linear's forward SQNR falls below DB.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import logging
+import math
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchtitan_lite.config.registry import ConfigRegistry
+
+logger = logging.getLogger("fp8_sqnr")
+
+
+QUANTITIES = ("output", "grad_input", "grad_weight")
+
+
+@dataclass
+class LinearSqnr:
+    """Signal and noise energies of one Linear, accumulated over batches."""
+
+    fqn: str
+    in_features: int
+    out_features: int
+    recipe: str
+    signal: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(QUANTITIES, 0.0))
+    noise: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(QUANTITIES, 0.0))
+
+    def add(self, quantity: str, reference: torch.Tensor, fp8: torch.Tensor) -> None:
+        ref = reference.detach().double()
+        self.signal[quantity] += float(ref.square().sum())
+        self.noise[quantity] += float((ref - fp8.detach().double()).square().sum())
+
+    def db(self, quantity: str) -> float:
+        return sqnr_db(self.signal[quantity], self.noise[quantity])
+
+
+def sqnr_db(signal_energy: float, noise_energy: float) -> float:
+    """10*log10(signal / noise); +inf for an exact match, -inf for a zero reference with nonzero error."""
+    if noise_energy == 0.0:
+        return math.inf
+    if signal_energy == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal_energy / noise_energy)
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement
+
+
+def compare_linear(linear: nn.Linear, x: torch.Tensor, float8_config: Any, stats: LinearSqnr, *,
+                   generator: torch.Generator) -> None:
+    """Forward + backward of ``linear`` and of its Float8Linear twin on ``x``; adds the energies to ``stats``."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    weight = linear.weight.detach()
+    bias = None if linear.bias is None else linear.bias.detach()
+    x_ref = x.clone().requires_grad_()
+    w_ref = weight.clone().requires_grad_()
+    out_ref = F.linear(x_ref, w_ref, bias)
+    # A fixed random upstream gradient: the FP8 casts use dynamic (amax) scales, so the SQNR does not
+    # depend on the gradient's magnitude, only on its distribution.
+    grad_out = torch.randn(out_ref.shape, generator=generator, device="cpu").to(out_ref.device, out_ref.dtype)
+    out_ref.backward(grad_out)
+
+    fp8 = Float8Linear.from_float(copy.deepcopy(linear), config=float8_config)
+    x_fp8 = x.clone().requires_grad_()
+    out_fp8 = fp8(x_fp8)
+    out_fp8.backward(grad_out)
+
+    assert x_ref.grad is not None and x_fp8.grad is not None  # both backward passes reached the inputs
+    assert w_ref.grad is not None and fp8.weight.grad is not None
+    stats.add("output", out_ref, out_fp8)
+    stats.add("grad_input", x_ref.grad, x_fp8.grad)
+    stats.add("grad_weight", w_ref.grad, fp8.weight.grad)
+
+
+def measure_sqnr(model: nn.Module, rows: list[Any], float8_config: Any, batches: Iterable[torch.Tensor], *,
+                 seed: int = 0) -> list[LinearSqnr]:
+    """SQNR statistics for every converted plan row (``row.recipe`` set) of ``model``, over ``batches``.
+
+    ``model`` is the high-precision model (parameters already in the compute dtype); each batch is a
+    LongTensor of token ids [batch, seq] on the model's device. Each layer is compared inside a hook
+    on its input as the model's forward reaches it, so no activations are kept.
+    """
+    converted = [row for row in rows if row.recipe is not None]
+    if not converted:
+        raise ValueError("the float8 converter converts no Linear of this model (see --print-fp8-plan for why)")
+    modules = dict(model.named_modules())
+    stats = {row.fqn: LinearSqnr(row.fqn, row.in_features, row.out_features, row.recipe) for row in converted}
+    linears = {fqn: cast(nn.Linear, modules[fqn]) for fqn in stats}  # the plan converts nn.Linear modules only
+    generator = torch.Generator().manual_seed(seed)
+
+    def compare_on_input(fqn: str, args: tuple[Any, ...]) -> None:
+        with torch.enable_grad():
+            compare_linear(linears[fqn], args[0].detach(), float8_config, stats[fqn], generator=generator)
+
+    handles = [linear.register_forward_pre_hook(lambda m, a, fqn=fqn: compare_on_input(fqn, a))
+               for fqn, linear in linears.items()]
+    try:
+        for tokens in batches:
+            with torch.no_grad():
+                model(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return list(stats.values())
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters (not buffers: the rotary cache stays complex) to ``dtype``, as FSDP's mixed precision does."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def format_report(results: list[LinearSqnr], *, min_fwd_sqnr: float | None = None) -> str:
+    """Aligned per-Linear table, a min / mean line per recipe, and the verdict on ``min_fwd_sqnr``."""
+    header = ("fqn", "shape (in x out)", "recipe", "fwd dB", "grad_input dB", "grad_weight dB")
+    body = [(r.fqn, f"{r.in_features} x {r.out_features}", r.recipe,
+             *(f"{r.db(q):.1f}" for q in QUANTITIES)) for r in results]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    numeric = range(3, len(header))
+
+    def fmt(line: tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
+
+    lines = [fmt(header), *(fmt(line) for line in body), ""]
+    for recipe in dict.fromkeys(r.recipe for r in results):
+        group = [r for r in results if r.recipe == recipe]
+        parts = []
+        for q in QUANTITIES:
+            values = [r.db(q) for r in group]
+            parts.append(f"{q} min {min(values):.1f} / mean {sum(values) / len(values):.1f} dB")
+        lines.append(f"{recipe} ({len(group)} Linear layers): " + "; ".join(parts))
+    if min_fwd_sqnr is not None:
+        low = [r.fqn for r in results if r.db("output") < min_fwd_sqnr]
+        lines.append(f"forward SQNR below {min_fwd_sqnr:g} dB: {', '.join(low)}" if low
+                     else f"every forward SQNR is above {min_fwd_sqnr:g} dB")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model, data and converter from a config
+
+
+def float8_converter_config(cfg: Any, config_name: str) -> Any:
+    """The config's first float8 converter entry; ValueError naming the fix when it has none."""
+    from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+
+    entries = [c for c in cfg.model_converters.converters if isinstance(c, Float8LinearConverter.Config)]
+    if not entries:
+        raise ValueError(f"config '{config_name}' has no float8 converter; use an FP8 config (e.g. llama3_debug_fp8) or "
+                         f"add one with --model_converters.converters float8")
+    return entries[0]
+
+
+def effective_float8_config(converter_config: Any, cfg: Any) -> Any:
+    """torchao's Float8LinearConfig as the converter builds it.
+
+    The converter is built for the FSDP layout because this script casts parameters to param_dtype the
+    way FSDP does (not with autocast). FP8 all-gather is then turned off: it changes how the weight
+    travels, not its FP8 value (the scale is the amax of the whole weight either way).
+    """
+    from torchtitan_lite.components.precision import resolve_precision
+    from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+    from torchtitan_lite.protocols.model_converter import ConversionContext
+
+    float8_logger = logging.getLogger("torchtitan_lite.components.quantization.float8")
+    level = float8_logger.level
+    float8_logger.setLevel(logging.ERROR)  # training-speed advice (compile) does not apply to a numerics probe
+    try:
+        precision = resolve_precision(cfg.precision, device_type="cpu", fsdp_enabled=True)
+        context = ConversionContext(device_type="cpu", param_dtype=precision.param_dtype, autocast=False,
+                                    fsdp_sharded=True, tp_enabled=False, compile_model=False,
+                                    seq_len=cfg.training.seq_len)
+        converter = Float8LinearConverter(converter_config, context=context)
+    finally:
+        float8_logger.setLevel(level)
+    return dataclasses.replace(converter.float8_config, enable_fsdp_float8_all_gather=False)
+
+
+def build_model(cfg: Any, device: torch.device, vocab_size: int) -> nn.Module:
+    """The config's model on ``device``, initialised from ``training.seed``, in eval mode."""
+    from torchtitan_lite.protocols.model_spec import build_model_args, get_model_spec
+
+    spec = get_model_spec(cfg.model.name)
+    args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=vocab_size)
+    with torch.device("meta"):
+        model: Any = spec.model_cls(args)  # a family's model class offers init_weights (ModelSpec.model_cls)
+    model.to_empty(device=device)
+    if cfg.training.seed is not None:
+        torch.manual_seed(cfg.training.seed)
+    with torch.no_grad():
+        model.init_weights()
+    return model.eval()
+
+
+def resolve_checkpoint(path: str) -> str:
+    """``path`` itself when it is a DCP folder, else its newest complete ``step-<N>`` subfolder."""
+    from torchtitan_lite.components.checkpoint.layout import describe_steps, is_dcp_folder, scan_steps, step_dir
+    from torchtitan_lite.components.checkpoint.verify import CheckpointError
+
+    if is_dcp_folder(path):
+        return path
+    complete, _ = scan_steps(path)
+    if complete:
+        return step_dir(path, complete[-1])
+    if os.path.isdir(os.path.join(path, "checkpoint")):
+        raise CheckpointError(f"{path} holds no step-<N> checkpoint; did you mean {os.path.join(path, 'checkpoint')}?")
+    raise CheckpointError(f"{path} is neither a DCP checkpoint folder nor a folder of complete step-<N> "
+                          f"checkpoints ({describe_steps(path)})")
+
+
+def load_model_checkpoint(model: nn.Module, path: str) -> str:
+    """Load the model state of the DCP checkpoint at ``path`` (see resolve_checkpoint); returns the folder used."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_lite.components.checkpoint import ModelWrapper
+    from torchtitan_lite.components.checkpoint.verify import WeightsOnlyLoadPlanner, check_compatible, read_metadata
+
+    folder = resolve_checkpoint(path)
+    wrapper = ModelWrapper(model)
+    state = {"model": wrapper.state_dict()}
+    check_compatible(folder, read_metadata(folder), state, exact_prefixes=("model.",))
+    dcp.load(state, checkpoint_id=folder, planner=WeightsOnlyLoadPlanner(), no_dist=True)
+    wrapper.load_state_dict(state["model"])
+    return folder
+
+
+def token_batches(cfg: Any, tokenizer: Any, count: int, device: torch.device) -> list[torch.Tensor]:
+    """The first ``count`` input batches of the config's training data, on ``device``."""
+    loader = cfg.data.build(tokenizer=tokenizer, dp_rank=0, dp_world_size=1, seq_len=cfg.training.seq_len,
+                            local_batch_size=cfg.training.local_batch_size, split="train", infinite=True,
+                            seed=cfg.training.seed)
+    batches = []
+    for inputs, _labels in loader:
+        batches.append(inputs.to(device))
+        if len(batches) == count:
+            return batches
+    return batches
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This tool's flags, checked, and the remaining config flags."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], allow_abbrev=False,
+        usage="%(prog)s --config NAME [--checkpoint DIR] [--batches N] [--min-fwd-sqnr DB] [--section.field VALUE ...]",
+        epilog="Other flags (--config, --config-file, --section.field VALUE) select and override the config as in train.py.")
+    parser.add_argument("--checkpoint", default=None, help="DCP step-<N> folder, or a checkpoint folder (newest complete step)")
+    parser.add_argument("--batches", type=int, default=2, help="training batches to measure over")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random upstream gradients")
+    parser.add_argument("--min-fwd-sqnr", type=float, default=None, metavar="DB",
+                        help="exit with status 1 when a Linear's forward SQNR is below DB")
+    args, rest = parser.parse_known_args(argv)
+    if args.batches < 1:
+        parser.error(f"--batches must be >= 1, got {args.batches}")
+    return args, rest
+
+
+def main(argv: list[str], *, registry: ConfigRegistry) -> int:
+    """Measure the config selected by ``argv`` (``--config NAME`` from ``registry``); exit status 0, 1 or 2."""
+    args, config_argv = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from torchtitan_lite.library_notices import silence_known_library_notices
+
+    silence_known_library_notices()
+    from torchtitan_lite.components.checkpoint.verify import CheckpointError
+    from torchtitan_lite.components.quantization.float8_plan import float8_plan
+    from torchtitan_lite.config import ConfigError, parse_cli
+    from torchtitan_lite.distributed import utils as dist_utils
+
+    try:
+        cli = parse_cli(config_argv, registry=registry)
+        if cli.action != "train":
+            raise ConfigError("fp8_sqnr takes --config, --config-file and --section.field flags only, no train.py action")
+        cfg: Any = cli.config  # set: the action is train
+        converter_config = float8_converter_config(cfg, cli.config_name)
+        device = torch.device(dist_utils.device_type())
+        precision = cfg.precision.build(device=device, fsdp_enabled=False)
+        float8_config = effective_float8_config(converter_config, cfg)
+        tokenizer = cfg.tokenizer.build()
+        model = build_model(cfg, device, tokenizer.vocab_size)
+        source = f"initialised from seed {cfg.training.seed}"
+        if args.checkpoint is not None:
+            source = f"loaded from {load_model_checkpoint(model, args.checkpoint)}"
+        rows = float8_plan(model, converter_config)
+        cast_parameters(model, precision.param_dtype)
+        batches = token_batches(cfg, tokenizer, args.batches, device)
+        results = measure_sqnr(model, rows, float8_config, batches, seed=args.seed)
+    except (ConfigError, CheckpointError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    dtype = str(precision.param_dtype).removeprefix("torch.")
+    t = cfg.training
+    print(f"\n{cli.config_name}: model {source}; high precision = {dtype} parameters and activations; "
+          f"{len(batches)} batch(es) of {t.local_batch_size} x {t.seq_len} tokens\n")
+    print(format_report(results, min_fwd_sqnr=args.min_fwd_sqnr))
+    if args.min_fwd_sqnr is not None and any(r.db("output") < args.min_fwd_sqnr for r in results):
+        return 1
+    return 0
+
