@@ -166,7 +166,7 @@ def _model_and_data(cfg: Any, device: torch.device) -> tuple[nn.Module, Iterator
     spec = get_model_spec(cfg.model.name)
     args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=tokenizer.vocab_size)
     with torch.device("meta"):
-        model: Any = spec.model_cls(args)  # a family's model class offers init_weights (ModelSpec.model_cls)
+        model = spec.model_cls(args)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights()

@@ -218,7 +218,7 @@ def build_model(cfg: Any, device: torch.device, vocab_size: int) -> nn.Module:
     spec = get_model_spec(cfg.model.name)
     args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=vocab_size)
     with torch.device("meta"):
-        model: Any = spec.model_cls(args)  # a family's model class offers init_weights (ModelSpec.model_cls)
+        model = spec.model_cls(args)
     model.to_empty(device=device)
     if cfg.training.seed is not None:
         torch.manual_seed(cfg.training.seed)
