@@ -118,13 +118,14 @@ def explain_hub_error(error: Exception, repo_id: str, *, kind: str, token: str |
 
     page = f"https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}{repo_id}"
     status = getattr(getattr(error, "response", None), "status_code", None)
-    token_source = "the token given" if token else ("HF_TOKEN" if os.environ.get("HF_TOKEN") else "no token")
+    with_token = ("with the token given" if token else
+                  "with the token in HF_TOKEN" if os.environ.get("HF_TOKEN") else "without a token")
     if isinstance(error, errors.GatedRepoError) or status == 403:
-        return (f"{kind} {repo_id} is gated and {token_source} has not been granted access (HTTP {status or 403}): "
+        return (f"{kind} {repo_id} is gated and cannot be read {with_token} (HTTP {status or 403}): "
                 f"log in on {page}, accept the licence there (approval can take a while), then pass a read token "
                 f"from https://huggingface.co/settings/tokens with HF_TOKEN=... or --hf-token")
     if isinstance(error, errors.RepositoryNotFoundError) or status in (401, 404):
-        return (f"{kind} {repo_id} was not found with {token_source} (HTTP {status}): check the name on {page}; "
+        return (f"{kind} {repo_id} was not found {with_token} (HTTP {status}): check the name on {page}; "
                 f"if it is gated or private, accept its licence there and pass a read token with HF_TOKEN=... "
                 f"or --hf-token")
     waited = f" within {timeout:g}s" if timeout else ""
