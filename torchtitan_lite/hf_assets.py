@@ -52,11 +52,11 @@ def fetch_command(repo_id: str, output: str | os.PathLike | None = None, *, weig
 
 
 def tokenizer_fetch_hint(path: str) -> str:
-    """How to get the tokenizer ``tokenizer.path=path`` should name: the download command when the path is
-    a known hub repository's default folder, and in any case the override for a smoke run."""
+    """How to get the tokenizer ``tokenizer.path=path`` should name: the download command when the path ends
+    in a known hub repository's default folder (assets/hf/<name>), and in any case the override for a smoke run."""
     repo = _KNOWN_REPOS.get(Path(path).name)
-    if repo is not None and Path(path) == default_output(repo):
-        fetch = (f"fetch it with `{fetch_command(repo)}` (a gated repository: accept the licence on "
+    if repo is not None and Path(path).parts[-3:] == default_output(repo).parts:
+        fetch = (f"fetch it with `{fetch_command(repo, path)}` (a gated repository: accept the licence on "
                  f"https://huggingface.co/{repo} and pass your token with HF_TOKEN=... or --hf-token)")
     else:
         fetch = ("fetch a hub tokenizer with `python scripts/download_hf_assets.py --repo ORG/NAME --output "
