@@ -79,7 +79,9 @@ def download(repo_id: str, output: str | os.PathLike, *, weights: bool = False, 
         raise HubAccessError(f"HF_HUB_OFFLINE is set, so {repo_id} cannot be fetched; unset HF_HUB_OFFLINE (and "
                              f"HF_DATASETS_OFFLINE) on a host with network access, or copy the folder here")
     if snapshot_download is None:
-        from huggingface_hub import snapshot_download
+        import huggingface_hub
+
+        snapshot_download = huggingface_hub.snapshot_download
     patterns = TOKENIZER_PATTERNS + (WEIGHT_PATTERNS if weights else [])
     try:
         folder = snapshot_download(repo_id=repo_id, local_dir=str(output), allow_patterns=patterns, token=token)
