@@ -1,14 +1,19 @@
 """Llama 3 configs. Each public function returns a complete Trainer.Config; variants are small deltas."""
 from __future__ import annotations
 
+import copy
+
 from config_registry import register
+from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
 from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter, Float8Recipe
+from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
 from torchtitan_lite.config.sections import CompileConfig, ModelConfig, TrainingConfig
+from torchtitan_lite.hf_assets import LLAMA3_TOKENIZER_DIR
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.trainer import Trainer
 
@@ -66,10 +71,19 @@ def llama3_debug_fp8_rowwise() -> Trainer.Config:
     return cfg
 
 
+PRETRAINING_CORPUS = TextDataLoader.Config(
+    dataset="HuggingFaceFW/fineweb-edu", dataset_config="sample-10BT", text_field="text",
+    streaming=True, shuffle=False)
+"""FineWeb-Edu's 10B-token sample, streamed from the hub (no full download; read in shard order)."""
+
+
 def _llama3_large(flavor: str, *, lr: float, steps: int = 1000) -> Trainer.Config:
-    """Shared shape of the published flavors: BF16 with FP32 reduction, 8k context, cosine schedule."""
+    """Shared shape of the published flavors: BF16 with FP32 reduction, 8k context, cosine schedule, the
+    Llama 3 tokenizer (fetched with scripts/download_hf_assets.py) and a streamed hub corpus."""
     return Trainer.Config(
         model=ModelConfig(flavor=flavor),
+        tokenizer=Tokenizer.Config(path=LLAMA3_TOKENIZER_DIR),
+        data=copy.deepcopy(PRETRAINING_CORPUS),
         training=TrainingConfig(steps=steps, seq_len=8192, local_batch_size=1, max_norm=1.0, seed=0),
         precision=Precision.Config(param_dtype="bfloat16", reduce_dtype="float32"),
         optimizer=OptimizersContainer.Config(lr=lr, weight_decay=0.1),

@@ -34,8 +34,9 @@ rdzv_port="${RDZV_PORT:-29500}"
 extra=()
 if [ -n "${CONFIG:-}" ]; then extra+=(--config "$CONFIG"); fi
 
-# Fail fast, on the submitting side, if the degrees do not fit nodes x processes per node.
-WORLD_SIZE="$((nnodes * per_node))" "$py" "$root/train.py" "${extra[@]}" "$@" --check-config >/dev/null
+# Fail fast, on the submitting side, if the degrees do not fit nodes x processes per node, or the
+# tokenizer / dataset are missing or unreachable (from this host: compute nodes may see less).
+TORCHTITAN_LITE_REQUIRE_DATA=1 WORLD_SIZE="$((nnodes * per_node))" "$py" "$root/train.py" "${extra[@]}" "$@" --check-config >/dev/null
 
 echo "launching ${nnodes} node(s) x ${per_node} process(es), rendezvous ${head_node}:${rdzv_port}"
 # One task per node runs torchrun; the rendezvous id ties the nodes of this job together. SIGTERM and

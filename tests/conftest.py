@@ -1,3 +1,10 @@
 """Wiring for the tests, as train.py does it for a run: importing `models` registers the model families
-with the core, which looks them up by name."""
-import models  # noqa: F401
+with the core, which looks them up by name.
+
+The tests never touch the network: HF_HUB_OFFLINE is set before huggingface_hub or datasets is imported
+(subprocesses inherit it), and hub code paths are tested on local folders and stand-in clients."""
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import models  # noqa: E402, F401

@@ -23,7 +23,10 @@ from torchtitan_lite.memory.estimate import GIB
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
 PREFLIGHT_ENV = "TORCHTITAN_LITE_PREFLIGHT"
-"""Set by run_train.sh for the check it runs right before torchrun: the devices must then be present."""
+"""Set by run_train.sh for the check it runs right before torchrun: the devices and the data must then be present."""
+REQUIRE_DATA_ENV = "TORCHTITAN_LITE_REQUIRE_DATA"
+"""Set by scripts/slurm_multinode.sh for its check on the submitting host: the data must be present (the
+GPUs are on the compute nodes)."""
 
 if TYPE_CHECKING:
     from torchtitan_lite.config.registry import ConfigRegistry
@@ -89,14 +92,24 @@ def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
 
     Everything that can be built on meta is (run resolution, converters); then the devices and the memory
     estimate are held against the host (GPU memory per rank, or host RAM shared by the CPU processes).
+    Last, the tokenizer and the data source: missing or unreachable ones are listed after the verdict, and
+    are an error right before a launch.
     """
+    from torchtitan_lite.components.data.readiness import data_problems, not_ready_text
+
     run = launch_run(cli.config, nnodes=cli.nnodes)
     with torch.device("meta"), _quiet():
         run.converters.convert(run.model_spec.model_cls(run.model_args))
-    check_devices(ngpu=dist_utils.requested_gpus(), preflight=os.environ.get(PREFLIGHT_ENV) == "1")
+    preflight = os.environ.get(PREFLIGHT_ENV) == "1"
+    check_devices(ngpu=dist_utils.requested_gpus(), preflight=preflight)
     estimate = check_memory(run, processes_on_host=dist_utils.launch_world_size())
-    return (f"config '{cli.config_name}' is valid for {run.world_size} process(es) ({run.parallel_dims.describe()}); "
-            f"estimated peak {estimate.total / GIB:.1f} GiB per rank")
+    cfg = cli.config
+    problems = data_problems(cfg.data, cfg.tokenizer, validation=cfg.validation.enable)
+    if problems and (preflight or os.environ.get(REQUIRE_DATA_ENV) == "1"):
+        raise ValueError(not_ready_text(problems))
+    verdict = (f"config '{cli.config_name}' is valid for {run.world_size} process(es) ({run.parallel_dims.describe()}); "
+               f"estimated peak {estimate.total / GIB:.1f} GiB per rank")
+    return verdict if not problems else f"{verdict}\nbut a training launch would stop: {not_ready_text(problems)}"
 
 
 def _dry_run(cli: CliResult, registry: ConfigRegistry) -> str:

@@ -9,7 +9,9 @@ rejected here, before any process group or model exists.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchtitan_lite.components.precision import ResolvedPrecision, resolve_precision
@@ -24,9 +26,12 @@ from torchtitan_lite.protocols.model_converter import ConversionContext, ModelCo
 from torchtitan_lite.protocols.model_spec import ModelSpec, build_model_args, get_model_spec
 
 if TYPE_CHECKING:
+    from torchtitan_lite.components.checkpoint import CheckpointManager
     from torchtitan_lite.components.optimizer import OptimizersContainer
     from torchtitan_lite.components.tokenizer import Tokenizer
     from torchtitan_lite.trainer import Trainer
+
+logger = logging.getLogger("torchtitan_lite")
 
 
 @dataclass(frozen=True)
@@ -65,15 +70,30 @@ def resolve_run(config: Trainer.Config, *, world_size: int, device_type: str, vo
     """Resolve ``config`` for a launch of ``world_size`` ranks on ``device_type``.
 
     ``vocab_size`` is the tokenizer's (the model's vocabulary grows to it); None reads it from the
-    tokenizer config without training the default tokenizer. ``cuda_available`` (default: whether this
-    process sees a GPU) False with device_type 'cuda' resolves a GPU job from a host without one.
+    tokenizer config without training the default tokenizer, and plans with the flavor's vocabulary when
+    tokenizer.path does not exist yet (the actions that do not read data). Initial weights
+    (checkpoint.initial_load_path) fix the embedding's rows: a larger tokenizer is an error.
+    ``cuda_available`` (default: whether this process sees a GPU) False with device_type 'cuda' resolves a
+    GPU job from a host without one.
     """
     par = config.parallelism
     dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size)
     spec = get_model_spec(config.model.name)
     if vocab_size is None:
         vocab_size = planned_vocab_size(config.tokenizer)
-    args = build_model_args(spec, config.model.flavor, n_layers=config.model.n_layers, min_vocab_size=vocab_size)
+    embedding_rows = initial_weights_vocab_size(config.checkpoint, f"model.{spec.parallel_plan.embedding}.weight")
+    if embedding_rows is not None and vocab_size is not None and vocab_size > embedding_rows:
+        raise ValueError(
+            f"the tokenizer ({config.tokenizer.path}) has {vocab_size} ids, more than the {embedding_rows} embedding "
+            f"rows of the initial weights checkpoint.initial_load_path={config.checkpoint.initial_load_path!r}: ids "
+            f"from {embedding_rows} on would have no embedding. Use the tokenizer those weights were trained with, "
+            f"or train from scratch (unset checkpoint.initial_load_path)")
+    args = build_model_args(spec, config.model.flavor, n_layers=config.model.n_layers, vocab_size=embedding_rows,
+                            min_vocab_size=vocab_size)
+    if vocab_size is None:
+        logger.info("tokenizer.path=%r does not exist yet: planning with the %s flavor's vocabulary of %d; a training "
+                    "launch needs the tokenizer (--check-config says how to fetch it)", config.tokenizer.path,
+                    config.model.flavor, args.vocab_size)
     sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
     dims.validate_for_model(args, config.training.seq_len, sequence_parallel=sequence_parallel)
     precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
@@ -108,9 +128,25 @@ def microbatches_per_step(training: TrainingConfig, dp_degree: int) -> int:
     return global_batch // per_pass
 
 
-def planned_vocab_size(tokenizer_config: Tokenizer.Config) -> int:
-    """The vocabulary the trainer will size the model with, without building the default tokenizer."""
+def planned_vocab_size(tokenizer_config: Tokenizer.Config) -> int | None:
+    """The vocabulary the trainer will size the model with, without building the default tokenizer; None
+    when tokenizer.path does not exist (not fetched yet). A path that exists but does not load is an error."""
     if tokenizer_config.path is None:
         # The default tokenizer is trained to exactly this size: no need to build (or train) it here.
         return tokenizer_config.vocab_size
+    if not Path(tokenizer_config.path).expanduser().exists():
+        return None
     return tokenizer_config.build().vocab_size
+
+
+def initial_weights_vocab_size(checkpoint_config: CheckpointManager.Config, embedding_key: str) -> int | None:
+    """Embedding rows of the DCP checkpoint at checkpoint.initial_load_path (its metadata only); None
+    without one. A path that is not a DCP folder is left to the checkpoint manager, which explains it."""
+    from torchtitan_lite.components.checkpoint.layout import is_dcp_folder
+    from torchtitan_lite.components.checkpoint.verify import read_metadata, saved_tensor_shape
+
+    path = checkpoint_config.initial_load_path
+    if path is None or not is_dcp_folder(path):
+        return None
+    shape = saved_tensor_shape(read_metadata(path), embedding_key)
+    return None if shape is None else shape[0]

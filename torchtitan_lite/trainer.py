@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torchtitan_lite.components.quantization  # noqa: F401  (registers the built-in converter kinds)
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
 from torchtitan_lite.components.data import TextDataLoader
+from torchtitan_lite.components.data.readiness import require_data
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
 from torchtitan_lite.components.metrics import MetricsProcessor
@@ -57,7 +58,7 @@ class Trainer(Configurable):
         model: ModelConfig = field(default_factory=ModelConfig)
         """Model family and size."""
         tokenizer: Tokenizer.Config = field(default_factory=Tokenizer.Config)
-        """Sentencepiece tokenizer."""
+        """SentencePiece model or Hugging Face tokenizer.json (or a model folder holding one)."""
         training: TrainingConfig = field(default_factory=TrainingConfig)
         """Steps, batch and sequence sizes, clipping, seed."""
         precision: Precision.Config = field(default_factory=Precision.Config)
@@ -92,6 +93,8 @@ class Trainer(Configurable):
     def __init__(self, config: Trainer.Config) -> None:
         self.config = config
         cfg = config
+        # A missing tokenizer or unreachable dataset stops the run here, before any process group exists.
+        require_data(cfg.data, cfg.tokenizer, validation=cfg.validation.enable)
         self.tokenizer = cfg.tokenizer.build()
         # Every derived fact (degrees, model args, precision, micro-batches, converters) is resolved and
         # checked here, before any process-group work.
@@ -109,6 +112,7 @@ class Trainer(Configurable):
             _save_resolved_config(cfg)
         logger.info("precision: %s (%s)", self.run.precision.describe(init_scale=cfg.precision.init_scale),
                     self.run.precision.reason)
+        logger.info("tokenizer: %s; model vocabulary %d", self.tokenizer.describe(), self.model_args.vocab_size)
 
         self.precision = cfg.precision.build(resolved=self.run.precision, device=self.device)
         self.model_parts = [self._build_model()]

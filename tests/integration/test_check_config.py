@@ -35,3 +35,30 @@ def test_a_gpu_launch_on_a_host_without_gpus_stops_before_torchrun(cli):
     assert result.returncode != 0
     assert "NGPU=2 but this host has no CUDA device" in result.stderr
     assert "Use NPROC=2 for CPU processes (gloo)" in result.stderr and "--dry-run" in result.stderr
+
+
+def test_without_the_tokenizer_and_dataset_the_config_is_valid_but_a_launch_would_stop(cli, tmp_path):
+    """Planning needs neither (the published vocabulary is used); --check-config says what a launch lacks."""
+    tokenizer = tmp_path / "assets" / "hf" / "Llama-3.1-8B"
+    result = cli(["--config", "llama3_8b_fp8", "--tokenizer.path", str(tokenizer), "--check-config"], NGPU="8",
+                 TTL_GPU_MEMORY_GIB="80")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "config 'llama3_8b_fp8' is valid for 8 process(es) (FSDP 8)" in out
+    assert "planning with the 8B flavor's vocabulary of 128256" in out
+    assert "but a training launch would stop: the run's data is not ready:" in out
+    assert f"`python scripts/download_hf_assets.py --repo meta-llama/Llama-3.1-8B --output {tokenizer}`" in out
+    assert "data.dataset='HuggingFaceFW/fineweb-edu' is a Hugging Face hub dataset, but HF_HUB_OFFLINE" in out
+
+
+def test_a_launch_without_its_tokenizer_and_dataset_stops_before_torchrun(cli, tmp_path):
+    tokenizer = tmp_path / "assets" / "hf" / "Llama-3.1-8B"
+    result = cli(["--config", "llama3_debug", "--tokenizer.path", str(tokenizer), "--data.dataset",
+                  "HuggingFaceFW/fineweb-edu", "--data.streaming", "true", "--data.shuffle", "false",
+                  "--training.steps", "1"])
+    assert result.returncode == 2
+    err = result.stderr
+    assert "error: the run's data is not ready:" in err
+    assert f"download_hf_assets.py --repo meta-llama/Llama-3.1-8B --output {tokenizer}" in err
+    assert "`--data.dataset embedded --tokenizer.path none`" in err
+    assert "rank0" not in result.stdout + err  # no worker was started

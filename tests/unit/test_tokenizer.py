@@ -96,8 +96,8 @@ def test_sample_lines_caps_skips_blanks_and_is_seeded():
 
 
 def test_missing_path_names_the_fix(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"tokenizer.path='.*nope.model' does not exist; build one with "
-                                                r"`python scripts/train_tokenizer.py --output"):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer.path='.*nope.model' does not exist \(.*\); fetch a hub "
+                                                r"tokenizer .* or train one with `python scripts/train_tokenizer.py --output"):
         Tokenizer.Config(path=str(tmp_path / "nope.model")).build()
 
 

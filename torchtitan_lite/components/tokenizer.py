@@ -1,10 +1,16 @@
-"""SentencePiece BPE tokenizer, with a default one built from the embedded corpus on first use.
+"""The tokenizer component: the tokenizer users have, or a default one built from the embedded corpus.
 
-Special ids of tokenizers built here: ``unk=0``, ``bos=1``, ``eos=2``, no pad piece (``pad_id=-1``):
-packing never pads, and ignored label positions use ``IGNORE_INDEX`` instead. ``"\\n"`` is its own
-piece (SentencePiece trains on single lines, so it would otherwise never learn one) and
-``byte_fallback`` spells every character outside the vocabulary as UTF-8 byte pieces, so
-``decode(encode(s)) == s`` holds for any string: code, any script, control characters.
+``tokenizer.path`` names a SentencePiece ``.model``, a Hugging Face ``tokenizer.json`` or a model folder
+holding either (see ``tokenizer_files.py``); both kinds implement ``TokenizerModel``
+(``tokenizer_models.py``) and BOS/EOS/pad ids come from the tokenizer itself. The vocabulary size is the
+largest id + 1, and the model's embedding grows to it.
+
+Without a path, the default is a SentencePiece BPE trained on the embedded corpus on first use. Its
+special ids: ``unk=0``, ``bos=1``, ``eos=2``, no pad piece (``pad_id=-1``): packing never pads, and ignored
+label positions use ``IGNORE_INDEX`` instead. ``"\\n"`` is its own piece (SentencePiece trains on single
+lines, so it would otherwise never learn one) and ``byte_fallback`` spells every character outside the
+vocabulary as UTF-8 byte pieces, so ``decode(encode(s)) == s`` holds for any string: code, any script,
+control characters.
 
 Training is deterministic: lines are sampled with a seeded reservoir in Python, never more than
 ``input_sentence_size``, so SentencePiece keeps them all and only shuffles them with its fixed seed
@@ -24,7 +30,10 @@ from typing import Any
 
 import sentencepiece as spm
 
+from torchtitan_lite.components.tokenizer_files import locate_tokenizer
+from torchtitan_lite.components.tokenizer_models import HFTokenizerModel, SentencePieceModel, TokenizerModel
 from torchtitan_lite.config import Configurable
+from torchtitan_lite.hf_assets import tokenizer_fetch_hint
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -39,13 +48,15 @@ quality as all of its ~275k lines."""
 
 
 class Tokenizer(Configurable):
-    """Text <-> token ids with a SentencePiece model."""
+    """Text <-> token ids with a SentencePiece model or a Hugging Face tokenizer.json."""
 
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         path: str | None = None
-        """SentencePiece .model file (e.g. from scripts/train_tokenizer.py); None uses the default BPE
-        tokenizer of the embedded corpus, trained into the cache on first use."""
+        """SentencePiece .model file (e.g. from scripts/train_tokenizer.py), Hugging Face tokenizer.json, or
+        a model folder holding either (e.g. assets/hf/Llama-3.1-8B from scripts/download_hf_assets.py; its
+        tokenizer_config.json names BOS/EOS). None uses the default BPE tokenizer of the embedded corpus,
+        trained into the cache on first use."""
         vocab_size: int = DEFAULT_VOCAB_SIZE
         """Vocabulary size of the default tokenizer (when path is None). With path set it must equal
         the file's size or stay at its default."""
@@ -59,43 +70,44 @@ class Tokenizer(Configurable):
 
     def __init__(self, config: Tokenizer.Config) -> None:
         super().__init__(config)
+        model: TokenizerModel
         if config.path is None:
             self.path = default_tokenizer_path(config.vocab_size)
+            self.kind = "sentencepiece"
+            model = SentencePieceModel(self.path)
         else:
-            self.path = Path(config.path).expanduser()
-            if not self.path.is_file():
-                raise FileNotFoundError(
-                    f"tokenizer.path={config.path!r} does not exist; build one with "
-                    f"`python scripts/train_tokenizer.py --output {config.path}` or leave tokenizer.path "
-                    f"unset to use the default tokenizer")
-        self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
-        self.vocab_size: int = self._sp.vocab_size()
-        self.bos_id: int = self._sp.bos_id()
-        self.eos_id: int = self._sp.eos_id()
-        self.unk_id: int = self._sp.unk_id()
-        self.pad_id: int = self._sp.pad_id()
+            source = locate_tokenizer(config.path, missing_hint=tokenizer_fetch_hint(config.path))
+            self.path, self.kind = source.file, source.kind
+            model = SentencePieceModel(source.file) if source.kind == "sentencepiece" else HFTokenizerModel(source)
+        self._model = model
+        self.vocab_size: int = model.vocab_size
+        self.bos_id: int = model.bos_id
+        self.eos_id: int = model.eos_id
+        self.unk_id: int = model.unk_id
+        self.pad_id: int = model.pad_id
         if config.path is not None and config.vocab_size not in (self.vocab_size, DEFAULT_VOCAB_SIZE):
             raise ValueError(f"tokenizer.vocab_size={config.vocab_size} contradicts {self.path}, which has "
                              f"{self.vocab_size} pieces; remove tokenizer.vocab_size (it only sizes the "
                              f"default tokenizer)")
-        if self.bos_id < 0 or self.eos_id < 0:
-            raise ValueError(f"{self.path} defines no BOS or EOS piece (bos_id={self.bos_id}, eos_id="
-                             f"{self.eos_id}); documents are packed between them, so train the model with "
-                             f"scripts/train_tokenizer.py or with --bos_id/--eos_id set")
+
+    def describe(self) -> str:
+        """One line for the log: file, kind, vocabulary and the document delimiters."""
+        return (f"{self.path} ({self.kind}, vocabulary {self.vocab_size}, bos={self.bos_id} "
+                f"{self.id_to_piece(self.bos_id)!r}, eos={self.eos_id} {self.id_to_piece(self.eos_id)!r})")
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
-        return self._sp.encode(text, add_bos=bos, add_eos=eos)
+        return self._model.encode_batch([text], bos, eos)[0]
 
     def encode_batch(self, texts: Sequence[str], bos: bool = True, eos: bool = True) -> list[list[int]]:
-        """``encode`` of many texts in one SentencePiece call (multi-threaded, no Python loop)."""
-        return self._sp.encode(list(texts), add_bos=bos, add_eos=eos)
+        """``encode`` of many texts in one call into the tokenizer library (multi-threaded, no Python loop)."""
+        return self._model.encode_batch(texts, bos, eos)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; BOS/EOS decode to nothing. Accepts lists and 1-D tensors."""
-        return self._sp.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids))
+        return self._model.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids))
 
     def id_to_piece(self, token_id: int) -> str:
-        return self._sp.id_to_piece(token_id)
+        return self._model.id_to_piece(token_id)
 
 
 def default_tokenizer_path(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:

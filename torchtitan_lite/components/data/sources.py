@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 Role = Literal["train", "validation"]
 DataFormat = Literal["auto", "json", "jsonl", "parquet", "text", "csv"]
+SourceKind = Literal["embedded", "directory", "files", "hub"]
 
 _BUILDERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "text": "text", "csv": "csv"}
 _EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text",
@@ -48,11 +49,12 @@ class DataSourceError(ValueError):
 def load_split(cfg: TextDataLoader.Config, role: Role) -> Dataset | IterableDataset:
     """The documents of ``role`` as a dataset holding only ``cfg.text_field``, checked for usability."""
     split = cfg.train_split if role == "train" else cfg.validation_split
+    kind = source_kind(cfg.dataset)
     if role == "validation" and cfg.validation_files is not None:
         where = f"data.validation_files={cfg.validation_files!r}"
         _reject_dataset_config(cfg, where)
         ds = _load_files(cfg.validation_files, cfg, split, where)
-    elif cfg.dataset == "embedded":
+    elif kind == "embedded":
         where = "the embedded corpus"
         _reject_dataset_config(cfg, where)
         if cfg.data_format != "auto":
@@ -60,10 +62,10 @@ def load_split(cfg: TextDataLoader.Config, role: Role) -> Dataset | IterableData
                                   f"(it is JSON lines); leave data.data_format='auto'")
         files = embedded_corpus().data_files(role)
         ds = _load_builder("json", {split: files}, cfg, split, where)
-    elif _is_directory(cfg.dataset):
+    elif kind == "directory":
         where = f"data.dataset={cfg.dataset!r}"
         ds = _load_directory(cfg, split, where)
-    elif _is_local_files(cfg.dataset):
+    elif kind == "files":
         where = f"data.dataset={cfg.dataset!r}"
         _reject_dataset_config(cfg, where)
         if role == "validation":
@@ -81,8 +83,20 @@ def load_split(cfg: TextDataLoader.Config, role: Role) -> Dataset | IterableData
             lambda: datasets.load_dataset(cfg.dataset, name=cfg.dataset_config, split=split,
                                           streaming=cfg.streaming),
             where, split, hint="check the name, data.dataset_config and the split names; without network "
-                               "access the dataset must already be in the Hugging Face cache")
+                               "access (HF_HUB_OFFLINE=1) a dataset must already be in the Hugging Face cache and "
+                               "cannot stream; for a smoke run use --data.dataset embedded")
     return _text_column(ds, cfg.text_field, where, split)
+
+
+def source_kind(dataset: str) -> SourceKind:
+    """Which kind of source ``data.dataset`` names, decided in the order load_split tries them."""
+    if dataset == "embedded":
+        return "embedded"
+    if _is_directory(dataset):
+        return "directory"
+    if _is_local_files(dataset):
+        return "files"
+    return "hub"
 
 
 def resolve_files(pattern: str, what: str) -> list[str]:

@@ -1,0 +1,70 @@
+"""Is what a training run reads there? The tokenizer and the data source, checked without reading the data.
+
+``--check-config`` lists the problems (and run_train.sh's check before torchrun makes them errors); the
+trainer checks again before its process group starts, for launches that bypass run_train.sh. Local
+paths are checked for existence; a hub dataset is asked for its metadata with a short timeout, never
+downloaded. Each problem names the command that fetches the missing piece or the override for a smoke run.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from torchtitan_lite.components.data.sources import DataSourceError, resolve_files, source_kind
+from torchtitan_lite.components.tokenizer_files import TokenizerError, locate_tokenizer
+from torchtitan_lite.hf_assets import (
+    DATASET_CHECK_TIMEOUT_S,
+    HubAccessError,
+    check_hub_dataset,
+    hub_offline,
+    tokenizer_fetch_hint,
+)
+
+if TYPE_CHECKING:
+    from torchtitan_lite.components.data.dataloader import TextDataLoader
+    from torchtitan_lite.components.tokenizer import Tokenizer
+
+
+class DataNotReadyError(ValueError):
+    """The tokenizer or the data source of a run is missing or unreachable."""
+
+
+def data_problems(data: TextDataLoader.Config, tokenizer: Tokenizer.Config, *, validation: bool,
+                  timeout: float = DATASET_CHECK_TIMEOUT_S) -> list[str]:
+    """What would stop a run from reading its data, one message per problem (empty when ready)."""
+    problems = []
+    if tokenizer.path is not None:
+        try:
+            locate_tokenizer(tokenizer.path, missing_hint=tokenizer_fetch_hint(tokenizer.path))
+        except TokenizerError as error:
+            problems.append(str(error))
+    try:
+        _check_source(data, timeout=timeout)
+        if validation and data.validation_files is not None:
+            resolve_files(data.validation_files, f"data.validation_files={data.validation_files!r}")
+    except (DataSourceError, HubAccessError) as error:
+        problems.append(str(error))
+    return problems
+
+
+def require_data(data: TextDataLoader.Config, tokenizer: Tokenizer.Config, *, validation: bool) -> None:
+    """Raise ``DataNotReadyError`` listing every problem. Under torchrun only local rank 0 asks (one hub
+    request per node, not per GPU); when it fails, torchrun stops the node's other ranks."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
+    problems = data_problems(data, tokenizer, validation=validation)
+    if problems:
+        raise DataNotReadyError(not_ready_text(problems))
+
+
+def not_ready_text(problems: list[str]) -> str:
+    return "the run's data is not ready:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+def _check_source(data: TextDataLoader.Config, *, timeout: float) -> None:
+    kind = source_kind(data.dataset)
+    if kind == "files":
+        resolve_files(data.dataset, f"data.dataset={data.dataset!r}")
+    elif kind == "hub" and (data.streaming or not hub_offline()):
+        # Offline, a map-style hub dataset may still be in the datasets cache; streaming never works offline.
+        check_hub_dataset(data.dataset, data.dataset_config, timeout=timeout)
