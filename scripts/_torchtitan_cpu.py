@@ -1,5 +1,5 @@
 """Runs inside the separate torchtitan virtual environment made by scripts/torchtitan_side_by_side.py
-(it imports torchtitan and the ``tokenizers`` package, neither of which this project depends on).
+(it imports torchtitan, which this project does not depend on, and the ``tokenizers`` package).
 
     python _torchtitan_cpu.py tokenizer OUT_DIR VOCAB_SIZE FILE.jsonl...
         byte-level BPE tokenizer.json + tokenizer_config.json, trained on the "text" field of the files
