@@ -62,3 +62,11 @@ def test_a_launch_without_its_tokenizer_and_dataset_stops_before_torchrun(cli, t
     assert f"download_hf_assets.py --repo meta-llama/Llama-3.1-8B --output {tokenizer}" in err
     assert "`--data.dataset embedded --tokenizer.path none`" in err
     assert "rank0" not in result.stdout + err  # no worker was started
+
+
+def test_the_slurm_submit_check_requires_the_data(cli, tmp_path):
+    """scripts/slurm_multinode.sh checks on the submitting host (no GPUs there) with TORCHTITAN_LITE_REQUIRE_DATA."""
+    result = cli(["--config", "llama3_debug", "--tokenizer.path", str(tmp_path / "tok"), "--check-config"],
+                 launcher="train.py", TORCHTITAN_LITE_REQUIRE_DATA="1")
+    assert result.returncode == 2
+    assert f"error: the run's data is not ready:\n  - tokenizer.path='{tmp_path / 'tok'}' does not exist" in result.stderr
