@@ -16,8 +16,8 @@ c. ``scripts/benchmark.py``: an 8B-width model cut to 4 layers at seq 8192, BF16
 d. ``scripts/loss_compare.py``: 200 steps of llama3_debug_bf16 vs llama3_debug_fp8 on CUDA, with the
    script's default tolerance (the one used on CPU).
 
-With ``--wheels DIR`` the wheels in DIR (scripts/fetch_gpu_wheels.sh) are installed into the
-interpreter first, offline (``pip install --no-index --no-deps``). Everything is written under
+With ``--wheels DIR`` the wheels in DIR and its subfolders (scripts/fetch_gpu_wheels.sh) are installed
+into the interpreter first, offline (``pip install --no-index --no-deps``). Everything is written under
 ``--out``: one log per stage, summary.json, and BENCHMARKS_section.md to paste into BENCHMARKS.md.
 The targets (FP8 tensorwise >= 1.25x BF16 tokens/s, BF16 MFU >= 40%) are reported, not enforced:
 a stage fails when its command fails, not when a speed target is missed.
@@ -103,7 +103,7 @@ def build_stages(python: str, out: Path) -> list[Stage]:
 
 def wheel_install_command(python: str, wheels: Path) -> list[str]:
     return [python, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
-            *sorted(str(p) for p in wheels.glob("*.whl"))]
+            *sorted(str(p) for p in wheels.rglob("*.whl"))]
 
 
 def _pytest_figure(out: Path, log: str) -> tuple[bool, str]:
@@ -221,12 +221,19 @@ def environment(python: str) -> dict[str, str]:
 
 
 def missing_modules(python: str) -> list[str]:
-    probe = ("import importlib.util, sys\n"
-             f"print(' '.join(m for m in {REQUIRED_MODULES!r} if importlib.util.find_spec(m) is None))")
+    """Modules the stages need that ``python`` cannot import, each with the error (a version clash shows here)."""
+    probe = ("import importlib, json\n"
+             "bad = []\n"
+             f"for name in {REQUIRED_MODULES!r}:\n"
+             "    try:\n"
+             "        importlib.import_module(name)\n"
+             "    except Exception as err:\n"
+             "        bad.append(f'{name} ({type(err).__name__}: {err})')\n"
+             "print(json.dumps(bad))")
     result = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd="/")
     if result.returncode != 0:
-        return [f"(the interpreter {python} does not run: {result.stderr.strip()[-200:]})"]
-    return result.stdout.split()
+        return [f"(the interpreter {python} does not run: {result.stderr.strip()[-300:]})"]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _interpreter(name: str) -> str:
@@ -292,7 +299,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = set(args.stages) - set("abcd")
     if unknown or not args.stages:
         parser.error(f"--stages takes letters from 'abcd', got {args.stages!r}")
-    if args.wheels is not None and not any(args.wheels.glob("*.whl")):
+    if args.wheels is not None and not any(args.wheels.rglob("*.whl")):
         parser.error(f"--wheels {args.wheels}: no .whl files there; make the folder with scripts/fetch_gpu_wheels.sh DIR")
     return args
 
@@ -324,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     missing = missing_modules(python)
     if missing:
-        print(f"error: {python} cannot import {', '.join(missing)}; set TTL_PYTHON to an interpreter that has them, "
+        print(f"error: {python} cannot import {'; '.join(missing)}. Set TTL_PYTHON to an interpreter that has them, "
               f"or carry wheels made with scripts/fetch_gpu_wheels.sh DIR and pass --wheels DIR", file=sys.stderr)
         return 2
     info = environment(python)
