@@ -6,6 +6,7 @@ import torch
 from _gpu_helpers import float8_converter, mlp, needs_fp8
 
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
+from torchtitan_lite.components.optimizer import OptimizersContainer
 
 pytestmark = [pytest.mark.gpu, needs_fp8]
 
@@ -13,20 +14,8 @@ pytestmark = [pytest.mark.gpu, needs_fp8]
 def _fresh(seed: int):
     model = mlp(seed=seed, dtype=torch.float32)
     float8_converter(param_dtype=torch.float32).convert(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-class _Optimizer:
-    """The optimizer as a checkpoint state (the trainer's OptimizersContainer plays this role)."""
-
-    def __init__(self, opt: torch.optim.Optimizer) -> None:
-        self.opt = opt
-
-    def state_dict(self) -> dict:
-        return self.opt.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state)
+    # The trainer's optimizer container: its state dict creates Adam's moments before a load fills them.
+    return model, OptimizersContainer.Config(lr=1e-3).build(model_parts=[model])
 
 
 def _steps(model, opt, x: torch.Tensor, n: int) -> list[float]:
@@ -42,7 +31,7 @@ def _steps(model, opt, x: torch.Tensor, n: int) -> list[float]:
 
 def _manager(dump, model, opt) -> CheckpointManager:
     return CheckpointManager.Config(enable=True, interval=1).build(
-        dump_folder=str(dump), states={"model": ModelWrapper(model), "optimizer": _Optimizer(opt)})
+        dump_folder=str(dump), states={"model": ModelWrapper(model), "optimizer": opt})
 
 
 def test_dcp_resume_of_a_cuda_float8_model_repeats_the_losses(tmp_path):

@@ -82,10 +82,11 @@ def test_compiled_float8_llama_block_trains_close_to_bfloat16():
     out_c, out_r = compiled(x_c, rope), reference(x_r, rope)
     out_c.backward(grad_out)
     out_r.backward(grad_out)
-    # FP8 against BF16 (not emulation): e4m3 operands carry ~3.6% RMS rounding, e5m2 gradients ~6%, and the
-    # residual stream carries x through unchanged, so the block output is much closer than one Linear.
-    assert rel_err(out_c, out_r) < 0.05
-    assert rel_err(x_c.grad, x_r.grad) < 0.10
+    # FP8 against BF16 (not emulation): e4m3 operands carry ~3.6% RMS rounding, e5m2 gradients ~6%, but the
+    # residual stream carries x through unchanged, so the block is much closer than one Linear (eager FP8
+    # tensorwise vs float32 on CPU, same shapes: 0.3% output, 0.6% input gradient); bf16 adds ~0.4%.
+    assert rel_err(out_c, out_r) < 0.03
+    assert rel_err(x_c.grad, x_r.grad) < 0.06
 
 
 def _rope(args):

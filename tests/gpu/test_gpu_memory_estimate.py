@@ -1,6 +1,8 @@
 """The memory estimate against torch.cuda.max_memory_allocated for one training step on one GPU."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -36,6 +38,8 @@ def _config(float8: bool, ac: str) -> Trainer.Config:
 
 def _measured_peak(cfg: Trainer.Config, run) -> int:
     """Peak allocated bytes of the second step (the first one creates the optimizer state)."""
+    gc.collect()  # the previous case's model and optimizer must not count here
+    torch.cuda.empty_cache()
     with torch.device("meta"):
         model = run.model_spec.model_cls(run.model_args)
     run.converters.convert(model)

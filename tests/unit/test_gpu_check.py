@@ -108,3 +108,17 @@ def test_a_failing_stage_does_not_stop_the_next_and_lands_in_the_markdown(tmp_pa
     assert "- device: 1 x NVIDIA H100 80GB HBM3, driver 570.1, CUDA 13.0" in text
     assert "- torch 2.11.0, torchao 0.18.0; commit abc1234; 2026-11-24 07:00 UTC" in text
     assert "| a. fails | **FAIL** | exit 3; boom |" in text and "| b. passes | pass | fine |" in text
+
+
+def test_a_subset_of_stages_shares_the_budget_and_merges_with_earlier_results(tmp_path):
+    stages = gpu_check.build_stages("python", tmp_path)
+    assert [s.timeout_s for s in gpu_check.select_stages(stages, "abcd")] == [s.timeout_s for s in stages]
+    assert [(s.key, s.timeout_s) for s in gpu_check.select_stages(stages, "b")] == [("b", gpu_check.BUDGET_S)]
+
+    def result(key: str, figure: str) -> gpu_check.StageResult:
+        return gpu_check.StageResult(key, key, "cmd", True, figure, 1.0, 0, f"{key}.log")
+
+    earlier = [result("a", "first a"), result("b", "first b")]
+    (tmp_path / "summary.json").write_text(json.dumps({"stages": [vars(r) for r in earlier]}))
+    merged = gpu_check.merge_results(tmp_path, [result("b", "second b"), result("c", "c")])
+    assert [(r.key, r.figure) for r in merged] == [("a", "first a"), ("b", "second b"), ("c", "c")]

@@ -5,7 +5,9 @@
     TTL_PYTHON=/opt/py/bin/python scripts/gpu_check.sh --wheels /data/wheels --out /data/gpu_run
 
 Stages, in order (each in its own process with its own time limit; a failed stage does not stop the
-next; the exit status is 1 if any failed):
+next; the exit status is 1 if any failed). ``--stages`` runs some of them, with the 9 minutes shared
+among those; results of other stages already in the same ``--out`` folder are kept in the report, so
+``--stages ab`` then ``--stages cd`` into one folder gives the same report as one run:
 
 a. ``pytest -m gpu tests/gpu``: the tests that exist only for CUDA (real ``_scaled_mm`` vs emulation,
    compiled FP8, FSDP2 float8 all-gather, TP float8 styles, DCP, FP16 scaler, memory estimate).
@@ -25,6 +27,7 @@ a stage fails when its command fails, not when a speed target is missed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -84,21 +87,42 @@ def build_stages(python: str, out: Path) -> list[Stage]:
     return [
         Stage("a", "pytest", "pytest -m gpu (CUDA-only tests)",
               [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "-rs",
-               f"--junitxml={out / 'a_pytest.xml'}"], 105, _pytest_figure),
+               f"--junitxml={out / 'a_pytest.xml'}"], 135, _pytest_figure),
         Stage("b", "float8_layer_bench", "float8 Linear bench, llama3_8b shapes, compiled",
-              [python, str(scripts / "float8_layer_bench.py"), "--shapes", "llama3_8b"], 120, _layer_bench_figure),
+              [python, str(scripts / "float8_layer_bench.py"), "--shapes", "llama3_8b"], 100, _layer_bench_figure),
         Stage("c", "benchmark", f"training throughput, 8B width x {BENCH_LAYERS} layers, seq 8192, compiled",
               [python, str(scripts / "benchmark.py"), "--configs", *BENCH_CONFIGS, "--baseline", BENCH_CONFIGS[0],
                "--warmup", "3", "--steps", "10", "--model.n_layers", str(BENCH_LAYERS), "--training.seq_len", "8192",
                "--training.local_batch_size", "1", "--compile.enable", "true",
                "--metrics.enable_tensorboard", "false", "--title", f"llama3_8b width, {BENCH_LAYERS} layers, seq 8192",
                "--out-md", str(out / "c_benchmark.md"), "--json-out", str(out / "c_benchmark.json"),
-               "--png", str(out / "c_benchmark.png"), "--logs", str(out / "c_logs")], 240, _benchmark_figure),
+               "--png", str(out / "c_benchmark.png"), "--logs", str(out / "c_logs")], 230, _benchmark_figure),
         Stage("d", "loss_compare", "loss curves, llama3_debug_bf16 vs llama3_debug_fp8, 200 steps",
               [python, str(scripts / "loss_compare.py"), "--configs", "llama3_debug_bf16", "llama3_debug_fp8",
                "--steps", "200", "--out", str(out / "d_loss_compare.png"), "--table", str(out / "d_loss_compare.md"),
                "--dump-root", str(out / "d_runs")], 75, _loss_figure),
     ]
+
+
+def select_stages(stages: list[Stage], keys: str) -> list[Stage]:
+    """The stages named in ``keys``, their limits scaled so that they share the whole budget.
+
+    Run alone (``--stages b``), a stage gets all 9 minutes; all four get their default shares.
+    """
+    chosen = [s for s in stages if s.key in keys]
+    scale = BUDGET_S / sum(s.timeout_s for s in chosen)
+    return [dataclasses.replace(s, timeout_s=int(s.timeout_s * scale)) for s in chosen]
+
+
+def merge_results(out: Path, results: list[StageResult]) -> list[StageResult]:
+    """This call's results plus those of stages an earlier call wrote into the same folder (by stage)."""
+    merged = {}
+    summary = out / "summary.json"
+    if summary.exists():
+        for earlier in json.loads(summary.read_text())["stages"]:
+            merged[earlier["key"]] = StageResult(**earlier)
+    merged.update((r.key, r) for r in results)
+    return [merged[key] for key in sorted(merged)]
 
 
 def wheel_install_command(python: str, wheels: Path) -> list[str]:
@@ -309,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     python = _interpreter(os.environ.get("TTL_PYTHON") or sys.executable)
     out = (args.out or default_out()).resolve()
-    stages = [s for s in build_stages(python, out) if s.key in args.stages]
+    stages = select_stages(build_stages(python, out), args.stages)
     setup = wheel_install_command(python, args.wheels) if args.wheels else None
     if args.plan:
         print(f"# gpu_check plan: output under {out}; interpreter {python}; stage limits add up to "
@@ -344,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    results = [run_stage(stage, out, env) for stage in stages]
+    results = merge_results(out, [run_stage(stage, out, env) for stage in stages])
 
     command = shlex.join(["scripts/gpu_check.sh", *argv])
     section = markdown_section(results, info, command, out)
