@@ -136,6 +136,8 @@ def _pytest_figure(out: Path, log: str) -> tuple[bool, str]:
         return False, "no junit report (pytest did not run)"
     suites = ET.parse(xml).getroot()
     suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
+    if suite is None:
+        return False, "junit report without a test suite"
     total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
     passed = total - failed - errors - skipped
     text = f"{passed} passed, {failed} failed, {errors} errors, {skipped} skipped"
