@@ -226,28 +226,9 @@ def run_stage(stage: Stage, out: Path, env: dict[str, str]) -> StageResult:
     return result
 
 
-def environment(python: str) -> dict[str, str]:
-    """Device, driver and library versions, asked of the interpreter the stages run with."""
-    probe = ("import json, torch, torchao\n"
-             "n = torch.cuda.device_count()\n"
-             "print(json.dumps({'device': torch.cuda.get_device_name(0) if n else 'no CUDA device', 'gpus': str(n),\n"
-             "  'torch': torch.__version__, 'cuda': str(torch.version.cuda), 'torchao': torchao.__version__}))")
-    info = {"device": "unknown", "gpus": "0", "torch": "unknown", "cuda": "unknown", "torchao": "unknown"}
-    probe_run = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd="/")
-    if probe_run.returncode == 0:
-        info |= json.loads(probe_run.stdout.strip().splitlines()[-1])
-    info["driver"] = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or "unknown"
-    info["commit"] = _command_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]) or "unknown"
-    dirty = _command_output(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"])
-    if dirty:
-        info["commit"] += " (with uncommitted changes)"
-    info["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    info["python"] = python
-    return info
-
-
-def missing_modules(python: str) -> list[str]:
-    """Modules the stages need that ``python`` cannot import, each with the error (a version clash shows here)."""
+def probe_interpreter(python: str) -> tuple[list[str], dict[str, str]]:
+    """Modules the stages need that ``python`` cannot import (each with its error: a version clash shows
+    here), and the device, driver and library versions, asked of that interpreter in one process."""
     probe = ("import importlib, json\n"
              "bad = []\n"
              f"for name in {REQUIRED_MODULES!r}:\n"
@@ -255,11 +236,24 @@ def missing_modules(python: str) -> list[str]:
              "        importlib.import_module(name)\n"
              "    except Exception as err:\n"
              "        bad.append(f'{name} ({type(err).__name__}: {err})')\n"
-             "print(json.dumps(bad))")
+             "info = {}\n"
+             "if not bad:\n"
+             "    import torch, torchao\n"
+             "    n = torch.cuda.device_count()\n"
+             "    info = {'device': torch.cuda.get_device_name(0) if n else 'no CUDA device', 'gpus': str(n),\n"
+             "            'torch': torch.__version__, 'cuda': str(torch.version.cuda), 'torchao': torchao.__version__}\n"
+             "print(json.dumps([bad, info]))")
     result = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd="/")
     if result.returncode != 0:
-        return [f"(the interpreter {python} does not run: {result.stderr.strip()[-300:]})"]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+        return [f"(the interpreter {python} does not run: {result.stderr.strip()[-300:]})"], {}
+    missing, info = json.loads(result.stdout.strip().splitlines()[-1])
+    info["driver"] = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or "unknown"
+    info["commit"] = _command_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]) or "unknown"
+    if _command_output(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"]):
+        info["commit"] += " (with uncommitted changes)"
+    info["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    info["python"] = python
+    return missing, info
 
 
 def _interpreter(name: str) -> str:
@@ -355,12 +349,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: installing the wheels failed (exit {installed.returncode}):\n{installed.stderr[-2000:]}",
                   file=sys.stderr)
             return 2
-    missing = missing_modules(python)
+    missing, info = probe_interpreter(python)
     if missing:
         print(f"error: {python} cannot import {'; '.join(missing)}. Set TTL_PYTHON to an interpreter that has them, "
               f"or carry wheels made with scripts/fetch_gpu_wheels.sh DIR and pass --wheels DIR", file=sys.stderr)
         return 2
-    info = environment(python)
     if info["gpus"] == "0":
         print(f"error: {python} sees no CUDA device (torch {info['torch']}, CUDA {info['cuda']}); this check needs "
               f"one or more GPUs. Use --plan to see what it would run", file=sys.stderr)
