@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     stages = select_stages(build_stages(python, out), args.stages)
     setup = wheel_install_command(python, args.wheels) if args.wheels else None
     if args.plan:
-        print(f"# gpu_check plan: output under {out}; interpreter {python}; stage limits add up to "
+        print(f"# gpu_check plan: run from {REPO} with PYTHONPATH={REPO}; output under {out}; interpreter {python}; "
+              f"stage limits add up to "
               f"{sum(s.timeout_s for s in stages)} s (budget {BUDGET_S} s)")
         if setup:
             print(f"# setup: install the carried wheels\n{shlex.join(setup)}")
