@@ -22,7 +22,7 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
   # Without a GPU take the CPU wheel explicitly: an unpinned torch resolves to a multi-GB CUDA build.
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-    "${pip[@]}" "torch>=2.13,<2.15" >&2
+    "${pip[@]}" "torch>=2.11,<2.15" >&2
   else
     "${pip[@]}" "torch==2.13.0" >&2
   fi

@@ -8,3 +8,16 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import models  # noqa: E402, F401
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` (tests/gpu) are collected everywhere and skipped, with the reason, without CUDA."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -22,6 +22,7 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training, preco
 
 from models.llama3.model import Llama3ModelArgs, Transformer
 from models.llama3.parallelize import parallelize_llama
+from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
@@ -122,8 +123,10 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
     with torch.device("meta"):
         model = Transformer(TINY)
     if run.float8:
+        # emulate: as the converter does where the CPU _scaled_mm takes per-tensor scales only (torch 2.11).
         fp8_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(run.float8),
-                                         enable_fsdp_float8_all_gather=run.fp8_all_gather and dims.fsdp_enabled)
+                                         enable_fsdp_float8_all_gather=run.fp8_all_gather and dims.fsdp_enabled,
+                                         emulate=float8_recipe_needs_emulation(run.float8, "cpu") is not None)
         # The vocabulary projection stays in high precision, as in the project's float8 configs.
         convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda m, fqn: fqn != "output" and not any(
             keep in fqn for keep in run.float8_keep_hp))

@@ -132,7 +132,8 @@ def test_benchmark_cli_runs_two_tiny_steps_with_bare_loop(tmp_path):
     out_md, png = tmp_path / "BENCH.md", tmp_path / "bench.png"
     cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--configs", "llama3_debug", "--warmup", "1",
            "--steps", "2", "--bare-loop", "--cpu-peak-tflops", "0.1", "--out-md", str(out_md), "--png", str(png),
-           "--logs", str(tmp_path / "logs"), "--model.n_layers", "1", "--training.seq_len", "32",
+           "--json-out", str(tmp_path / "rows.json"), "--logs", str(tmp_path / "logs"), "--model.n_layers", "1",
+           "--training.seq_len", "32",
            "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false"]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -144,3 +145,7 @@ def test_benchmark_cli_runs_two_tiny_steps_with_bare_loop(tmp_path):
     bare = json.loads((tmp_path / "logs" / "llama3_debug.0.bare.json").read_text())
     assert bare["steps"] == 2 and bare["tokens_per_s"] > 0 and bare["trainer_tokens_per_s"] > 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows["baseline"] == "llama3_debug" and rows["mfu_against"] == "a given CPU peak of 0.100 TFLOP/s"
+    assert [r["config"] for r in rows["rows"]] == ["llama3_debug"] and rows["rows"][0]["speedup"] == 1.0
+    assert rows["rows"][0]["peak_memory_gib"] > 0

@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
+from torchtitan_lite.compat import all_gather_single
+
 FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
 
 
@@ -38,8 +40,7 @@ class ByteViewAllGather(AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
-        return dist.all_gather_single(as_bytes(output_tensor), as_bytes(input_tensor), group=group,
-                                      async_op=async_op)
+        return all_gather_single(as_bytes(output_tensor), as_bytes(input_tensor), group=group, async_op=async_op)
 
 
 def use_byte_view_all_gather(model: nn.Module) -> int:

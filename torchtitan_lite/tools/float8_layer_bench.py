@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -98,10 +99,15 @@ def make_variant(recipe: str | None, k: int, n: int, dtype: torch.dtype, device:
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
+    from torchtitan_lite.compat import float8_recipe_needs_emulation
+
     torch.manual_seed(0)
     module: nn.Module = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
     if recipe is not None:
-        module = Float8Linear.from_float(copy.deepcopy(module), config=Float8LinearConfig.from_recipe_name(recipe))
+        # A torch whose CPU _scaled_mm lacks rowwise scales emulates them (the CPU table only shows the code runs).
+        emulate = float8_recipe_needs_emulation(recipe, device.type) is not None
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+        module = Float8Linear.from_float(copy.deepcopy(module), config=config)
     return cast(nn.Module, torch.compile(module)) if compile else module  # compiling a Module gives a Module
 
 

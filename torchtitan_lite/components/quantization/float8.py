@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
+from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.quantization.float8_plan import (
     AUTO_FILTER_SMALL_KN,
     PlanRow,
@@ -111,7 +112,7 @@ class Float8LinearConverter(ModelConverter):
         self.float8_config = dataclasses.replace(
             Float8LinearConfig.from_recipe_name(config.recipe_name),
             enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather,
-            emulate=config.emulate,
+            emulate=config.emulate or self._cpu_emulation_needed(),
         )
         self.plan: list[PlanRow] | None = None
 
@@ -149,6 +150,12 @@ class Float8LinearConverter(ModelConverter):
                 "casts and amax/scale computations run as separate eager kernels. Set compile.enable=true "
                 "(with 'model' in compile.components) for speed"
             )
+
+    def _cpu_emulation_needed(self) -> bool:
+        reason = float8_recipe_needs_emulation(self.config.recipe_name, self.context.device_type)
+        if reason is not None and not self.config.emulate:
+            logger.warning("%s: %s", _FIELD, reason)
+        return reason is not None
 
     def _check_hardware(self) -> None:
         if self.config.emulate:

@@ -39,6 +39,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out-md", type=Path, help="write the markdown section here")
     parser.add_argument("--append", action="store_true", help="append to --out-md instead of overwriting it")
     parser.add_argument("--png", type=Path, help="save a bar chart of tokens/s here")
+    parser.add_argument("--json-out", type=Path, help="write the table's rows (and peak memory in GiB) as JSON here")
     parser.add_argument("--logs", type=Path, help="keep the workers' logs in this folder (default: a temp folder)")
     args, overrides = parser.parse_known_args(argv)
     _check(parser, args, overrides)
@@ -138,6 +140,9 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     if args.out_md:
         write_markdown(args.out_md, section, append=args.append)
         print(f"markdown {'appended to' if args.append else 'written to'} {args.out_md}")
+    if args.json_out:
+        _write_json(args.json_out, rows, measurements, info.peak_note, baseline)
+        print(f"rows written to {args.json_out}")
     if args.png:
         save_bar_chart(rows, args.png, title=title, baseline=baseline)
         print(f"chart saved to {args.png}")
@@ -163,10 +168,27 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _write_json(path: Path, rows: list, measurements: list[Measurement], peak_note: str, baseline: str) -> None:
+    out = []
+    for row, m in zip(rows, measurements):
+        out.append(asdict(row) | {"peak_memory_gib": m.peak_memory_gib, "peak_reserved_gib": m.peak_reserved_gib,
+                                  "device": m.device_name})
+    path.write_text(json.dumps({"baseline": baseline, "mfu_against": peak_note, "rows": out}, indent=2) + "\n")
+
+
 def _peak(args: argparse.Namespace, device_type: str) -> tuple[list[str], str]:
     """Overrides that give every worker the same CPU peak, and what MFU is measured against."""
     if device_type == "cuda":
-        return [], "the GPU's dense BF16 peak (device_peaks.py)"
+        import torch
+
+        from torchtitan_lite.components.device_peaks import gpu_bf16_peak_flops
+
+        name = torch.cuda.get_device_name()
+        peak = gpu_bf16_peak_flops(name)
+        if peak is None:
+            return [], (f"nothing: {name} is not in torchtitan_lite/components/device_peaks.py, so MFU is not "
+                        f"reported (add its dense BF16 peak there)")
+        return [], f"the {name}'s dense BF16 peak, {peak / 1e12:.0f} TFLOP/s (device_peaks.py)"
     tflops = args.cpu_peak_tflops
     if tflops is None:
         import torch

@@ -1,0 +1,124 @@
+"""scripts/gpu_check.sh: the plan without a GPU, the refusal without CUDA, and the figures read from each stage."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_lite.tools import gpu_check
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(REPO / "scripts" / "gpu_check.sh"), *args], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, TTL_PYTHON=sys.executable), timeout=600)
+
+
+def test_plan_lists_stages_a_to_d_and_their_commands_within_the_budget(tmp_path):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "torchao-0.18.0-py3-none-any.whl").write_bytes(b"")
+    result = _script("--plan", "--out", str(tmp_path / "out"), "--wheels", str(tmp_path / "w"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    stages = [line for line in lines if line.startswith("# stage ")]
+    assert [s.split(":")[0] for s in stages] == ["# stage a", "# stage b", "# stage c", "# stage d"]
+    commands = [line for line in lines if not line.startswith("#")]
+    assert len(commands) == 5  # the wheel install, then one command per stage
+    assert commands[0].startswith(f"{sys.executable} -m pip install --no-index --no-deps")
+    assert "-m pytest -m gpu tests/gpu" in commands[1]
+    assert "scripts/float8_layer_bench.py --shapes llama3_8b" in commands[2]
+    assert ("scripts/benchmark.py --configs llama3_8b llama3_8b_fp8 llama3_8b_fp8_rowwise --baseline llama3_8b"
+            in commands[3])
+    assert "--model.n_layers 4 --training.seq_len 8192" in commands[3] and "--compile.enable true" in commands[3]
+    assert "scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 --steps 200" in commands[4]
+    assert f"output under {tmp_path / 'out'}" in lines[0]
+    assert sum(s.timeout_s for s in gpu_check.build_stages("python", tmp_path)) <= gpu_check.BUDGET_S
+
+
+def test_stage_c_overrides_resolve_for_every_benchmarked_config():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    command = gpu_check.build_stages("python", Path("/out"))[2].command
+    args, overrides = benchmark.parse_args(command[2:])
+    configs = benchmark._resolve(args.configs, overrides)
+    for cfg in configs.values():
+        assert (cfg.model.n_layers, cfg.training.seq_len, cfg.compile.enable) == (4, 8192, True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_without_cuda_it_refuses_and_points_to_plan(tmp_path):
+    result = _script("--out", str(tmp_path))
+    assert result.returncode == 2
+    assert "sees no CUDA device" in result.stderr and "Use --plan to see what it would run" in result.stderr
+
+
+def test_figures_from_stage_outputs(tmp_path):
+    (tmp_path / "a_pytest.xml").write_text(
+        '<testsuites><testsuite name="pytest" errors="0" failures="0" skipped="2" tests="13"></testsuite></testsuites>')
+    assert gpu_check._pytest_figure(tmp_path, "") == (True, "11 passed, 0 failed, 0 errors, 2 skipped")
+    (tmp_path / "a_pytest.xml").write_text('<testsuite errors="0" failures="0" skipped="3" tests="3"></testsuite>')
+    assert gpu_check._pytest_figure(tmp_path, "")[0] is False  # nothing ran on a GPU machine: a failure
+
+    bench_log = ("| layer | M | K | N | bfloat16 ms | bfloat16 TFLOP/s | tensorwise ms | tensorwise speedup | "
+                 "rowwise ms | rowwise speedup |\n|---|---:|\n| all (sum) | | | | 10.0 | | 7.0 | 1.43x | 8.0 | 1.25x |\n")
+    assert gpu_check._layer_bench_figure(tmp_path, bench_log) == (
+        True, "sum of the 8B Linears, FP8 over BF16: tensorwise 1.43x, rowwise 1.25x")
+
+    row = dict(tokens_per_s_device=10000.0, tflops_device=400.0, mfu_percent=40.4, peak_memory_gib=30.0,
+               compile_s=50.0)
+    rows = [dict(row, config="llama3_8b", speedup=1.0),
+            dict(row, config="llama3_8b_fp8", speedup=1.2, mfu_percent=48.0),
+            dict(row, config="llama3_8b_fp8_rowwise", speedup=1.1, mfu_percent=None, compile_s=None)]
+    (tmp_path / "c_benchmark.json").write_text(json.dumps({"rows": rows}))
+    ok, figure = gpu_check._benchmark_figure(tmp_path, "")
+    assert ok and figure.startswith("llama3_8b: 10,000 tok/s, 400 TFLOP/s, MFU 40.4%, 30.0 GiB, compile 50 s, 1.00x; ")
+    assert "llama3_8b_fp8_rowwise: 10,000 tok/s, 400 TFLOP/s, MFU n/a, 30.0 GiB, 1.10x" in figure
+    assert figure.endswith("target FP8 tensorwise >= 1.25x: MISSED, target BF16 MFU >= 40%: met")
+
+    loss_log = ("baseline llama3_debug_bf16; mean over the last 20 common steps (181..200):\n"
+                "  llama3_debug_bf16: mean |gap| 0.0000, mean gap +0.0000, final gap +0.0000 -> ok\n"
+                "  llama3_debug_fp8: mean |gap| 0.0123, mean gap +0.0100, final gap +0.0090 -> ok\n")
+    ok, figure = gpu_check._loss_figure(tmp_path, loss_log)
+    assert ok and "llama3_debug_fp8 mean |loss gap| 0.0123 nats (ok)" in figure
+
+
+def test_a_failing_stage_does_not_stop_the_next_and_lands_in_the_markdown(tmp_path):
+    def figure(out: Path, log: str) -> tuple[bool, str]:
+        return True, log.strip()
+
+    failing = gpu_check.Stage("a", "fails", "fails", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], 30,
+                              figure)
+    passing = gpu_check.Stage("b", "passes", "passes", [sys.executable, "-c", "print('fine')"], 30, figure)
+    results = [gpu_check.run_stage(s, tmp_path, dict(os.environ)) for s in (failing, passing)]
+    assert [(r.passed, r.exit_code, r.figure) for r in results] == [(False, 3, "exit 3; boom"), (True, 0, "fine")]
+    assert (tmp_path / "a_fails.log").read_text() == "boom\n"
+    info = dict(gpus="1", device="NVIDIA H100 80GB HBM3", driver="570.1", cuda="13.0", torch="2.11.0",
+                torchao="0.18.0", commit="abc1234", date="2026-11-24 07:00 UTC")
+    text = gpu_check.markdown_section(results, info, "scripts/gpu_check.sh", tmp_path)
+    assert "## GPU acceptance run on 1 x NVIDIA H100 80GB HBM3 (2026-11-24 07:00 UTC)" in text
+    assert "- device: 1 x NVIDIA H100 80GB HBM3, driver 570.1, CUDA 13.0" in text
+    assert "- torch 2.11.0, torchao 0.18.0; commit abc1234; 2026-11-24 07:00 UTC" in text
+    assert "| a. fails | **FAIL** | exit 3; boom |" in text and "| b. passes | pass | fine |" in text
+
+
+def test_a_subset_of_stages_shares_the_budget_and_merges_with_earlier_results(tmp_path):
+    stages = gpu_check.build_stages("python", tmp_path)
+    assert [s.timeout_s for s in gpu_check.select_stages(stages, "abcd")] == [s.timeout_s for s in stages]
+    assert [(s.key, s.timeout_s) for s in gpu_check.select_stages(stages, "b")] == [("b", gpu_check.BUDGET_S)]
+
+    def result(key: str, figure: str) -> gpu_check.StageResult:
+        return gpu_check.StageResult(key, key, "cmd", True, figure, 1.0, 0, f"{key}.log")
+
+    earlier = [result("a", "first a"), result("b", "first b")]
+    (tmp_path / "summary.json").write_text(json.dumps({"stages": [vars(r) for r in earlier]}))
+    merged = gpu_check.merge_results(tmp_path, [result("b", "second b"), result("c", "c")])
+    assert [(r.key, r.figure) for r in merged] == [("a", "first a"), ("b", "second b"), ("c", "c")]

@@ -1,0 +1,382 @@
+"""GPU acceptance run: the CUDA tests, FP8 layer speed, 8B-width training throughput and an FP8 loss check.
+
+    scripts/gpu_check.sh                        # everything, into gpu_check/<date>-<commit>/
+    scripts/gpu_check.sh --plan                 # print the commands and exit (works without a GPU)
+    TTL_PYTHON=/opt/py/bin/python scripts/gpu_check.sh --wheels /data/wheels --out /data/gpu_run
+
+Stages, in order (each in its own process with its own time limit; a failed stage does not stop the
+next; the exit status is 1 if any failed). ``--stages`` runs some of them, with the 9 minutes shared
+among those; results of other stages already in the same ``--out`` folder are kept in the report, so
+``--stages ab`` then ``--stages cd`` into one folder gives the same report as one run:
+
+a. ``pytest -m gpu tests/gpu``: the tests that exist only for CUDA (real ``_scaled_mm`` vs emulation,
+   compiled FP8, FSDP2 float8 all-gather, TP float8 styles, DCP, FP16 scaler, memory estimate).
+b. ``scripts/float8_layer_bench.py --shapes llama3_8b``: each Linear of an 8B block, BF16 vs each FP8
+   recipe, compiled.
+c. ``scripts/benchmark.py``: an 8B-width model cut to 4 layers at seq 8192, BF16, FP8 tensorwise and
+   FP8 rowwise, all compiled: tokens/s, TFLOP/s, MFU, peak memory, cold compile time, speedup.
+d. ``scripts/loss_compare.py``: 200 steps of llama3_debug_bf16 vs llama3_debug_fp8 on CUDA, with the
+   script's default tolerance (the one used on CPU).
+
+With ``--wheels DIR`` the wheels in DIR and its subfolders (scripts/fetch_gpu_wheels.sh) are installed
+into the interpreter first, offline (``pip install --no-index --no-deps``). Everything is written under
+``--out``: one log per stage, summary.json, and BENCHMARKS_section.md to paste into BENCHMARKS.md.
+The targets (FP8 tensorwise >= 1.25x BF16 tokens/s, BF16 MFU >= 40%) are reported, not enforced:
+a stage fails when its command fails, not when a speed target is missed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BUDGET_S = 9 * 60
+"""The whole run fits in 9 minutes on one H100; the stage limits below add up to this."""
+BENCH_CONFIGS = ("llama3_8b", "llama3_8b_fp8", "llama3_8b_fp8_rowwise")
+BENCH_LAYERS = 4
+TARGET_FP8_SPEEDUP = 1.25
+TARGET_BF16_MFU = 40.0
+REQUIRED_MODULES = ("torch", "torchao", "datasets", "sentencepiece", "tensorboard", "safetensors", "pytest",
+                    "matplotlib", "numpy")
+
+
+@dataclass
+class Stage:
+    key: str
+    name: str
+    """Short name: the log is <key>_<name>.log in the output folder."""
+    title: str
+    command: list[str]
+    timeout_s: int
+    figure: Callable[[Path, str], tuple[bool, str]]
+    """Reads the stage's outputs (its folder and its log text) -> (figures look sound, figure text)."""
+
+
+@dataclass
+class StageResult:
+    key: str
+    title: str
+    command: str
+    passed: bool
+    figure: str
+    seconds: float
+    exit_code: int | None
+    log: str
+    details: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# The stages
+
+
+def build_stages(python: str, out: Path) -> list[Stage]:
+    scripts = REPO / "scripts"
+    return [
+        Stage("a", "pytest", "pytest -m gpu (CUDA-only tests)",
+              [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "-rs",
+               f"--junitxml={out / 'a_pytest.xml'}"], 135, _pytest_figure),
+        Stage("b", "float8_layer_bench", "float8 Linear bench, llama3_8b shapes, compiled",
+              [python, str(scripts / "float8_layer_bench.py"), "--shapes", "llama3_8b"], 100, _layer_bench_figure),
+        Stage("c", "benchmark", f"training throughput, 8B width x {BENCH_LAYERS} layers, seq 8192, compiled",
+              [python, str(scripts / "benchmark.py"), "--configs", *BENCH_CONFIGS, "--baseline", BENCH_CONFIGS[0],
+               "--warmup", "3", "--steps", "10", "--model.n_layers", str(BENCH_LAYERS), "--training.seq_len", "8192",
+               "--training.local_batch_size", "1", "--compile.enable", "true",
+               "--metrics.enable_tensorboard", "false", "--title", f"llama3_8b width, {BENCH_LAYERS} layers, seq 8192",
+               "--out-md", str(out / "c_benchmark.md"), "--json-out", str(out / "c_benchmark.json"),
+               "--png", str(out / "c_benchmark.png"), "--logs", str(out / "c_logs")], 230, _benchmark_figure),
+        Stage("d", "loss_compare", "loss curves, llama3_debug_bf16 vs llama3_debug_fp8, 200 steps",
+              [python, str(scripts / "loss_compare.py"), "--configs", "llama3_debug_bf16", "llama3_debug_fp8",
+               "--steps", "200", "--out", str(out / "d_loss_compare.png"), "--table", str(out / "d_loss_compare.md"),
+               "--dump-root", str(out / "d_runs")], 75, _loss_figure),
+    ]
+
+
+def select_stages(stages: list[Stage], keys: str) -> list[Stage]:
+    """The stages named in ``keys``, their limits scaled so that they share the whole budget.
+
+    Run alone (``--stages b``), a stage gets all 9 minutes; all four get their default shares.
+    """
+    chosen = [s for s in stages if s.key in keys]
+    scale = BUDGET_S / sum(s.timeout_s for s in chosen)
+    return [dataclasses.replace(s, timeout_s=int(s.timeout_s * scale)) for s in chosen]
+
+
+def merge_results(out: Path, results: list[StageResult]) -> list[StageResult]:
+    """This call's results plus those of stages an earlier call wrote into the same folder (by stage)."""
+    merged = {}
+    summary = out / "summary.json"
+    if summary.exists():
+        for earlier in json.loads(summary.read_text())["stages"]:
+            merged[earlier["key"]] = StageResult(**earlier)
+    merged.update((r.key, r) for r in results)
+    return [merged[key] for key in sorted(merged)]
+
+
+def wheel_install_command(python: str, wheels: Path) -> list[str]:
+    return [python, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
+            *sorted(str(p) for p in wheels.rglob("*.whl"))]
+
+
+def _pytest_figure(out: Path, log: str) -> tuple[bool, str]:
+    xml = out / "a_pytest.xml"
+    if not xml.exists():
+        return False, "no junit report (pytest did not run)"
+    suites = ET.parse(xml).getroot()
+    suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
+    if suite is None:
+        return False, "junit report without a test suite"
+    total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    passed = total - failed - errors - skipped
+    text = f"{passed} passed, {failed} failed, {errors} errors, {skipped} skipped"
+    # On a CUDA machine every test either runs or names why not (more GPUs); none passing means nothing ran.
+    return passed > 0 and failed == 0 and errors == 0, text
+
+
+def _layer_bench_figure(out: Path, log: str) -> tuple[bool, str]:
+    header = next((line for line in log.splitlines() if line.startswith("| layer |")), None)
+    total = next((line for line in log.splitlines() if line.startswith("| all (sum) |")), None)
+    if header is None or total is None:
+        return False, "no result table in the log"
+    names, cells = _cells(header), _cells(total)
+    speedups = [f"{n.removesuffix(' speedup')} {c}" for n, c in zip(names, cells) if n.endswith(" speedup")]
+    return True, "sum of the 8B Linears, FP8 over BF16: " + ", ".join(speedups)
+
+
+def _benchmark_figure(out: Path, log: str) -> tuple[bool, str]:
+    path = out / "c_benchmark.json"
+    if not path.exists():
+        return False, "no benchmark rows (see c_benchmark.log)"
+    rows = {r["config"]: r for r in json.loads(path.read_text())["rows"]}
+    parts = []
+    for name, r in rows.items():
+        mfu = "MFU n/a" if r["mfu_percent"] is None else f"MFU {r['mfu_percent']:.1f}%"
+        compile_s = "" if r["compile_s"] is None else f", compile {r['compile_s']:.0f} s"
+        parts.append(f"{name}: {r['tokens_per_s_device']:,.0f} tok/s, {r['tflops_device']:.0f} TFLOP/s, {mfu}, "
+                     f"{r['peak_memory_gib']:.1f} GiB{compile_s}, {r['speedup']:.2f}x")
+    return True, "; ".join(parts) + "; " + _targets(rows)
+
+
+def _targets(rows: dict[str, dict]) -> str:
+    """The issue's targets, reported as met or missed (benchmarks are never pass/fail on speed)."""
+    notes = []
+    fp8 = rows.get("llama3_8b_fp8")
+    if fp8 is not None:
+        met = "met" if fp8["speedup"] >= TARGET_FP8_SPEEDUP else "MISSED"
+        notes.append(f"target FP8 tensorwise >= {TARGET_FP8_SPEEDUP}x: {met}")
+    bf16_mfu = rows.get(BENCH_CONFIGS[0], {}).get("mfu_percent")
+    if bf16_mfu is not None:
+        notes.append(f"target BF16 MFU >= {TARGET_BF16_MFU:.0f}%: {'met' if bf16_mfu >= TARGET_BF16_MFU else 'MISSED'}")
+    return ", ".join(notes) or "targets not evaluable"
+
+
+def _loss_figure(out: Path, log: str) -> tuple[bool, str]:
+    gaps = re.findall(r"^\s+(\S+): mean \|gap\| ([0-9.]+).*-> (.*)$", log, flags=re.M)
+    if not gaps:
+        return False, "no loss gap in the log"
+    return True, "; ".join(f"{name} mean |loss gap| {gap} nats ({verdict})" for name, gap, verdict in gaps)
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+# --------------------------------------------------------------------------------------------------
+# Running
+
+
+def run_stage(stage: Stage, out: Path, env: dict[str, str]) -> StageResult:
+    log_path = out / f"{stage.key}_{stage.name}.log"
+    print(f"[{stage.key}] {stage.title}\n    $ {shlex.join(stage.command)}", flush=True)
+    start = time.perf_counter()
+    exit_code: int | None
+    with open(log_path, "w") as log:
+        try:
+            exit_code = subprocess.run(stage.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                       timeout=stage.timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            exit_code = None
+    seconds = time.perf_counter() - start
+    text = log_path.read_text(errors="replace")
+    try:
+        sound, figure = stage.figure(out, text)
+    except (OSError, ValueError, KeyError, ET.ParseError) as err:
+        sound, figure = False, f"could not read the stage's results: {err}"
+    if exit_code is None:
+        sound, figure = False, f"timed out after {stage.timeout_s} s; {figure}"
+    elif exit_code != 0:
+        sound, figure = False, f"exit {exit_code}; {figure}"
+    result = StageResult(stage.key, stage.title, shlex.join(stage.command), sound, figure, seconds, exit_code,
+                         str(log_path.relative_to(out)))
+    print(f"[{stage.key}] {'PASS' if sound else 'FAIL'} in {seconds:.0f} s: {figure}", flush=True)
+    if not sound:
+        print("    last lines of the log:\n" + "".join(f"    {line}\n" for line in text.splitlines()[-15:]), flush=True)
+    return result
+
+
+def probe_interpreter(python: str) -> tuple[list[str], dict[str, str]]:
+    """Modules the stages need that ``python`` cannot import (each with its error: a version clash shows
+    here), and the device, driver and library versions, asked of that interpreter in one process."""
+    probe = ("import importlib, json\n"
+             "bad = []\n"
+             f"for name in {REQUIRED_MODULES!r}:\n"
+             "    try:\n"
+             "        importlib.import_module(name)\n"
+             "    except Exception as err:\n"
+             "        bad.append(f'{name} ({type(err).__name__}: {err})')\n"
+             "info = {}\n"
+             "if not bad:\n"
+             "    import torch, torchao\n"
+             "    n = torch.cuda.device_count()\n"
+             "    info = {'device': torch.cuda.get_device_name(0) if n else 'no CUDA device', 'gpus': str(n),\n"
+             "            'torch': torch.__version__, 'cuda': str(torch.version.cuda), 'torchao': torchao.__version__}\n"
+             "print(json.dumps([bad, info]))")
+    result = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd="/")
+    if result.returncode != 0:
+        return [f"(the interpreter {python} does not run: {result.stderr.strip()[-300:]})"], {}
+    missing, info = json.loads(result.stdout.strip().splitlines()[-1])
+    info["driver"] = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or "unknown"
+    info["commit"] = _command_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]) or "unknown"
+    if _command_output(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"]):
+        info["commit"] += " (with uncommitted changes)"
+    info["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    info["python"] = python
+    return missing, info
+
+
+def _interpreter(name: str) -> str:
+    """Absolute path of the interpreter (the stages run from the repository, probes from /)."""
+    found = shutil.which(name) if os.sep not in name else (name if os.path.exists(name) else None)
+    if found is None:
+        raise SystemExit(f"error: TTL_PYTHON={name} is not an interpreter on this machine; set it to the python "
+                         f"that has torch with CUDA")
+    return os.path.abspath(found)
+
+
+def _command_output(cmd: list[str]) -> str:
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else ""
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def markdown_section(results: list[StageResult], info: dict[str, str], command: str, out: Path) -> str:
+    lines = [f"## GPU acceptance run on {info['gpus']} x {info['device']} ({info['date']})", "",
+             f"- device: {info['gpus']} x {info['device']}, driver {info['driver']}, CUDA {info['cuda']}",
+             f"- torch {info['torch']}, torchao {info['torchao']}; commit {info['commit']}; {info['date']}",
+             f"- command: `{command}`", "",
+             "| stage | result | figure | seconds |", "|---|---|---|---:|"]
+    for r in results:
+        figure = r.figure.replace("|", "\\|")
+        lines.append(f"| {r.key}. {r.title} | {'pass' if r.passed else '**FAIL**'} | {figure} | {r.seconds:.0f} |")
+    for name, heading in (("c_benchmark.md", None), ("d_loss_compare.md", "Loss comparison (stage d)")):
+        path = out / name
+        if path.exists():
+            lines += ["", f"### {heading}" if heading else "", path.read_text().strip()]
+    bench_log = out / "b_float8_layer_bench.log"
+    if bench_log.exists():
+        table = [line for line in bench_log.read_text().splitlines() if line.startswith("|")]
+        if table:
+            lines += ["", "### float8 Linear forward+backward (stage b)", "", *table]
+    return "\n".join(line for line in lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def default_out() -> Path:
+    commit = _command_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]) or "nocommit"
+    return REPO / "gpu_check" / f"{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M}-{commit}"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--plan", action="store_true", help="print the commands it would run and exit 0 (no GPU needed)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default gpu_check/<date>-<commit>)")
+    parser.add_argument("--wheels", type=Path, default=None,
+                        help="install the wheels in this folder first (pip --no-index --no-deps; "
+                             "scripts/fetch_gpu_wheels.sh makes it)")
+    parser.add_argument("--stages", default="abcd", help="which stages to run, e.g. 'cd' (default: abcd)")
+    args = parser.parse_args(argv)
+    unknown = set(args.stages) - set("abcd")
+    if unknown or not args.stages:
+        parser.error(f"--stages takes letters from 'abcd', got {args.stages!r}")
+    if args.wheels is not None and not any(args.wheels.rglob("*.whl")):
+        parser.error(f"--wheels {args.wheels}: no .whl files there; make the folder with scripts/fetch_gpu_wheels.sh DIR")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    python = _interpreter(os.environ.get("TTL_PYTHON") or sys.executable)
+    out = (args.out or default_out()).resolve()
+    stages = select_stages(build_stages(python, out), args.stages)
+    setup = wheel_install_command(python, args.wheels) if args.wheels else None
+    if args.plan:
+        print(f"# gpu_check plan: run from {REPO} with PYTHONPATH={REPO}; output under {out}; interpreter {python}; "
+              f"stage limits add up to "
+              f"{sum(s.timeout_s for s in stages)} s (budget {BUDGET_S} s)")
+        if setup:
+            print(f"# setup: install the carried wheels\n{shlex.join(setup)}")
+        for s in stages:
+            print(f"# stage {s.key}: {s.title} (limit {s.timeout_s} s)\n{shlex.join(s.command)}")
+        return 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    if setup:
+        print(f"[setup] $ {shlex.join(setup)}", flush=True)
+        installed = subprocess.run(setup, capture_output=True, text=True)
+        (out / "setup_wheels.log").write_text(installed.stdout + installed.stderr)
+        if installed.returncode != 0:
+            print(f"error: installing the wheels failed (exit {installed.returncode}):\n{installed.stderr[-2000:]}",
+                  file=sys.stderr)
+            return 2
+    missing, info = probe_interpreter(python)
+    if missing:
+        print(f"error: {python} cannot import {'; '.join(missing)}. Set TTL_PYTHON to an interpreter that has them, "
+              f"or carry wheels made with scripts/fetch_gpu_wheels.sh DIR and pass --wheels DIR", file=sys.stderr)
+        return 2
+    if info["gpus"] == "0":
+        print(f"error: {python} sees no CUDA device (torch {info['torch']}, CUDA {info['cuda']}); this check needs "
+              f"one or more GPUs. Use --plan to see what it would run", file=sys.stderr)
+        return 2
+    print(f"gpu_check: {info['gpus']} x {info['device']}, driver {info['driver']}, torch {info['torch']}, "
+          f"torchao {info['torchao']}, commit {info['commit']}; output in {out}", flush=True)
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    results = merge_results(out, [run_stage(stage, out, env) for stage in stages])
+
+    command = shlex.join(["scripts/gpu_check.sh", *argv])
+    section = markdown_section(results, info, command, out)
+    (out / "BENCHMARKS_section.md").write_text(section)
+    (out / "summary.json").write_text(json.dumps({"environment": info, "command": command,
+                                                  "stages": [asdict(r) for r in results]}, indent=2) + "\n")
+    failed = [r.key for r in results if not r.passed]
+    print(f"\ngpu_check: {len(results) - len(failed)} of {len(results)} stages passed"
+          f"{'; failed: ' + ', '.join(failed) if failed else ''}. Markdown for BENCHMARKS.md: "
+          f"{out / 'BENCHMARKS_section.md'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
