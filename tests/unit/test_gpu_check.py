@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from config_registry import DEFAULT_REGISTRY
 from torchtitan_lite.tools import gpu_check
+from torchtitan_lite.tools.benchmark import runner as benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,14 +44,9 @@ def test_plan_lists_stages_a_to_d_and_their_commands_within_the_budget(tmp_path)
 
 
 def test_stage_c_overrides_resolve_for_every_benchmarked_config():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import benchmark
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
     command = gpu_check.build_stages("python", Path("/out"))[2].command
     args, overrides = benchmark.parse_args(command[2:])
-    configs = benchmark._resolve(args.configs, overrides)
+    configs = benchmark._resolve(args.configs, overrides, DEFAULT_REGISTRY)
     for cfg in configs.values():
         assert (cfg.model.n_layers, cfg.training.seq_len, cfg.compile.enable) == (4, 8192, True)
 
