@@ -15,12 +15,14 @@ Traceback (most recent call last):
 KeyError: 'x'
 """
 
-TORCHRUN = """E1124 06:23:40.685000 16301 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 16319) of binary: /x/python
-Traceback (most recent call last):
+AGENT = ("E1124 06:23:40.685000 16301 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/"
+         "api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 16319) of binary: /x/python\n")
+
+TORCHRUN = AGENT + """Traceback (most recent call last):
   File "<frozen runpy>", line 198, in _run_module_as_main
   File "/x/torch/distributed/launcher/api.py", line 383, in launch_agent
     raise ChildFailedError(
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:{space}
 ============================================================
 train.py FAILED
 ------------------------------------------------------------
@@ -41,7 +43,7 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
 ============================================================
-"""
+""".format(space=" ")  # torchrun prints a trailing space after the exception name
 
 
 def test_child_failed_report_becomes_one_line_and_worker_errors_pass():
