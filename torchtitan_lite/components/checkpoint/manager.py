@@ -436,6 +436,8 @@ class CheckpointManager(Configurable):
             if os.path.exists(marker):
                 os.remove(marker)
             shutil.rmtree(path, ignore_errors=True)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()  # every rank then describes the folder without the partial save
         message = (f"saving checkpoint {path} failed: {failed[0]}. The partial folder was removed; the previous "
                    f"complete checkpoint is kept ({describe_steps(self.folder)})")
         if self.config.on_save_error == "stop":
