@@ -229,7 +229,7 @@ class Trainer(Configurable):
                 t0 = time.perf_counter()
                 loss, grad_norm = self.train_step(batches)
                 if self.health.observe(step, loss):
-                    self.checkpointer.known_good_step = self.health.last_good(self.checkpointer.complete_steps())
+                    self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
                 if step == first_step:
                     compiled = f", of which {compile_seconds():.1f}s cold compile" if cfg.compile.enable else ""
                     logger.info("first step took %.1fs%s", time.perf_counter() - t0, compiled)

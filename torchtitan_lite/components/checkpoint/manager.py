@@ -161,8 +161,8 @@ class CheckpointManager(Configurable):
         self._pending_path: str | None = None
         self._loaded_step: int | None = None
         self._last_saved_step: int | None = None
-        self.known_good_step: int | None = None
-        """Set by the training loop: the newest checkpoint known good, which purging never deletes."""
+        self.known_good: frozenset[int] = frozenset()
+        """Set by the training loop: steps whose checkpoint is known good; purging keeps the newest of them."""
 
     # ----------------------------------------------------------------------------------------------
     # Loading
@@ -390,7 +390,9 @@ class CheckpointManager(Configurable):
             return
         marker.checksum_algorithm, marker.checksums = ALGORITHM, writer.checksums
         marker.write(path)
-        protected = {marker.step} | {s for s in (self._loaded_step, self.known_good_step) if s is not None}
+        protected = {marker.step} | ({self._loaded_step} if self._loaded_step is not None else set())
+        good = [s for s in scan_steps(self.folder)[0] if s in self.known_good]
+        protected |= {max(good)} if good else set()
         purge_old(self.folder, self.config.keep_latest_k, protected)
 
     def _then_mark_complete(self, upload: Future, path: str, marker: Marker, writer: ChecksummingWriter) -> Future:
