@@ -223,16 +223,18 @@ class Trainer(Configurable):
                 step = self.train_state.step
                 if cfg.training.gc_freq > 0 and step % cfg.training.gc_freq == 0:
                     gc.collect(1)
+                t0 = time.perf_counter()
                 # Labelled so profiler traces show the data time per step (tokenisation is on demand).
                 with torch.profiler.record_function("data_loading"):
                     batches = [next(data_iter) for _ in range(self.n_microbatches)]
-                t0 = time.perf_counter()
+                data_s = time.perf_counter() - t0
                 loss, grad_norm = self.train_step(batches)
                 if self.health.observe(step, loss):
                     self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
                 if step == first_step:
-                    compiled = f", of which {compile_seconds():.1f}s cold compile" if cfg.compile.enable else ""
-                    logger.info("first step took %.1fs%s", time.perf_counter() - t0, compiled)
+                    compiled = f", {compile_seconds():.1f}s cold compile" if cfg.compile.enable else ""
+                    logger.info("first step took %.1fs (%.1fs loading data%s)", time.perf_counter() - t0,
+                                data_s, compiled)
                 last = step == cfg.training.steps
                 self.metrics.maybe_log(step, loss=loss, grad_norm=grad_norm, lr=self.lr_schedulers.last_lr,
                                        extra=self._extra_metrics(), force=last)
