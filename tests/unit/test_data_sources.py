@@ -182,7 +182,8 @@ def test_empty_dataset(tmp_path, streaming):
 @pytest.mark.parametrize("streaming", [False, True])
 def test_missing_text_field_lists_the_fields(tmp_path, streaming):
     path = _write(tmp_path / "docs.jsonl", DOCS, "jsonl", field="body")
-    with pytest.raises(DataSourceError, match=r"docs\.jsonl:1: no 'text' field \(fields: \['body', 'id'\]\) .*point data\.text_field"):
+    with pytest.raises(DataSourceError,
+                       match=r"docs\.jsonl:1: no 'text' field \(fields: \['body', 'id'\]\) .*point data\.text_field"):
         load_split(_cfg(dataset=str(path), streaming=streaming), "train")
 
 
