@@ -32,6 +32,7 @@ import torch
 from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 
+from torchtitan_lite.components.data.chunked_encode import encode_documents
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer, to_batch
 from torchtitan_lite.components.data.sources import DataFormat, DataSourceError, load_split
 from torchtitan_lite.config import Configurable
@@ -147,7 +148,7 @@ class TextDataLoader(Configurable):
                         windows, self._buffer = cut_windows(self._buffer, n_windows, window)
                         yield to_batch(windows)
                     return
-                token_lists = self.tokenizer.encode_batch(texts)
+                token_lists = encode_documents(self.tokenizer, texts)
                 # BOS + EOS alone is an empty document; a pass of only those trains on nothing.
                 self._pass_has_content = self._pass_has_content or any(len(t) > 2 for t in token_lists)
                 self._buffer = append_documents(self._buffer, token_lists)
