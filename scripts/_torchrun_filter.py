@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator
 
 _TRACEBACK = "Traceback (most recent call last):"
 _CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
-_AGENT_FAILED = re.compile(r"^E\d{4} .*elastic/multiprocessing/api\.py:\d+\] failed \(exitcode: ")
 _FIELD = re.compile(r"^\s+(\w+)\s*: (.*?)\s*$")
 
 
@@ -35,8 +34,6 @@ def filter_lines(lines: Iterable[str]) -> Iterator[str]:
     held: list[str] = []
     it = iter(lines)
     for line in it:
-        if _AGENT_FAILED.match(line):
-            continue  # repeated by the summary
         if not held:
             if line.rstrip("\n") == _TRACEBACK:
                 held.append(line)

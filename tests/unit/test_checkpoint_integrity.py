@@ -32,9 +32,11 @@ def folder_digest(path: str) -> dict[str, str]:
     return {name: hashlib.sha256(Path(path, name).read_bytes()).hexdigest() for name in sorted(os.listdir(path))}
 
 
-def test_marker_records_a_checksum_per_file_and_tensor(tmp_path):
-    run = Run(str(tmp_path))
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_marker_records_a_checksum_per_file_and_tensor(tmp_path, async_mode):
+    run = Run(str(tmp_path), async_mode=async_mode)
     run.train(2)
+    run.ckpt.wait()
     marker = Marker.read(ckpt_dir(tmp_path, 2))
     assert marker.checksum_algorithm == "xxh3_128"
     files = sorted(n for n in os.listdir(ckpt_dir(tmp_path, 2)) if n != MARKER_NAME)
