@@ -210,7 +210,8 @@ class CheckpointManager(Configurable):
 
     def _newest_verified(self, complete: list[int]) -> int:
         """The newest complete step whose files verify; the ones skipped are reported."""
-        rejected, reasons = [], []
+        rejected: list[int] = []
+        reasons: list[str] = []
         for step in reversed(complete):
             path = step_dir(self.folder, step)
             problems = self._verify(path)
