@@ -66,13 +66,20 @@ def main(argv: list[str]) -> int:
 
         return run_action(cli, registry=DEFAULT_REGISTRY)
 
+    from torchtitan_lite.components.checkpoint import CheckpointError
+    from torchtitan_lite.run_lock import RunLock
     from torchtitan_lite.trainer import NonFiniteLossError
 
+    lock = None
     try:
+        # One process per launch holds the dump folder's lock (global rank 0 is LOCAL_RANK 0 of node 0),
+        # taken before any process-group work so the ranks of one run never refuse each other.
+        if os.environ.get("RANK", "0") == "0":
+            lock = RunLock.acquire(cli.config.job.dump_folder)
         trainer = cli.config.build()
         trainer.train()
         _leave_together()
-    except (ValueError, NonFiniteLossError) as err:
+    except (ValueError, NonFiniteLossError, CheckpointError) as err:
         logging.getLogger("torchtitan_lite").error("%s", err)
         return 1
     finally:
@@ -80,6 +87,8 @@ def main(argv: list[str]) -> int:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
     return 0
 
 

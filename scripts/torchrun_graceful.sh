@@ -16,10 +16,17 @@ if [ $# -lt 2 ]; then
   exit 2
 fi
 py="$1"; shift
+# torchrun's stderr goes through a filter that turns its ~40-line ChildFailedError report into one
+# line naming the failing rank (the rank's own error is printed above it). A FIFO rather than a
+# pipe keeps $! torchrun's pid (signals, exit code) and lets the script wait for the filter's last line.
+fifo_dir="$(mktemp -d)"
+mkfifo "$fifo_dir/stderr"
+"$py" "$(dirname "${BASH_SOURCE[0]}")/_torchrun_filter.py" < "$fifo_dir/stderr" >&2 &
+filter=$!
 # The workers inherit the ignored signals through exec; train.py puts the defaults back.
 ( trap '' TERM USR1
   TORCHTITAN_LITE_RESTORE_SIGNALS=1 exec "$py" -m torch.distributed.run \
-    --signals-to-handle SIGINT,SIGHUP,SIGQUIT "$@" ) &
+    --signals-to-handle SIGINT,SIGHUP,SIGQUIT "$@" 2> "$fifo_dir/stderr" ) &
 launcher=$!
 forward() { pkill "-$1" -P "$launcher" 2>/dev/null || true; }
 trap 'forward TERM' TERM
@@ -31,4 +38,6 @@ while kill -0 "$launcher" 2>/dev/null; do
   status=0
   wait "$launcher" || status=$?
 done
+wait "$filter" 2>/dev/null || true
+rm -rf "$fifo_dir"
 exit "$status"

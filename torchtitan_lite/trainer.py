@@ -37,6 +37,7 @@ from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.compile import compile_seconds, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
+from torchtitan_lite.loss_health import LossHealth
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.resolved_run import resolve_run
@@ -152,6 +153,7 @@ class Trainer(Configurable):
         )
         self.validator = self._build_validator()
         self.watcher = PreemptionWatcher(self.device)
+        self.health = LossHealth()
 
     # ----------------------------------------------------------------------------------------------
     # Construction helpers
@@ -213,6 +215,7 @@ class Trainer(Configurable):
             logger.info("seed checkpoint written to %s", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
             self.close()
             return
+        self.checkpointer.check_storage()
         self.train_state.step = self.checkpointer.load()
         first_step = self.train_state.step + 1
         data_iter = iter(self.dataloader)
@@ -227,14 +230,18 @@ class Trainer(Configurable):
                 step = self.train_state.step
                 if cfg.training.gc_freq > 0 and step % cfg.training.gc_freq == 0:
                     gc.collect(1)
+                t0 = time.perf_counter()
                 # Labelled so profiler traces show the data time per step (tokenisation is on demand).
                 with torch.profiler.record_function("data_loading"):
                     batches = [next(data_iter) for _ in range(self.n_microbatches)]
-                t0 = time.perf_counter()
+                data_s = time.perf_counter() - t0
                 loss, grad_norm = self.train_step(batches)
+                if self.health.observe(step, loss):
+                    self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
                 if step == first_step:
-                    compiled = f", of which {compile_seconds():.1f}s cold compile" if cfg.compile.enable else ""
-                    logger.info("first step took %.1fs%s", time.perf_counter() - t0, compiled)
+                    compiled = f", {compile_seconds():.1f}s cold compile" if cfg.compile.enable else ""
+                    logger.info("first step took %.1fs (%.1fs loading data%s)", time.perf_counter() - t0,
+                                data_s, compiled)
                 last = step == cfg.training.steps
                 self.metrics.maybe_log(step, loss=loss, grad_norm=grad_norm, lr=self.lr_schedulers.last_lr,
                                        extra=self._extra_metrics(), force=last)
@@ -306,8 +313,15 @@ class Trainer(Configurable):
         step = self.train_state.step
         # A background save still writing holds the last good state: finish it before naming it.
         self.checkpointer.wait()
-        last_good = self.checkpointer.last_complete_step()
-        kept = f"the last good checkpoint is step {last_good}" if last_good is not None else "no checkpoint was saved"
+        complete = self.checkpointer.complete_steps()
+        last_good = self.health.last_good(complete)
+        if last_good is not None:
+            kept = f"the last good checkpoint is step {last_good}"
+        elif complete:
+            # Checkpoint N is good once step N+1 trained to a normal loss; none of these has been seen to.
+            kept = f"no checkpoint is known good (none of steps {complete} was followed by a normal loss in this run)"
+        else:
+            kept = "no checkpoint was saved"
         raise NonFiniteLossError(
             f"non-finite {'loss' if not torch.isfinite(torch.tensor(loss)) else 'gradient norm'} at step {step} "
             f"(loss={loss}, grad_norm={grad_norm}); stopping without saving, {kept}. Lower optimizer.lr, "

@@ -15,9 +15,10 @@ INTERVAL = 1
 # diverges: it holds good state, so it must be finished and named, not left behind or skipped.
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_divergence_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, async_mode):
-    # An absurd peak lr without clipping: the loss explodes within a few steps and the gradient
-    # norm becomes NaN (the step varies with the CPU's kernels, so it is read from the message).
-    result = run_cli(["--config", "llama3_debug", *TINY, "--training.steps", "50", "--optimizer.lr", "100",
+    # A high peak lr without clipping: step 2 still trains at a normal loss, then the loss climbs far
+    # out of the spike bounds and the gradient norm becomes non-finite (around step 25 on the reference
+    # CPU; the step varies with the CPU's kernels, so it is read from the message).
+    result = run_cli(["--config", "llama3_debug", *TINY, "--training.steps", "100", "--optimizer.lr", "5",
                       "--training.max_norm", "0", "--checkpoint.enable", "true",
                       "--checkpoint.interval", str(INTERVAL), "--checkpoint.keep_latest_k", "1",
                       "--checkpoint.async_mode", async_mode, "--job.dump_folder", str(tmp_path)],
@@ -28,12 +29,16 @@ def test_divergence_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp
                       r"the last good checkpoint is step (\d+)\. Lower optimizer\.lr", result.stdout)
     assert found, result.stdout[-3000:]
     bad, last_good = int(found[2]), int(found[3])
-    assert bad > INTERVAL, f"diverged at step {bad}, before the first checkpoint: lower optimizer.lr"
-    assert last_good == (bad - 1) // INTERVAL * INTERVAL
+    assert bad > INTERVAL + 1, f"diverged at step {bad}, before a checkpoint could be known good: lower optimizer.lr"
+    # Checkpoint N is good once step N+1 trained to a normal loss: the one just before the bad step never is.
+    assert last_good <= bad - 2
+    losses = {int(m[1]): float(m[2]) for m in re.finditer(r"step\s+(\d+)\s+loss\s+(\S+)", result.stdout)}
+    assert losses[last_good + 1] < 3 * losses[1], losses  # within the spike bounds (3x the running mean at most)
 
-    # Only the last good checkpoint is there (keep_latest_k=1), complete; nothing at or after the bad step.
-    folders = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
-    assert folders == [f"step-{last_good}"]
+    # keep_latest_k=1 keeps the newest checkpoint and, protected from purging, the last good one;
+    # nothing at or after the bad step.
+    folders = {p.name for p in (tmp_path / "checkpoint").iterdir()}
+    assert folders == {f"step-{last_good}", f"step-{bad - 1}"}
     assert (tmp_path / "checkpoint" / f"step-{last_good}" / ".complete").is_file()
     # It holds the state after step `last_good`, all of it finite: a resume starts from sane weights.
     state = read_checkpoint(tmp_path / "checkpoint" / f"step-{last_good}")
@@ -42,3 +47,17 @@ def test_divergence_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp
     assert any(k.startswith("model.") for k in tensors) and any(k.startswith("optimizer.") for k in tensors)
     assert [k for k, v in tensors.items() if not bool(torch.isfinite(v).all())] == []
     assert state["lr_scheduler.last_step"] == last_good
+
+
+def test_a_blown_up_checkpoint_is_never_named_good(tmp_path):
+    # lr 1e3: step 1 trains at the initial loss, its update blows the weights up, step 2's loss shows it.
+    # Checkpoint 1 holds those weights and must not be named as the one to go back to.
+    result = run_cli(["--config", "llama3_debug", *TINY, "--training.steps", "20", "--optimizer.lr", "1e3",
+                      "--training.max_norm", "0", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "true",
+                      "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path)],
+                     launcher="train.py", OMP_NUM_THREADS="1")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    found = re.search(r"non-finite .* at step (\d+) .*stopping without saving, (.*?)\. Lower", result.stdout)
+    assert found, result.stdout[-3000:]
+    assert "last good checkpoint is step 1" not in found[2]
+    assert found[2].startswith("no checkpoint is known good"), found[2]

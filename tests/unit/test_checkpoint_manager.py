@@ -274,8 +274,9 @@ def test_async_failure_is_reported_and_keeps_previous(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dcp, "async_save", failing_async_save)
     run.train(4)
-    with pytest.raises(RuntimeError, match=r"background checkpoint save failed \(OSError: disk full\); the "
-                                           r"previous complete checkpoint is kept: complete steps in .*: \[2\]"):
+    with pytest.raises(CheckpointError, match=r"saving checkpoint .*step-4 failed: OSError: disk full\. The partial "
+                                              r"folder was removed; the previous complete checkpoint is kept "
+                                              r"\(complete steps in .*: \[2\]\)"):
         run.ckpt.close()
     assert scan_steps(str(tmp_path / "checkpoint"))[0] == [2]
 
@@ -420,7 +421,9 @@ def test_pickled_objects_in_checkpoints_are_refused(tmp_path):
     scheduler_state = {**run.sched.state_dict(), "last_epoch": Evil()}
     state = {"model": ModelWrapper(run.model).state_dict(), "lr_scheduler": scheduler_state}
     dcp.save(state, checkpoint_id=path, no_dist=True)
-    b = Run(str(tmp_path), seed=1, exclude_from_loading=["optimizer", "dataloader", "train_state"])
+    # The files no longer match the marker's checksums; skip that check to reach the unpickling guard.
+    b = Run(str(tmp_path), seed=1, exclude_from_loading=["optimizer", "dataloader", "train_state"],
+            verify_checksums=False)
     with pytest.raises(CheckpointError, match=r"loading checkpoint .*step-2 failed: rank 0: UnpicklingError: "
                                               r"Weights only load failed.*Unsupported global"):
         b.ckpt.load()

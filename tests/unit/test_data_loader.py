@@ -228,9 +228,15 @@ def test_only_the_newest_iterator_is_live(tmp_path):
 def test_null_text_names_the_document(tmp_path, shuffle, streaming):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": null}\n')
-    loader = _build(TextDataLoader.Config(dataset=str(path), shuffle=shuffle, streaming=streaming), CharTokenizer())
+    # A local JSON-lines file is scanned before loading: the record is named by file and line.
+    with pytest.raises(DataSourceError, match=r"docs\.jsonl:3: text=None is a NoneType, not a string"):
+        _build(TextDataLoader.Config(dataset=str(path), shuffle=shuffle, streaming=streaming), CharTokenizer())
+    # Sources that are not scanned (here a parquet file) are checked when read, naming the document.
+    datasets.Dataset.from_dict({"text": ["fine", "also fine", None]}).to_parquet(str(tmp_path / "docs.parquet"))
+    loader = _build(TextDataLoader.Config(dataset=str(tmp_path / "docs.parquet"), shuffle=shuffle, streaming=streaming),
+                    CharTokenizer())
     with pytest.raises(DataSourceError, match=r"document 2 of data-parallel rank 0's part of split 'train' of "
-                                              r"data.dataset='.*docs.jsonl' has text=None \(NoneType\), not a string"):
+                                              r"data.dataset='.*docs.parquet' has text=None \(NoneType\), not a string"):
         next(iter(loader))
 
 

@@ -182,20 +182,21 @@ def test_empty_dataset(tmp_path, streaming):
 @pytest.mark.parametrize("streaming", [False, True])
 def test_missing_text_field_lists_the_fields(tmp_path, streaming):
     path = _write(tmp_path / "docs.jsonl", DOCS, "jsonl", field="body")
-    with pytest.raises(DataSourceError, match=r"has no field 'text' \(fields: \['body', 'id'\]\); set data.text_field"):
+    with pytest.raises(DataSourceError,
+                       match=r"docs\.jsonl:1: no 'text' field \(fields: \['body', 'id'\]\) .*point data\.text_field"):
         load_split(_cfg(dataset=str(path), streaming=streaming), "train")
 
 
 def test_non_string_text_field(tmp_path):
     path = _write(tmp_path / "docs.jsonl", DOCS, "jsonl")
-    with pytest.raises(DataSourceError, match=r"field 'id' holds Value\('int64'\), not strings"):
+    with pytest.raises(DataSourceError, match=r"docs\.jsonl:1: id=0 is a int, not a string .*point data\.text_field"):
         load_split(_cfg(dataset=str(path), text_field="id"), "train")
 
 
 def test_malformed_file_names_the_source(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"text": "ok"}\n{"text": \n')
-    with pytest.raises(DataSourceError, match=r"could not load data.dataset='.*broken.jsonl' .*valid json"):
+    with pytest.raises(DataSourceError, match=r"broken\.jsonl:2: invalid JSON \(Expecting value, column 10\)"):
         load_split(_cfg(dataset=str(path)), "train")
 
 

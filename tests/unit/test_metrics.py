@@ -212,3 +212,20 @@ def test_cpu_matmul_benchmark_returns_a_plausible_rate():
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MetricsProcessor.Config(**kwargs)
+
+
+def test_tensorboard_disk_errors_turn_tensorboard_off_not_the_run(tmp_path, caplog):
+    import errno
+
+    processor = _build(tmp_path)
+
+    class FullDisk:
+        def add_scalar(self, *args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    processor.writer = FullDisk()
+    with caplog.at_level(logging.WARNING):
+        values = processor.log(1, loss=2.0, grad_norm=1.0, lr=1e-3)
+    assert values["loss"] == 2.0 and processor.writer is None
+    assert "TensorBoard writing to <dump_folder>/tb failed ([Errno 28] No space left on device)" in caplog.text
+    processor.log_validation(1, 2.5)  # no writer any more, no error

@@ -125,7 +125,27 @@ class MetricsProcessor(Configurable):
         if not cfg.rank_0_only:
             folder = os.path.join(folder, f"rank_{self.rank}")
         logger.info("TensorBoard scalars go to %s", folder)
-        return SummaryWriter(log_dir=folder)
+        try:
+            return SummaryWriter(log_dir=folder)
+        except OSError as e:
+            self._tensorboard_failed(e)
+            return None
+
+    def _tensorboard_failed(self, error: OSError) -> None:
+        # A full or read-only disk must not end the run here, before it could resume or save.
+        logger.warning("TensorBoard writing to %s failed (%s); TensorBoard is off for the rest of this run",
+                       os.path.join("<dump_folder>", self.config.save_tb_folder), error)
+        self.writer = None
+
+    def _write_scalars(self, values: dict[str, float], step: int) -> None:
+        if self.writer is None:
+            return
+        try:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+        except OSError as e:
+            self._tensorboard_failed(e)
 
     def _peak_flops(self, compute_dtype: torch.dtype) -> float | None:
         if self.device.type == "cpu":
@@ -204,10 +224,7 @@ class MetricsProcessor(Configurable):
                 raise ValueError(f"extra metric {key!r} clashes with a built-in train/{key} metric; rename it")
             values[key] = float(value)
 
-        if self.writer is not None:
-            for key, value in values.items():
-                self.writer.add_scalar(f"train/{key}", value, step)
-            self.writer.flush()
+        self._write_scalars({f"train/{key}": value for key, value in values.items()}, step)
         if self.console:
             global_tokens_per_s = self._tokens * self.dp_degree / elapsed
             logger.info(self._console_line(step, values, global_tokens_per_s, reserved, extra or {}))
@@ -218,9 +235,7 @@ class MetricsProcessor(Configurable):
         return values
 
     def log_validation(self, step: int, loss: float) -> None:
-        if self.writer is not None:
-            self.writer.add_scalar("val/loss", float(loss), step)
-            self.writer.flush()
+        self._write_scalars({"val/loss": float(loss)}, step)
         if self.console:
             c = self.colors
             logger.info(f"{c['step']}step {step:>6}{c['reset']}  {c['loss']}validation loss {loss:8.4f}{c['reset']}")

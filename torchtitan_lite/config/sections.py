@@ -1,6 +1,7 @@
 """Config sections that configure the training job itself rather than a buildable component."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -14,6 +15,12 @@ class JobConfig:
     save_config: bool = True
     """Write the resolved config to <dump_folder>/config.toml at start."""
 
+    def __post_init__(self) -> None:
+        if not self.dump_folder:
+            raise ValueError("job.dump_folder='' is empty; give a folder, e.g. ./outputs")
+        if os.path.exists(self.dump_folder) and not os.path.isdir(self.dump_folder):
+            raise ValueError(f"job.dump_folder={self.dump_folder} is a file, not a folder; choose another path")
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -23,6 +30,10 @@ class ModelConfig:
     """Size preset from the family's flavor table (debug, 1B, 3B, 8B, 70B, 405B for llama3)."""
     n_layers: int | None = None
     """Override the flavor's number of transformer blocks (e.g. an 8B-width model that fits one GPU)."""
+
+    def __post_init__(self) -> None:
+        if self.n_layers is not None and self.n_layers < 1:
+            raise ValueError(f"model.n_layers={self.n_layers} must be >= 1 (or unset for the flavor's)")
 
 
 @dataclass(kw_only=True)
@@ -43,6 +54,18 @@ class TrainingConfig:
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps (automatic GC is disabled); 0 keeps it automatic."""
 
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "local_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"training.{name}={getattr(self, name)} must be >= 1")
+        if self.global_batch_size < 1 and self.global_batch_size != -1:
+            raise ValueError(f"training.global_batch_size={self.global_batch_size} must be >= 1, or -1 for "
+                             f"local_batch_size x dp degree")
+        if not self.max_norm >= 0:  # also refuses nan
+            raise ValueError(f"training.max_norm={self.max_norm} must be >= 0 (0 disables clipping)")
+        if self.gc_freq < 0:
+            raise ValueError(f"training.gc_freq={self.gc_freq} must be >= 0 (0 keeps Python's automatic GC)")
+
 
 @dataclass(kw_only=True)
 class ParallelismConfig:
@@ -60,6 +83,13 @@ class ParallelismConfig:
     """'default' reshards every block but the last (its params are needed again at once in backward)."""
     fsdp_cpu_offload: bool = False
     """Keep sharded params, grads and optimizer states on CPU (CUDA only)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallelism.{name}={getattr(self, name)} must be >= 1")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ValueError(f"parallelism.dp_shard={self.dp_shard} must be >= 1, or -1 for what the world size leaves")
 
 
 @dataclass(kw_only=True)

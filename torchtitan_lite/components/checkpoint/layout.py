@@ -13,6 +13,7 @@ import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,10 @@ class Marker:
     states: list[str]
     model_only: bool
     time: float
+    checksum_algorithm: str | None = None
+    checksums: dict[str, Any] | None = None
+    """File name (relative to the step folder) -> content digest, see checksums.py; None in checkpoints
+    written before checksums existed, which are then checked for completeness only."""
 
     @staticmethod
     def read(checkpoint_dir: str) -> Marker | None:

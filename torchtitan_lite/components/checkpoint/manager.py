@@ -7,6 +7,12 @@ past ``dcp.save`` (or its async future resolves) only after every rank finished 
 considers only folders with the marker; rank 0 scans the folder and broadcasts what it found, so all
 ranks load the same step even on filesystems with lagging metadata caches.
 
+The marker also holds a content hash of every file (``checksums.py``). Before loading, the ranks
+split the files between them and verify them; an automatic resume skips a latest checkpoint that
+fails (corrupt, truncated, ``.metadata`` missing) and takes the previous one, an explicit
+``load_step`` fails instead. A save that fails (disk full, quota, read-only) is described in words
+on every rank, its partial folder is removed, and the run stops or warns (``on_save_error``).
+
 Model and optimizer state are sharded tensors that DCP reshards on load (save on FSDP 2, load on
 1 process or FSDP x TP). Per-rank state that is not a sharded tensor (``dataloader``,
 ``train_state`` with its RNGs) is stored under rank-unique keys ``<name>.rank<r>``.
@@ -31,6 +37,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.components.checkpoint import hf_io
+from torchtitan_lite.components.checkpoint.checksums import ALGORITHM, ChecksummingWriter
+from torchtitan_lite.components.checkpoint.disk import check_writable_with_space, describe_save_error, state_bytes
 from torchtitan_lite.components.checkpoint.layout import (
     MARKER_NAME,
     Marker,
@@ -50,6 +58,7 @@ from torchtitan_lite.components.checkpoint.verify import (
     read_metadata,
     saved_state_names,
     saved_tensor_shape,
+    verify_step,
 )
 from torchtitan_lite.config import Configurable
 from torchtitan_lite.distributed import utils as dist_utils
@@ -75,7 +84,8 @@ class CheckpointManager(Configurable):
         """Save every this many steps; the last step is always saved."""
         keep_latest_k: int = 0
         """Keep only the newest k complete checkpoints (older ones are deleted after a new one completes);
-        0 keeps all. The checkpoint this run resumed from is never deleted."""
+        0 keeps all. The checkpoint this run resumed from, and the newest one known good (followed by a
+        normal loss), are never deleted."""
         load_step: int = -1
         """Resume from this step's checkpoint instead of the latest complete one; -1 = latest."""
         async_mode: Literal["disabled", "async"] = "disabled"
@@ -98,6 +108,14 @@ class CheckpointManager(Configurable):
         create_seed_checkpoint: bool = False
         """Write a model-only step-0 checkpoint right after initialisation and exit. Run it on 1 process:
         sharded initialisation draws different random numbers, the 1-process seed is layout-independent."""
+        verify_checksums: bool = True
+        """Before resuming, check every file of the checkpoint against the content hashes in its marker
+        (the ranks share the reading). A mismatch names the file and tensor; an automatic resume then
+        falls back to the previous complete checkpoint, an explicit load_step fails."""
+        on_save_error: Literal["stop", "warn"] = "stop"
+        """When a save fails (disk full, quota, read-only filesystem) its partial folder is removed and the
+        previous checkpoint kept; 'stop' then ends the run with the reason, 'warn' logs it and trains on.
+        Also decides whether too little free space at start is an error or a warning."""
 
         def __post_init__(self) -> None:
             if self.interval <= 0:
@@ -143,8 +161,11 @@ class CheckpointManager(Configurable):
         if config.enable and config.async_mode == "async" and dist.is_initialized():
             self._save_group = dist.new_group(backend="gloo")
         self._pending: Future | None = None
+        self._pending_path: str | None = None
         self._loaded_step: int | None = None
         self._last_saved_step: int | None = None
+        self.known_good: frozenset[int] = frozenset()
+        """Set by the training loop: steps whose checkpoint is known good; purging keeps the newest of them."""
 
     # ----------------------------------------------------------------------------------------------
     # Loading
@@ -162,9 +183,14 @@ class CheckpointManager(Configurable):
             if cfg.load_step not in complete:
                 raise CheckpointError(f"checkpoint.load_step={cfg.load_step}: there is no complete "
                                       f"{step_dir(self.folder, cfg.load_step)}; {describe_steps(self.folder)}")
+            problems = self._verify(step_dir(self.folder, cfg.load_step))
+            if problems:
+                raise CheckpointError(f"checkpoint.load_step={cfg.load_step}: {step_dir(self.folder, cfg.load_step)} "
+                                      f"fails verification: {'; '.join(problems)}. Load another step "
+                                      f"({describe_steps(self.folder)}), or -1 for the newest one that verifies")
             step = cfg.load_step
         elif complete:
-            step = complete[-1]
+            step = self._newest_verified(complete)
         elif cfg.initial_load_path is not None:
             return self._initial_load(cfg.initial_load_path)
         else:
@@ -187,9 +213,42 @@ class CheckpointManager(Configurable):
         logger.info("resumed from %s in %.1fs", path, time.perf_counter() - start)
         return step
 
+    def _newest_verified(self, complete: list[int]) -> int:
+        """The newest complete step whose files verify; the ones skipped are reported."""
+        rejected: list[int] = []
+        reasons: list[str] = []
+        for step in reversed(complete):
+            path = step_dir(self.folder, step)
+            problems = self._verify(path)
+            if not problems:
+                if rejected:
+                    logger.warning("resuming from %s instead of the newer %s, which failed verification",
+                                   path, [step_dir(self.folder, s) for s in rejected])
+                return step
+            logger.error("checkpoint %s fails verification and is skipped: %s", path, "; ".join(problems))
+            rejected.append(step)
+            reasons.append(f"step {step}: {'; '.join(problems)}")
+        raise CheckpointError(f"no complete checkpoint in {self.folder} passes verification ({' | '.join(reasons)}); "
+                              f"move the folder away to start from scratch")
+
+    def _verify(self, path: str) -> list[str]:
+        """Problems found in ``path`` by all ranks together (each hashes a share of the files)."""
+        start = time.perf_counter()
+        mine = verify_step(path, checksums=self.config.verify_checksums, part=self.rank, n_parts=self.world_size)
+        if dist.is_initialized() and self.world_size > 1:
+            gathered: list[list[str] | None] = [None] * self.world_size
+            dist.all_gather_object(gathered, mine)
+            mine = sorted({p for problems in gathered for p in problems or []})
+        if not mine and self.config.verify_checksums:
+            logger.info("verified %s in %.1fs", path, time.perf_counter() - start)
+        return mine
+
     def _initial_load(self, path: str) -> int:
         metadata = read_metadata(path)
         marker = Marker.read(path)
+        problems = self._verify(path) if marker is not None else []
+        if problems:
+            raise CheckpointError(f"checkpoint.initial_load_path={path} fails verification: {'; '.join(problems)}")
         candidates = ["model"] if self.config.initial_load_model_only else list(self.states)
         saved = saved_state_names(metadata)
         names = [n for n in candidates if n not in self.config.exclude_from_loading and n in saved]
@@ -253,6 +312,10 @@ class CheckpointManager(Configurable):
             dist.broadcast_object_list(found, src=0)
         return found[0]
 
+    def complete_steps(self) -> list[int]:
+        """Steps with a complete checkpoint in this run's folder, ascending."""
+        return scan_steps(self.folder)[0] if self.config.enable else []
+
     def last_complete_step(self) -> int | None:
         """Newest step with a complete checkpoint in this run's folder, None when there is none."""
         if not self.config.enable:
@@ -282,17 +345,21 @@ class CheckpointManager(Configurable):
         self._prepare_folder(path)
         marker = new_marker(step, self.world_size, list(state), model_only)
         no_dist = not dist.is_initialized()
+        writer = ChecksummingWriter(path)
         if cfg.async_mode == "async":
-            upload = dcp.async_save(state, checkpoint_id=path, process_group=self._save_group, no_dist=no_dist)
-            self._pending = self._then_mark_complete(upload, path, marker)  # type: ignore[arg-type]  # a Future without async_stager
+            upload = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, process_group=self._save_group,
+                                    no_dist=no_dist)
+            self._pending, self._pending_path = self._then_mark_complete(upload, path, marker, writer), path  # type: ignore[arg-type]  # a Future without async_stager
             logger.info("staged checkpoint %s in %.1fs; writing in the background", path, time.perf_counter() - start)
         else:
+            error: BaseException | None = None
             try:
-                dcp.save(state, checkpoint_id=path, no_dist=no_dist)
-            except CheckpointException as e:
-                raise RuntimeError(f"saving checkpoint {path} failed ({describe_failure(e)}); the previous "
-                                   f"complete checkpoint is kept: {describe_steps(self.folder)}") from e
-            self._mark_complete(path, marker)
+                dcp.save(state, checkpoint_id=path, storage_writer=writer, no_dist=no_dist)
+                self._mark_complete(path, marker, writer)
+            except (Exception, CheckpointException) as e:
+                error = e
+            if not self._conclude_save(path, error):
+                return False
             logger.info("saved checkpoint %s in %.1fs", path, time.perf_counter() - start)
         if last_step and self.hf_adapter is not None:
             self._export_hf(step)
@@ -324,20 +391,23 @@ class CheckpointManager(Configurable):
         if dist.is_initialized():
             dist.barrier()
 
-    def _mark_complete(self, path: str, marker: Marker) -> None:
+    def _mark_complete(self, path: str, marker: Marker, writer: ChecksummingWriter) -> None:
         if self.rank != 0:
             return
+        marker.checksum_algorithm, marker.checksums = ALGORITHM, writer.checksums
         marker.write(path)
         protected = {marker.step} | ({self._loaded_step} if self._loaded_step is not None else set())
+        good = [s for s in scan_steps(self.folder)[0] if s in self.known_good]
+        protected |= {max(good)} if good else set()
         purge_old(self.folder, self.config.keep_latest_k, protected)
 
-    def _then_mark_complete(self, upload: Future, path: str, marker: Marker) -> Future:
+    def _then_mark_complete(self, upload: Future, path: str, marker: Marker, writer: ChecksummingWriter) -> Future:
         done: Future = Future()
 
         def finish(f: Future) -> None:
             try:
                 f.result()
-                self._mark_complete(path, marker)
+                self._mark_complete(path, marker, writer)
                 done.set_result(marker.step)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 done.set_exception(e)
@@ -350,11 +420,55 @@ class CheckpointManager(Configurable):
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
+        error: BaseException | None = None
         try:
             pending.result()
         except (Exception, CheckpointException) as e:
-            raise RuntimeError(f"background checkpoint save failed ({describe_failure(e)}); the previous "
-                               f"complete checkpoint is kept: {describe_steps(self.folder)}") from e
+            error = e
+        assert self._pending_path is not None
+        self._conclude_save(self._pending_path, error)
+
+    def _conclude_save(self, path: str, error: BaseException | None) -> bool:
+        """Collective: whether the save of ``path`` succeeded on every rank. On a failure anywhere, rank 0
+        removes the partial folder and every rank stops (raises) or warns, per ``on_save_error``."""
+        reason = None if error is None else describe_save_error(self.folder, error, describe_failure(error))
+        reasons = [reason]
+        if dist.is_initialized() and self.world_size > 1:
+            reasons = [None] * self.world_size
+            dist.all_gather_object(reasons, reason)
+        failed = [r for r in reasons if r is not None]
+        if not failed:
+            return True
+        if self.rank == 0:
+            marker = os.path.join(path, MARKER_NAME)
+            if os.path.exists(marker):
+                os.remove(marker)
+            shutil.rmtree(path, ignore_errors=True)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()  # every rank then describes the folder without the partial save
+        message = (f"saving checkpoint {path} failed: {failed[0]}. The partial folder was removed; the previous "
+                   f"complete checkpoint is kept ({describe_steps(self.folder)})")
+        if self.config.on_save_error == "stop":
+            raise CheckpointError(f"{message}. Free space or fix the folder, then rerun: the run resumes from it "
+                                  f"(checkpoint.on_save_error=warn trains on without checkpoints instead)") from error
+        logger.warning("%s; training continues (checkpoint.on_save_error=warn)", message)
+        return False
+
+    def check_storage(self) -> None:
+        """Before training: the checkpoint folder is writable and has room for one checkpoint (rank 0
+        checks, every rank gets the verdict)."""
+        if not self.config.enable:
+            return
+        expected = state_bytes({n: s for n, s in self.states.items() if n not in PER_RANK_STATES})
+        verdict = [check_writable_with_space(self.folder, expected) if self.rank == 0 else None]
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        problem = verdict[0]
+        if problem is None:
+            return
+        if self.config.on_save_error == "stop" or problem.startswith("cannot write"):
+            raise CheckpointError(f"{problem} (checked before training, checkpoint.on_save_error=stop)")
+        logger.warning("%s; training anyway (checkpoint.on_save_error=warn)", problem)
 
     def _export_hf(self, step: int) -> None:
         dtype = EXPORT_DTYPES[self.config.export_dtype]

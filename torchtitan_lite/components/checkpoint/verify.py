@@ -127,3 +127,39 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def verify_step(path: str, *, checksums: bool = True, part: int = 0, n_parts: int = 1) -> list[str]:
+    """What makes the complete checkpoint ``path`` unusable, empty when nothing: an unreadable marker
+    or ``.metadata``, missing or truncated shard files, and (``checksums``) files whose content no
+    longer matches the hashes in the marker. ``part`` / ``n_parts`` split the hashing between ranks:
+    this call hashes every ``n_parts``-th file starting at ``part``; the cheap checks run on every part."""
+    from torchtitan_lite.components.checkpoint.checksums import verify_file
+    from torchtitan_lite.components.checkpoint.layout import Marker
+
+    try:
+        marker = Marker.read(path)
+        metadata = read_metadata(path)
+        check_data_files(path, metadata, set(metadata.state_dict_metadata))
+    except (ValueError, CheckpointError) as e:
+        return [str(e)]
+    if not checksums or marker is None or not marker.checksums:
+        return []
+    names = sorted(marker.checksums)[part::n_parts]
+    return [problem for name in names if (problem := verify_file(path, name, marker.checksums[name])) is not None]
+
+
+def verify_folder(path: str) -> dict[str, list[str]]:
+    """Offline check of a checkpoint folder (one ``step-<N>`` or a folder of them): checkpoint -> problems.
+    Folders without a completeness marker are reported as incomplete rather than checked."""
+    from torchtitan_lite.components.checkpoint.layout import MARKER_NAME, scan_steps, step_dir
+
+    if os.path.isfile(os.path.join(path, MARKER_NAME)) or is_dcp_folder(path):
+        return {path: verify_step(path)}
+    complete, incomplete = scan_steps(path)
+    if not complete and not incomplete:
+        raise CheckpointError(f"{path} holds neither a checkpoint nor step-<N> checkpoint folders")
+    found = {step_dir(path, s): verify_step(step_dir(path, s)) for s in complete}
+    found.update({step_dir(path, s): [f"incomplete: no {MARKER_NAME} marker (an interrupted save), never loaded"]
+                  for s in incomplete})
+    return found

@@ -32,6 +32,7 @@ import torch
 from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 
+from torchtitan_lite.components.data.chunked_encode import encode_documents
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer, to_batch
 from torchtitan_lite.components.data.sources import DataFormat, DataSourceError, load_split
 from torchtitan_lite.config import Configurable
@@ -71,6 +72,10 @@ class TextDataLoader(Configurable):
         """Read the training split in a new random document order every epoch (seeded by
         training.seed and the epoch, exactly resumable). Needs a map-style dataset: streaming
         datasets are read in their stable shard order, so set it to false with streaming."""
+        on_bad_record: Literal["error", "skip"] = "error"
+        """A bad record in local JSON-lines or text files (invalid UTF-8, invalid JSON, missing field,
+        non-string value): 'error' stops naming file and line; 'skip' leaves such records out, logging
+        how many per reason (the remaining documents resume exactly like any other source)."""
 
         def __post_init__(self) -> None:
             if not self.dataset:
@@ -118,6 +123,7 @@ class TextDataLoader(Configurable):
         self._stream_state: dict | None = None  # IterableDataset.state_dict() after those documents
         self._buffer = empty_buffer()
         self._live_iterator: object | None = None
+        self._pass_has_content = False
 
     # ----------------------------------------------------------------------------------------------
     # Iteration
@@ -144,7 +150,10 @@ class TextDataLoader(Configurable):
                         windows, self._buffer = cut_windows(self._buffer, n_windows, window)
                         yield to_batch(windows)
                     return
-                self._buffer = append_documents(self._buffer, self.tokenizer.encode_batch(texts))
+                token_lists = encode_documents(self.tokenizer, texts)
+                # BOS + EOS alone is an empty document; a pass of only those trains on nothing.
+                self._pass_has_content = self._pass_has_content or any(len(t) > 2 for t in token_lists)
+                self._buffer = append_documents(self._buffer, token_lists)
             windows, self._buffer = cut_windows(self._buffer, self.local_batch_size, window)
             yield to_batch(windows)
 
@@ -153,9 +162,14 @@ class TextDataLoader(Configurable):
         stream = self._stream_groups if isinstance(self.documents, IterableDataset) else self._indexed_groups
         while True:
             produced = False
+            from_start, self._pass_has_content = self._position == 0, False
             for texts in stream():
                 produced = True
                 yield texts
+            if produced and from_start and not self._pass_has_content:
+                raise DataSourceError(f"every document data-parallel rank {self.dp_rank} read from split {self.split!r} "
+                                      f"of data.dataset={self.config.dataset!r} is empty (only BOS/EOS tokens); "
+                                      f"check data.text_field and the data")
             if not self.infinite:
                 return
             if not produced and self._position == 0:

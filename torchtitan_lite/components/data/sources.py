@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import datasets
 from datasets import Dataset, DatasetDict, IterableDataset
 
+from torchtitan_lite.components.data import records
 from torchtitan_lite.components.data.corpus import embedded_corpus
 
 if TYPE_CHECKING:
@@ -135,6 +136,15 @@ def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
 def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str) -> Any:
     files = resolve_files(pattern, where)
     builder = infer_format(files, cfg.data_format, where)
+    if builder in ("json", "text") and not any(f.endswith(_COMPRESSIONS) for f in files):
+        field = "text" if builder == "text" else cfg.text_field
+        bad = records.scan(files, builder, field, cfg.on_bad_record, where)
+        if bad.count:
+            kwargs = {"files": files, "builder": builder, "text_field": field,
+                      "bad_lines": {f: sorted(lines) for f, lines in bad.lines.items()},
+                      "stamps": records.file_stamps(files)}
+            make = IterableDataset.from_generator if cfg.streaming else Dataset.from_generator
+            return make(records.good_records, gen_kwargs=kwargs)
     return _load_builder(builder, {split: files}, cfg, split, f"{where} ({len(files)} file(s))")
 
 
