@@ -90,7 +90,10 @@ class JsonTokenizer:
 
         self._tok = HFTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         config_path = os.path.join(folder, "tokenizer_config.json")
-        config = json.load(open(config_path)) if os.path.isfile(config_path) else {}
+        config = {}
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                config = json.load(f)
         self.bos_id = self._token_id(config.get("bos_token"))
         self.eos_id = self._token_id(config.get("eos_token"))
         self.vocab_size = self._tok.get_vocab_size()
@@ -111,13 +114,14 @@ class JsonTokenizer:
 
 @torch.no_grad()
 def generate(loaded: GenerationModel, prompt_ids: Sequence[int], *, max_new_tokens: int,
-             sampling: SamplingConfig = SamplingConfig(), seed: int | None = None, use_cache: bool = True,
+             sampling: SamplingConfig | None = None, seed: int | None = None, use_cache: bool = True,
              stop_at_eos: bool = True) -> list[int]:
     """``max_new_tokens`` new token ids after ``prompt_ids`` (fewer if EOS comes first and ``stop_at_eos``)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token (a BOS is added by default)")
+    sampling = sampling or SamplingConfig()
     model = loaded.model
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     tokens = torch.tensor([list(prompt_ids)], dtype=torch.long)
