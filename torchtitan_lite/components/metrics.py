@@ -1,4 +1,5 @@
-"""Training metrics: one console line and TensorBoard scalars every ``log_freq`` steps.
+"""Training metrics: one console line and TensorBoard (optionally also Weights & Biases) scalars every
+``log_freq`` steps.
 
 Per logged step: loss, lr, grad norm, tokens/s per device (and for the whole job on the console),
 achieved TFLOP/s per device, MFU against the device's dense BF16 peak (``device_peaks``), and peak
@@ -14,6 +15,7 @@ TensorBoard tags: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tok
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import resource
@@ -56,6 +58,11 @@ class MetricsProcessor(Configurable):
         The console line is printed by rank 0 either way."""
         enable_color: bool | None = None
         """Color the console line; None colors when stdout is a terminal."""
+        enable_wandb: bool = False
+        """Also log the same scalars to Weights & Biases (pip install -e .[wandb]); files go to
+        <dump_folder>/wandb, and WANDB_MODE=offline keeps them local."""
+        wandb_project: str = "torchtitan_lite"
+        """Weights & Biases project of the run (with enable_wandb)."""
         cpu_peak_tflops: float | None = None
         """Peak TFLOP/s of a CPU device for MFU; None measures it once at start (~0.5 s per dtype): the best
         matmul rate of the fastest dtype the CPU runs natively (float32; bfloat16 with AVX512-BF16/AMX)."""
@@ -65,6 +72,9 @@ class MetricsProcessor(Configurable):
                 raise ValueError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
             if not self.save_tb_folder:
                 raise ValueError("metrics.save_tb_folder must be a folder name, got an empty string; the default is 'tb'")
+            if self.enable_wandb and importlib.util.find_spec("wandb") is None:
+                raise ValueError("metrics.enable_wandb=True needs the wandb package, which is not installed: "
+                                 "pip install -e .[wandb] (or pip install wandb), or leave metrics.enable_wandb off")
             if self.cpu_peak_tflops is not None and not self.cpu_peak_tflops > 0:
                 raise ValueError(
                     f"metrics.cpu_peak_tflops must be > 0 or None (measure it), got {self.cpu_peak_tflops}"
@@ -100,7 +110,8 @@ class MetricsProcessor(Configurable):
         self.clock = clock
         self.console = self.rank == 0
         self.writer = self._build_writer(dump_folder)
-        self.peak_flops = self._peak_flops() if (self.console or self.writer) else None
+        self.wandb_run = self._build_wandb(dump_folder)
+        self.peak_flops = self._peak_flops() if (self.console or self.writer or self.wandb_run) else None
         color = sys.stdout.isatty() if config.enable_color is None else config.enable_color
         self.colors = _COLORS if color else _PLAIN
         self._tokens = 0
@@ -123,6 +134,27 @@ class MetricsProcessor(Configurable):
             folder = os.path.join(folder, f"rank_{self.rank}")
         logger.info("TensorBoard scalars go to %s", folder)
         return SummaryWriter(log_dir=folder)
+
+    def _build_wandb(self, dump_folder: str):
+        cfg = self.config
+        if not cfg.enable_wandb or self.rank != 0:
+            return None
+        import wandb
+
+        folder = os.path.join(dump_folder, "wandb")
+        os.makedirs(folder, exist_ok=True)
+        run = wandb.init(project=cfg.wandb_project, dir=folder)
+        logger.info("Weights & Biases run %s logs to %s", run.name, folder)
+        return run
+
+    def _write_scalars(self, values: dict[str, float], step: int) -> None:
+        """The same tags and values to TensorBoard and Weights & Biases (whichever are on)."""
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=step)
 
     def _peak_flops(self) -> float | None:
         if self.device.type == "cpu":
@@ -219,10 +251,7 @@ class MetricsProcessor(Configurable):
                 raise ValueError(f"extra metric {key!r} clashes with a built-in train/{key} metric; rename it")
             values[key] = float(value)
 
-        if self.writer is not None:
-            for key, value in values.items():
-                self.writer.add_scalar(f"train/{key}", value, step)
-            self.writer.flush()
+        self._write_scalars({f"train/{key}": value for key, value in values.items()}, step)
         if self.console:
             global_tokens_per_s = self._tokens * self.dp_degree / elapsed
             logger.info(self._console_line(step, values, global_tokens_per_s, reserved, extra or {},
@@ -234,9 +263,7 @@ class MetricsProcessor(Configurable):
         return values
 
     def log_validation(self, step: int, loss: float) -> None:
-        if self.writer is not None:
-            self.writer.add_scalar("val/loss", float(loss), step)
-            self.writer.flush()
+        self._write_scalars({"val/loss": float(loss)}, step)
         if self.console:
             c = self.colors
             logger.info(f"{c['step']}step {step:>6}{c['reset']}  {c['loss']}validation loss {loss:8.4f}{c['reset']}")
@@ -245,6 +272,9 @@ class MetricsProcessor(Configurable):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
 
     # ----------------------------------------------------------------------------------------------
 
