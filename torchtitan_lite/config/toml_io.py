@@ -4,8 +4,9 @@ The TOML written here is complete (every field, defaults included), so loading i
 ``--config-file`` on top of any config of the same root reproduces the config exactly.
 TOML has no null: None is written as a comment, ``# n_layers = None (unset)``, which
 ``load_toml_overrides`` reads back as None (so the file stays exact on top of a base config that sets
-the field); the string ``"none"`` is read as None too, as files of older versions wrote it. Typed-config list entries are ``[[section.list]]`` tables starting with ``kind = "..."``; an
-empty typed list is written ``list = []``.
+the field); the string ``"none"`` is read as None too, as files of older versions wrote it.
+Typed-config list entries are ``[[section.list]]`` tables starting with ``kind = "..."``; an empty
+typed list is written ``list = []``.
 """
 from __future__ import annotations
 
