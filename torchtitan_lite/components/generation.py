@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 
 from torchtitan_lite.components.checkpoint import hf_io
 from torchtitan_lite.components.checkpoint.convert import checkpoint_vocab_size, resolve_model
@@ -32,7 +31,8 @@ logger = logging.getLogger(__name__)
 class GenerationModel:
     """A model ready to decode, with the tokenizer it was trained with."""
 
-    model: nn.Module
+    model: Any
+    """The family's model (an nn.Module with ``args``), in eval mode."""
     tokenizer: Any
     """encode(text, bos, eos) / decode(ids) / bos_id / eos_id, like components.tokenizer.Tokenizer."""
     kv_cache_cls: type | None
@@ -53,6 +53,8 @@ def load_from_hf(hf_dir: str, cfg: Any) -> GenerationModel:
     the architecture, checked against config.json, and the folder's own tokenizer is used."""
     hf_config = hf_io.read_hf_config(hf_dir)
     spec, args = resolve_model(cfg, vocab_size=hf_config["vocab_size"])
+    if spec.state_dict_adapter_cls is None:
+        raise ValueError(f"model family {spec.name!r} has no Hugging Face adapter, so {hf_dir} cannot be read")
     adapter = spec.state_dict_adapter_cls(args)
     hf_io.check_hf_config(hf_dir, hf_config, adapter.hf_config_dict())
     model = _empty_model(spec, args)
@@ -61,7 +63,7 @@ def load_from_hf(hf_dir: str, cfg: Any) -> GenerationModel:
     return GenerationModel(model.eval(), folder_tokenizer(hf_dir), spec.kv_cache_cls)
 
 
-def _empty_model(spec: ModelSpec, args: Any) -> nn.Module:
+def _empty_model(spec: ModelSpec, args: Any) -> Any:
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to_empty(device="cpu")
