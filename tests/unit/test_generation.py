@@ -89,15 +89,18 @@ def test_bad_sampling_settings_are_named():
         generate(loaded(n_layers=1), PROMPT, max_new_tokens=2048)
 
 
-def save_run(dump, n_layers: int = 1) -> str:
-    """A run folder as train.py leaves it: config.toml (with an n_layers override) + a checkpoint."""
-    cfg = apply_overrides(config_registry.get("llama3_debug"),
+def save_run(dump, n_layers: int = 1, config: str = "llama3_debug", convert=None) -> str:
+    """A run folder as train.py leaves it: config.toml (with an n_layers override) + a checkpoint of a model
+    that ``convert`` (e.g. float8 training) may have changed."""
+    cfg = apply_overrides(config_registry.get(config),
                           [Override("model.n_layers", n_layers, "test"), Override("job.dump_folder", str(dump), "test")])
     os.makedirs(dump, exist_ok=True)
     (dump / "config.toml").write_text(config_to_toml(cfg))
     torch.manual_seed(0)
     args = build_model_args(SPEC, "debug", n_layers=n_layers, min_vocab_size=cfg.tokenizer.build().vocab_size)
     model = SPEC.model_cls(args)
+    if convert is not None:
+        model = convert(model)
     ckpt = CheckpointManager.Config(enable=True).build(dump_folder=str(dump), states={"model": ModelWrapper(model)},
                                                        model_args=args, model_spec=SPEC)
     ckpt.save(5, last_step=True)
@@ -118,3 +121,23 @@ def test_generate_script_reads_the_run_config(tmp_path, capsys):
     ids = loaded_model.tokenizer.encode("def main(", bos=True, eos=False)
     expected = generate(loaded_model, ids, max_new_tokens=8)
     assert text == "def main(" + loaded_model.tokenizer.decode(expected)
+
+
+def test_an_fp8_trained_checkpoint_loads_into_a_plain_model(tmp_path):
+    float8 = pytest.importorskip("torchao.float8")
+    kept = {}
+
+    def to_float8(model):
+        converted = float8.convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "output")
+        assert type(converted.layers["0"].attention.wq).__name__ == "Float8Linear"  # the case under test
+        kept["state"] = {k: v.detach().clone() for k, v in converted.state_dict().items()}
+        return converted
+
+    ckpt = save_run(tmp_path / "run", n_layers=1, config="llama3_debug_fp8", convert=to_float8)
+    cfg = config_for_checkpoint(ckpt, registry=config_registry.DEFAULT_REGISTRY)
+    assert cfg.model_converters.converters  # the run trained with float8 ...
+    plain = load_from_dcp(ckpt, cfg)
+    assert type(plain.model.layers["0"].attention.wq) is torch.nn.Linear  # ... generation uses plain Linears
+    for key, value in plain.model.state_dict().items():
+        assert torch.equal(value, kept["state"][key].float()), key
+    assert len(generate(plain, PROMPT, max_new_tokens=4)) == 4
