@@ -65,6 +65,8 @@ class Llama3KVCache:
         if start_pos == 0:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                                  is_causal=True)
+        elif new == 1:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
         else:
             mask = torch.ones(new, end, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
