@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from models.llama3 import LLAMA3_FLAVORS, Llama3ModelArgs, Transformer
+from models.llama3.kv_cache import Llama3KVCache
 from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN, parallelize_llama
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan_lite.protocols.model_spec import (
@@ -21,6 +22,7 @@ LLAMA3_SPEC = register_model_spec(ModelSpec(
     parallel_plan=LLAMA3_PARALLEL_PLAN,
     parallelize_fn=parallelize_llama,
     state_dict_adapter_cls=Llama3StateDictAdapter,
+    kv_cache_cls=Llama3KVCache,
 ))
 
 MODEL_SPECS: dict[str, ModelSpec] = model_specs()

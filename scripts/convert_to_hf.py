@@ -1,10 +1,12 @@
-"""DCP checkpoint -> Hugging Face Llama folder (config.json + model.safetensors).
+"""DCP checkpoint -> Hugging Face Llama folder (config.json, model.safetensors, tokenizer, generation_config.json).
 
-    python scripts/convert_to_hf.py --checkpoint outputs/checkpoint/step-1000 --config llama3_8b \
-        --dtype bfloat16 --output llama3_8b_hf
+    python scripts/convert_to_hf.py --checkpoint outputs/checkpoint/step-200 --output llama3_debug_hf
+    python scripts/convert_to_hf.py --checkpoint ckpt/step-1000 --config llama3_8b --dtype bfloat16 --output llama3_8b_hf
 
-The result loads with ``transformers.LlamaForCausalLM.from_pretrained(output)``. Any saved layout
-works (FSDP, TP, 1 process); only the model weights are read.
+The model and tokenizer come from the run's saved config.toml (<dump_folder>/config.toml, overrides
+included); --config NAME uses a registered config instead. The result loads with
+``transformers.LlamaForCausalLM.from_pretrained(output)`` and ``AutoTokenizer.from_pretrained(output)``.
+Any saved layout works (FSDP, TP, 1 process); only the model weights are read.
 """
 from __future__ import annotations
 
@@ -14,18 +16,22 @@ import logging
 import config_registry
 import models  # noqa: F401  (registers the model families)
 from torchtitan_lite.components.checkpoint.convert import checkpoint_vocab_size, dcp_to_hf, resolve_model
+from torchtitan_lite.components.checkpoint.run_config import config_for_checkpoint, find_run_config
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="DCP checkpoint folder, e.g. <dump>/checkpoint/step-N")
-    parser.add_argument("--config", required=True, help="registered config the checkpoint was trained with")
+    parser.add_argument("--config", help="registered config to use instead of the run's config.toml")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the exported weights")
-    parser.add_argument("--output", required=True, help="folder to write config.json and model.safetensors to")
+    parser.add_argument("--output", required=True, help="folder to write the Hugging Face model to")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    spec, model_args = resolve_model(config_registry.get(args.config), vocab_size=checkpoint_vocab_size(args.checkpoint))
-    dcp_to_hf(args.checkpoint, spec, model_args, args.output, args.dtype)
+    cfg = config_for_checkpoint(args.checkpoint, registry=config_registry.DEFAULT_REGISTRY, config_name=args.config)
+    spec, model_args = resolve_model(cfg, vocab_size=checkpoint_vocab_size(args.checkpoint))
+    run_config = None if args.config else find_run_config(args.checkpoint)
+    dcp_to_hf(args.checkpoint, spec, model_args, args.output, args.dtype, tokenizer=cfg.tokenizer.build(),
+              run_config=None if run_config is None else str(run_config))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
-from torchtitan_lite.config import CliResult, list_configs_text, main_help_text
+from torchtitan_lite.config import CliResult, ConfigError, list_configs_text, main_help_text
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.launch_check import check_devices, check_memory
@@ -54,7 +54,13 @@ def launch_run(config: Trainer.Config, *, nnodes: int = 1) -> ResolvedRun:
 def _help(cli: CliResult, registry: ConfigRegistry) -> str:
     from torchtitan_lite.trainer import Trainer
 
-    return main_help_text(Trainer.Config)
+    if cli.help_config is None:
+        return main_help_text(Trainer.Config)
+    try:
+        config = registry.get(cli.help_config)
+    except ConfigError as e:
+        return f"{main_help_text(Trainer.Config)}\n\n(--config {cli.help_config}: {e})"
+    return main_help_text(Trainer.Config, config, cli.help_config)
 
 
 def _list_configs(cli: CliResult, registry: ConfigRegistry) -> str:

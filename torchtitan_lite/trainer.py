@@ -111,8 +111,9 @@ class Trainer(Configurable):
         self._set_determinism()
         if dist_utils.is_rank0() and cfg.job.save_config:
             _save_resolved_config(cfg)
-        logger.info("precision: %s (%s)", self.run.precision.describe(init_scale=cfg.precision.init_scale),
-                    self.run.precision.reason)
+        logger.info("precision: %s (%s); model converters: %s",
+                    self.run.precision.describe(init_scale=cfg.precision.init_scale), self.run.precision.reason,
+                    _describe_converters(cfg.model_converters.converters))
         logger.info("tokenizer: %s; model vocabulary %d", self.tokenizer.describe(), self.model_args.vocab_size)
 
         self.precision = cfg.precision.build(resolved=self.run.precision, device=self.device)
@@ -148,8 +149,6 @@ class Trainer(Configurable):
             dump_folder=cfg.job.dump_folder, device=self.device,
             num_flops_per_token=self.model_parts[0].flops_per_token(cfg.training.seq_len),
             dp_degree=self.parallel_dims.dp_degree, tp_degree=cfg.parallelism.tp,
-            # A CPU's peak is its fp32 matmul rate: bf16 / fp16 matmuls are emulated there and far slower.
-            compute_dtype=torch.float32 if self.device.type == "cpu" else self.precision.param_dtype,
         )
         self.validator = self._build_validator()
         self.watcher = PreemptionWatcher(self.device)
@@ -223,6 +222,7 @@ class Trainer(Configurable):
             gc.disable()
         logger.info("training %s steps from step %s, %s micro-batch(es) per step",
                     cfg.training.steps, self.train_state.step, self.n_microbatches)
+        self.metrics.begin(self.train_state.step, cfg.training.steps)
         self._maybe_validate(force=self.train_state.step == 0)
         with cfg.profiling.build(dump_folder=cfg.job.dump_folder, start_step=self.train_state.step) as profiler:
             while self.train_state.step < cfg.training.steps:
@@ -350,6 +350,14 @@ class Trainer(Configurable):
         self.metrics.close()
         if self.config.training.gc_freq > 0:
             gc.enable()
+
+
+def _describe_converters(converters: list) -> str:
+    """'float8 tensorwise' for each converter config (its recipe where it has one), or 'none'."""
+    from torchtitan_lite.config.field_types import kind_of
+
+    names = [" ".join(filter(None, (kind_of(c), getattr(c, "recipe_name", None)))) for c in converters]
+    return ", ".join(names) or "none"
 
 
 def _save_resolved_config(cfg: Trainer.Config) -> None:

@@ -168,3 +168,17 @@ def test_main_help_text_lists_flags_and_fields():
                  "--print-fp8-plan", "--estimate-memory"):
         assert f"\n  {flag} " in text
     assert "\n  --training.steps  int  (default: 10)  Optimizer steps.\n" in text
+
+
+def test_help_after_config_shows_its_values_beside_the_defaults():
+    import config_registry
+    from torchtitan_lite.trainer import Trainer
+
+    registry = config_registry.DEFAULT_REGISTRY
+    cli = parse_cli(["--config", "llama3_debug_fp8", "--help"], registry=registry)
+    assert (cli.action, cli.help_config) == ("help", "llama3_debug_fp8")
+    text = main_help_text(Trainer.Config, registry.get(cli.help_config), cli.help_config)
+    assert "--training.steps  int  (default: 300, llama3_debug_fp8: 200)  " in text
+    assert "(default: [], llama3_debug_fp8: [float8])" in text
+    assert "--training.max_norm  float  (default: 1.0)  " in text  # equal values show once
+    assert parse_cli(["--help"], registry=registry).help_config is None

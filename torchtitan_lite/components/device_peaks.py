@@ -21,12 +21,13 @@ one scale (an FP8 run can exceed what BF16 could reach; an FP32 run looks as slo
     MI300X / MI325X               1307
 
 CPUs have no such table: their peak depends on cores, SIMD width and clocks, so it is either given
-(``metrics.cpu_peak_tflops``) or measured once with ``measure_cpu_matmul_tflops``.
+(``metrics.cpu_peak_tflops``) or measured once with ``measure_cpu_peak_tflops``: the best rate of
+the fastest dense dtype the CPU runs natively (float32, and bfloat16 / float16 where oneDNN has kernels
+for them), so that MFU stays below 100% for every precision.
 """
 from __future__ import annotations
 
 import re
-import statistics
 import time
 
 import torch
@@ -67,27 +68,69 @@ def device_peak_flops(device: torch.device | str) -> float | None:
     return gpu_bf16_peak_flops(torch.cuda.get_device_name(device))
 
 
-def measure_cpu_matmul_tflops(dtype: torch.dtype = torch.bfloat16, *, budget_s: float = 0.5) -> float:
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""/proc/cpuinfo flags of CPUs whose oneDNN bfloat16 matmuls run natively (elsewhere they are emulated,
+~50x slower than float32)."""
+CPU_FP16_FLAGS = ("avx512_fp16", "amx_fp16")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_dense_dtypes(flags: set[str] | None = None) -> list[torch.dtype]:
+    """Matmul dtypes this CPU runs natively: float32 always, bfloat16 / float16 where oneDNN has kernels
+    for them (the CPU flags say so and torch was built with oneDNN)."""
+    flags = cpu_flags() if flags is None else flags
+    dtypes = [torch.float32]
+    if torch.backends.mkldnn.is_available():
+        if flags & set(CPU_BF16_FLAGS):
+            dtypes.append(torch.bfloat16)
+        if flags & set(CPU_FP16_FLAGS):
+            dtypes.append(torch.float16)
+    return dtypes
+
+
+def measure_cpu_peak_tflops(dtypes: list[torch.dtype] | None = None) -> tuple[torch.dtype, float]:
+    """(dtype, TFLOP/s) of the fastest dense matmul dtype of this CPU: the peak MFU is measured against,
+    so no precision can exceed 100%."""
+    rates = {dtype: measure_cpu_matmul_tflops(dtype) for dtype in (dtypes or cpu_dense_dtypes())}
+    best = max(rates, key=rates.__getitem__)
+    return best, rates[best]
+
+
+def measure_cpu_matmul_tflops(dtype: torch.dtype = torch.float32, *, budget_s: float = 0.5,
+                              min_size: int = 512, max_size: int = 4096) -> float:
     """Achieved TFLOP/s of square matmuls on this CPU with the current thread count.
 
-    The matrix size doubles until one matmul takes about a twentieth of the budget, so per-call
-    overhead does not dominate (the fastest of three tries decides, as other processes may steal
-    the CPU for a moment); half the budget then times back-to-back matmuls of that size, and the
-    median one gives the rate.
+    The rate is the fastest of many timed matmuls: other processes only ever slow a matmul down, so the
+    best one is the closest to what the CPU can do. The matrix size (at least ``min_size``) doubles until
+    the fastest of three takes a twentieth of the budget, so per-call overhead does not count; then half
+    the budget (at least five matmuls) times that size.
     """
-    size = 128
+    size = min_size
     while True:
         a = torch.randn(size, size).to(dtype)
         b = torch.randn(size, size).to(dtype)
         out = torch.mm(a, b)  # warm-up: the first call allocates and picks kernels
-        if _fastest_matmul_s(a, b, out, tries=3) >= budget_s / 20 or size >= 4096:
+        if _fastest_matmul_s(a, b, out, tries=3) >= budget_s / 20 or size >= max_size:
             break
         size *= 2
-    durations: list[float] = []
+    fastest = float("inf")
+    count = 0
     start = time.perf_counter()
-    while not durations or time.perf_counter() - start < budget_s / 2:
-        durations.append(_fastest_matmul_s(a, b, out, tries=1))
-    return 2 * size**3 / statistics.median(durations) / 1e12
+    while count < 5 or time.perf_counter() - start < budget_s / 2:
+        fastest = min(fastest, _fastest_matmul_s(a, b, out, tries=1))
+        count += 1
+    return 2 * size**3 / fastest / 1e12
 
 
 def _fastest_matmul_s(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, tries: int) -> float:

@@ -1,4 +1,5 @@
-"""Training metrics: one console line and TensorBoard scalars every ``log_freq`` steps.
+"""Training metrics: one console line and TensorBoard (optionally also Weights & Biases) scalars every
+``log_freq`` steps.
 
 Per logged step: loss, lr, grad norm, tokens/s per device (and for the whole job on the console),
 achieved TFLOP/s per device, MFU against the device's dense BF16 peak (``device_peaks``), and peak
@@ -14,6 +15,7 @@ TensorBoard tags: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tok
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import resource
@@ -33,8 +35,8 @@ logger = logging.getLogger("torchtitan_lite")
 
 GIB = 1024**3
 
-# One measurement per process and dtype: every MetricsProcessor built afterwards reuses it.
-_MEASURED_CPU_TFLOPS: dict[torch.dtype, float] = {}
+# One measurement per process: every MetricsProcessor built afterwards reuses it.
+_MEASURED_CPU_TFLOPS: dict[str, float] = {}
 
 _COLORS = {"step": "\033[31m", "loss": "\033[36m", "memory": "\033[33m", "throughput": "\033[34m",
            "mfu": "\033[35m", "reset": "\033[0m"}
@@ -57,15 +59,23 @@ class MetricsProcessor(Configurable):
         The console line is printed by rank 0 either way."""
         enable_color: bool | None = None
         """Color the console line; None colors when stdout is a terminal."""
+        enable_wandb: bool = False
+        """Also log the same scalars to Weights & Biases (pip install -e .[wandb]); files go to
+        <dump_folder>/wandb, and WANDB_MODE=offline keeps them local."""
+        wandb_project: str = "torchtitan_lite"
+        """Weights & Biases project of the run (with enable_wandb)."""
         cpu_peak_tflops: float | None = None
-        """Peak TFLOP/s of a CPU device for MFU (the training compute dtype); None measures it once at
-        start with a ~0.5 s matmul benchmark."""
+        """Peak TFLOP/s of a CPU device for MFU; None measures it once at start (~0.5 s per dtype): the best
+        matmul rate of the fastest dtype the CPU runs natively (float32; bfloat16 with AVX512-BF16/AMX)."""
 
         def __post_init__(self) -> None:
             if self.log_freq < 1:
                 raise ValueError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
             if not self.save_tb_folder:
                 raise ValueError("metrics.save_tb_folder must be a folder name, got an empty string; the default is 'tb'")
+            if self.enable_wandb and importlib.util.find_spec("wandb") is None:
+                raise ValueError("metrics.enable_wandb=True needs the wandb package, which is not installed: "
+                                 "pip install -e .[wandb] (or pip install wandb), or leave metrics.enable_wandb off")
             if self.cpu_peak_tflops is not None and not self.cpu_peak_tflops > 0:
                 raise ValueError(
                     f"metrics.cpu_peak_tflops must be > 0 or None (measure it), got {self.cpu_peak_tflops}"
@@ -82,7 +92,6 @@ class MetricsProcessor(Configurable):
         num_flops_per_token: float,
         dp_degree: int = 1,
         tp_degree: int = 1,
-        compute_dtype: torch.dtype = torch.bfloat16,
         rank: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -92,7 +101,6 @@ class MetricsProcessor(Configurable):
             dp_degree: data-parallel ranks; each sees different tokens (global tokens/s).
             tp_degree: ranks that compute on the same tokens (tensor parallel); per-device tokens/s
                 divides by it.
-            compute_dtype: dtype of the CPU matmul benchmark when cpu_peak_tflops is not given.
             rank: this process's rank (default: from the process group).
             clock: seconds as a float; a fake clock makes throughput deterministic in tests.
         """
@@ -105,12 +113,15 @@ class MetricsProcessor(Configurable):
         self.clock = clock
         self.console = self.rank == 0
         self.writer = self._build_writer(dump_folder)
-        self.peak_flops = self._peak_flops(compute_dtype) if (self.console or self.writer) else None
+        self.wandb_run = self._build_wandb(dump_folder)
+        self.peak_flops = self._peak_flops() if (self.console or self.writer or self.wandb_run) else None
         color = sys.stdout.isatty() if config.enable_color is None else config.enable_color
         self.colors = _COLORS if color else _PLAIN
         self._tokens = 0
         self._excluded_s = 0.0
         self._interval_start = clock()
+        self._eta_origin: tuple[int, float] | None = None
+        self._total_steps: int | None = None
 
     # ----------------------------------------------------------------------------------------------
     # Construction
@@ -137,28 +148,42 @@ class MetricsProcessor(Configurable):
                        os.path.join("<dump_folder>", self.config.save_tb_folder), error)
         self.writer = None
 
-    def _write_scalars(self, values: dict[str, float], step: int) -> None:
-        if self.writer is None:
-            return
-        try:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
-            self.writer.flush()
-        except OSError as e:
-            self._tensorboard_failed(e)
+    def _build_wandb(self, dump_folder: str) -> Any:
+        cfg = self.config
+        if not cfg.enable_wandb or self.rank != 0:
+            return None
+        import wandb
 
-    def _peak_flops(self, compute_dtype: torch.dtype) -> float | None:
+        folder = os.path.join(dump_folder, "wandb")
+        os.makedirs(folder, exist_ok=True)
+        run = wandb.init(project=cfg.wandb_project, dir=folder)
+        logger.info("Weights & Biases run %s logs to %s", run.name, folder)
+        return run
+
+    def _write_scalars(self, values: dict[str, float], step: int) -> None:
+        """The same tags and values to TensorBoard and Weights & Biases (whichever are on)."""
+        if self.writer is not None:
+            try:
+                for tag, value in values.items():
+                    self.writer.add_scalar(tag, value, step)
+                self.writer.flush()
+            except OSError as e:
+                self._tensorboard_failed(e)
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=step)
+
+    def _peak_flops(self) -> float | None:
         if self.device.type == "cpu":
             if self.config.cpu_peak_tflops is not None:
                 return self.config.cpu_peak_tflops * 1e12
-            if compute_dtype not in _MEASURED_CPU_TFLOPS:
-                tflops = device_peaks.measure_cpu_matmul_tflops(compute_dtype)
-                _MEASURED_CPU_TFLOPS[compute_dtype] = tflops
+            if "cpu" not in _MEASURED_CPU_TFLOPS:
+                dtype, tflops = device_peaks.measure_cpu_peak_tflops()
+                _MEASURED_CPU_TFLOPS["cpu"] = tflops
                 logger.info(
-                    "CPU peak for MFU measured with a %s matmul benchmark: %.3f TFLOP/s "
-                    "(set metrics.cpu_peak_tflops to fix it)", str(compute_dtype).removeprefix("torch."), tflops,
+                    "CPU peak for MFU measured with a %s matmul benchmark (the fastest dtype this CPU runs): "
+                    "%.4g TFLOP/s (set metrics.cpu_peak_tflops to fix it)", str(dtype).removeprefix("torch."), tflops,
                 )
-            return _MEASURED_CPU_TFLOPS[compute_dtype] * 1e12
+            return _MEASURED_CPU_TFLOPS["cpu"] * 1e12
         peak = device_peaks.device_peak_flops(self.device)
         if peak is None:
             name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
@@ -183,6 +208,18 @@ class MetricsProcessor(Configurable):
             yield
         finally:
             self._excluded_s += self.clock() - start
+
+    def begin(self, step: int, total_steps: int) -> None:
+        """Training goes from after ``step`` to ``total_steps``: each console line then shows the time
+        left at the average wall time per step since here (validation and checkpoints included)."""
+        self._eta_origin = (step, self.clock())
+        self._total_steps = total_steps
+
+    def _eta_seconds(self, step: int, now: float) -> float | None:
+        if self._eta_origin is None or self._total_steps is None or step <= self._eta_origin[0]:
+            return None
+        origin_step, origin_time = self._eta_origin
+        return (now - origin_time) / (step - origin_step) * max(self._total_steps - step, 0)
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.config.log_freq == 0
@@ -218,6 +255,12 @@ class MetricsProcessor(Configurable):
             "memory_gib": memory,
         }
         if self.peak_flops is not None:
+            if flops > self.peak_flops and self.device.type == "cpu" and self.config.cpu_peak_tflops is None:
+                # The peak measurement was slowed down (a busy host): what the run achieves is a lower bound.
+                logger.warning("achieved %.4g TFLOP/s exceeds the measured CPU peak %.4g TFLOP/s (the host was busy "
+                               "while it was measured); the achieved rate is the peak from now on; set "
+                               "metrics.cpu_peak_tflops for a fixed one", flops / 1e12, self.peak_flops / 1e12)
+                self.peak_flops = flops
             values["mfu"] = 100.0 * flops / self.peak_flops
         for key, value in (extra or {}).items():
             if key in values:
@@ -227,7 +270,8 @@ class MetricsProcessor(Configurable):
         self._write_scalars({f"train/{key}": value for key, value in values.items()}, step)
         if self.console:
             global_tokens_per_s = self._tokens * self.dp_degree / elapsed
-            logger.info(self._console_line(step, values, global_tokens_per_s, reserved, extra or {}))
+            logger.info(self._console_line(step, values, global_tokens_per_s, reserved, extra or {},
+                                           self._eta_seconds(step, now)))
 
         self._tokens = 0
         self._excluded_s = 0.0
@@ -244,6 +288,9 @@ class MetricsProcessor(Configurable):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
 
     # ----------------------------------------------------------------------------------------------
 
@@ -259,7 +306,7 @@ class MetricsProcessor(Configurable):
 
     def _console_line(
         self, step: int, values: dict[str, float], global_tokens_per_s: float, reserved: float | None,
-        extra: dict[str, float],
+        extra: dict[str, float], eta_s: float | None = None,
     ) -> str:
         c = self.colors
         memory = f"memory {values['memory_gib']:.2f}GiB"
@@ -277,4 +324,18 @@ class MetricsProcessor(Configurable):
         if "mfu" in values:
             parts.append(f"{c['mfu']}mfu {values['mfu']:.2f}%{c['reset']}")
         parts += [f"{key} {value:.4g}" for key, value in extra.items()]
+        if eta_s is not None:
+            parts.append(f"eta {format_duration(eta_s)}")
         return "  ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    """'45s', '3m05s', '2h07m': the time left on a console line."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, secs = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"

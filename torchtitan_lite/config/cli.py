@@ -48,6 +48,8 @@ class CliResult:
     """The registered config the resolved config starts from."""
     nnodes: int = 1
     """Nodes of the launch the inspecting actions size (--nnodes)."""
+    help_config: str | None = None
+    """With --help: the --config NAME given beside it, whose values the field listing shows."""
 
 
 @dataclasses.dataclass
@@ -65,7 +67,8 @@ def parse_cli(argv: list[str], *, registry: ConfigRegistry, default_config: str 
     Raises ConfigError for anything the user must fix; its message is meant to be printed as is.
     """
     if any(arg in HELP_FLAGS for arg in argv):
-        return CliResult(None, "help", default_config)  # help must work even when the rest is wrong
+        # Help must work even when the rest is wrong; only a --config NAME is picked up.
+        return CliResult(None, "help", default_config, help_config=_config_name(argv))
     args = _split_argv(argv)
     name = args.config or default_config
     action = _single_action(args.actions)
@@ -78,6 +81,15 @@ def parse_cli(argv: list[str], *, registry: ConfigRegistry, default_config: str 
     return CliResult(config, action, name, nnodes=_nnodes(args.nnodes))
 
 
+def _config_name(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.partition("=")[2]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
 def _nnodes(value: str | None) -> int:
     if value is None:
         return 1
@@ -86,8 +98,9 @@ def _nnodes(value: str | None) -> int:
     return int(value)
 
 
-def main_help_text(root_cls: type) -> str:
-    """``--help`` text: usage, the command-line flags, then every config field with type, default and doc."""
+def main_help_text(root_cls: type, config: Any = None, config_name: str | None = None) -> str:
+    """``--help`` text: usage, the command-line flags, then every config field with type, default and doc
+    (and, with ``config``, its value in that registered config where it differs)."""
     flags = [("-h, --help", "show this help and exit")]
     flags += [(f"{flag} {metavar}", doc) for flag, (metavar, doc) in VALUE_FLAGS.items()]
     flags += [(flag, doc) for flag, (_, doc) in ACTION_FLAGS.items()]
@@ -104,8 +117,9 @@ def main_help_text(root_cls: type) -> str:
         "options:",
         *(f"  {flag.ljust(width)}  {doc}" for flag, doc in flags),
         "",
-        "config fields:",
-        fields_help_text(root_cls),
+        "config fields:" if config is None else
+        f"config fields (with the value in config '{config_name}' where it differs from the default):",
+        fields_help_text(root_cls, config, config_name or "config"),
     ])
 
 

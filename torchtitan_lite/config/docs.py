@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from torchtitan_lite.config.field_types import config_fields, is_section, kinds, type_name, typed_list_base
+from torchtitan_lite.config.field_types import config_fields, is_section, kind_of, kinds, type_name, typed_list_base
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -52,8 +52,10 @@ def undocumented_fields(root_cls: type) -> list[str]:
     return [d.key for d in walk_fields(root_cls) if d.role != "kind" and not d.doc]
 
 
-def fields_help_text(root_cls: type) -> str:
-    """One line per field: ``--section.field  TYPE  (default: X)  doc``, grouped by section."""
+def fields_help_text(root_cls: type, config: Any = None, config_name: str = "config") -> str:
+    """One line per field: ``--section.field  TYPE  (default: X)  doc``, grouped by section. With a
+    ``config`` instance, fields whose value there differs from the default show it too:
+    ``(default: 300, llama3_debug: 200)``."""
     lines = []
     for d in walk_fields(root_cls):
         if d.role == "section":
@@ -61,8 +63,29 @@ def fields_help_text(root_cls: type) -> str:
         elif d.role == "kind":
             lines += ["", f"  {d.flag}  {d.doc}".rstrip()]
         else:
-            lines.append(f"  {d.flag}  {type_name(d.tp)}  (default: {d.default})  {d.doc}".rstrip())
+            default = f"default: {d.default}"
+            value = _value_at(config, d.key)
+            if typed_list_base(d.tp) is not None and isinstance(value, list):
+                value = [kind_of(entry) for entry in value]  # the entries' fields are their own flags
+            if value is not _ABSENT and format_default(value) != d.default:
+                default += f", {config_name}: {format_default(value)}"
+            lines.append(f"  {d.flag}  {type_name(d.tp)}  ({default})  {d.doc}".rstrip())
     return "\n".join(lines).lstrip("\n")
+
+
+_ABSENT = object()
+
+
+def _value_at(config: Any, key: str) -> Any:
+    """The value of dotted ``key`` in ``config``; _ABSENT without a config or for typed-list entry fields."""
+    if config is None or "[" in key:
+        return _ABSENT
+    value = config
+    for name in key.split("."):
+        value = getattr(value, name, _ABSENT)
+        if value is _ABSENT:
+            return _ABSENT
+    return value
 
 
 def walk_fields(root_cls: type) -> list[FieldDoc]:

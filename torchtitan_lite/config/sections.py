@@ -97,8 +97,9 @@ class ActivationCheckpointConfig:
     mode: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: none, full (every block), or selective."""
     selective_option: str = "op"
-    """With mode=selective: 'op' saves matmul/attention outputs and recomputes the rest; an integer N
-    checkpoints every Nth block fully."""
+    """With mode=selective: 'op' saves every other matmul output (in forward order; the rest are
+    recomputed), the attention outputs and float8 amax reductions, and recomputes the elementwise ops;
+    an integer N checkpoints every Nth block fully."""
 
 
 @dataclass(kw_only=True)

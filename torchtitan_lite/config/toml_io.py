@@ -2,13 +2,16 @@
 
 The TOML written here is complete (every field, defaults included), so loading it with
 ``--config-file`` on top of any config of the same root reproduces the config exactly.
-TOML has no null: None is written as the string ``"none"``, which ``X | None`` fields read back as
-None. Typed-config list entries are ``[[section.list]]`` tables starting with ``kind = "..."``; an
-empty typed list is written ``list = []``.
+TOML has no null: None is written as a comment, ``# n_layers = None (unset)``, which
+``load_toml_overrides`` reads back as None (so the file stays exact on top of a base config that sets
+the field); the string ``"none"`` is read as None too, as files of older versions wrote it.
+Typed-config list entries are ``[[section.list]]`` tables starting with ``kind = "..."``; an empty
+typed list is written ``list = []``.
 """
 from __future__ import annotations
 
 import math
+import re
 import sys
 from typing import Any
 
@@ -49,13 +52,46 @@ def load_toml_overrides(path: str) -> dict[str, Any]:
     """Read a TOML override file into a nested dict; a missing file or bad TOML is a ConfigError."""
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            text = f.read().decode("utf-8")
+        data = tomllib.loads(text)
+        _read_unset_comments(text, data)
+        return data
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text: {err}") from None
     except FileNotFoundError:
         raise ConfigError(f"config file '{path}' not found") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
     except OSError as err:
         raise ConfigError(f"cannot read config file '{path}': {err}") from None
+
+
+_UNSET_COMMENT = re.compile(r"^#\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*None \(unset\)\s*$")
+
+
+def _read_unset_comments(text: str, data: dict[str, Any]) -> None:
+    """Put ``"none"`` (read as None) into ``data`` for each ``# key = None (unset)`` line, in the table
+    (or array-of-tables entry) it stands in; keys the file also sets are left alone."""
+    table: dict[str, Any] = data
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("[["):
+            entries = _lookup(data, line[2:-2])
+            table = entries[-1] if isinstance(entries, list) and entries else {}
+        elif line.startswith("["):
+            found = _lookup(data, line[1:-1])
+            table = found if isinstance(found, dict) else {}
+        elif (match := _UNSET_COMMENT.match(line)) is not None:
+            table.setdefault(match.group(1), "none")
+
+
+def _lookup(data: dict[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for name in dotted.strip().split("."):
+        if isinstance(node, list):  # a table under an array of tables belongs to its last entry
+            node = node[-1] if node else None
+        node = node.get(name) if isinstance(node, dict) else None
+    return node
 
 
 def _write_table(config: Any, path: list[str], lines: list[str], header: str | None, kind: str | None = None) -> None:
@@ -70,6 +106,8 @@ def _write_table(config: Any, path: list[str], lines: list[str], header: str | N
         key = ".".join(path + [f.name])
         if is_section(tp) or (typed_list_base(tp) is not None and value):
             subtables.append((f.name, tp, value))
+        elif value is None:
+            lines.append(f"# {f.name} = None (unset)")
         else:
             lines.append(f"{f.name} = {_toml_value(value, tp, key)}")
     for name, tp, value in subtables:
@@ -82,8 +120,6 @@ def _write_table(config: Any, path: list[str], lines: list[str], header: str | N
 
 
 def _toml_value(value: Any, tp: Any, key: str) -> str:
-    if value is None:
-        return '"none"'
     if isinstance(value, str) and accepts_none(tp) and is_none_word(value):
         raise ConfigError(f"{key}={value!r} cannot be written as TOML: in an optional field that text "
                           f"reads back as None; use None or another string")

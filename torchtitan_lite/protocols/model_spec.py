@@ -121,6 +121,10 @@ class ModelSpec:
     """Applies the parallelisms in the family's order (TP, AC, compile, FSDP)."""
     state_dict_adapter_cls: type | None
     """Converts state dicts to and from Hugging Face names; None when the family has no HF counterpart."""
+    kv_cache_cls: type | None = None
+    """Incremental decoding for generation, called as kv_cache_cls(model, batch_size=, max_len=); the
+    instance maps (new tokens, start position) to their logits, caching keys and values. None: generation
+    reruns the whole prefix for each new token."""
 
 
 _MODEL_SPECS: dict[str, ModelSpec] = {}

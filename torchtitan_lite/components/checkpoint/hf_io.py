@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,15 +22,17 @@ WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def save_hf(out_dir: str, state_dict: dict[str, torch.Tensor], adapter: Any, dtype: torch.dtype) -> None:
+def save_hf(out_dir: str, state_dict: dict[str, torch.Tensor], adapter: Any, dtype: torch.dtype,
+            extra: Callable[[str], None] | None = None, **config_fields: Any) -> None:
     """Write ``state_dict`` (this project's names, full unsharded tensors) as a Hugging Face folder.
 
-    Files go to a temporary sibling folder that is renamed at the end, so ``out_dir`` is either
-    absent or whole.
+    ``config_fields`` (e.g. bos_token_id) go to config.json; ``extra(folder)`` writes further files
+    (tokenizer, generation config) before the folder is published. Files go to a temporary sibling
+    folder that is renamed at the end, so ``out_dir`` is either absent or whole.
     """
     hf_state = adapter.to_hf(state_dict)
     tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in hf_state.items()}
-    config = dict(adapter.hf_config_dict())
+    config = dict(adapter.hf_config_dict(**config_fields))
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
     tmp = f"{out_dir.rstrip(os.sep)}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -37,6 +40,8 @@ def save_hf(out_dir: str, state_dict: dict[str, torch.Tensor], adapter: Any, dty
     with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     save_file(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
+    if extra is not None:
+        extra(tmp)
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -191,12 +191,11 @@ def _peak(args: argparse.Namespace, device_type: str) -> tuple[list[str], str]:
         return [], f"the {name}'s dense BF16 peak, {peak / 1e12:.0f} TFLOP/s (device_peaks.py)"
     tflops = args.cpu_peak_tflops
     if tflops is None:
-        import torch
+        from torchtitan_lite.components.device_peaks import measure_cpu_peak_tflops
 
-        from torchtitan_lite.components.device_peaks import measure_cpu_matmul_tflops
-
-        tflops = measure_cpu_matmul_tflops(torch.float32)
-        note = f"this CPU's float32 matmul rate, measured here: {tflops:.3f} TFLOP/s"
+        dtype, tflops = measure_cpu_peak_tflops()
+        note = (f"this CPU's best {str(dtype).removeprefix('torch.')} matmul rate (its fastest native dtype), "
+                f"measured here: {tflops:.3f} TFLOP/s")
     else:
         note = f"a given CPU peak of {tflops:.3f} TFLOP/s"
     return ["--metrics.cpu_peak_tflops", repr(tflops)], note

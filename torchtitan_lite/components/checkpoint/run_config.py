@@ -1,0 +1,54 @@
+"""The config a checkpoint was trained with: its run's saved ``config.toml``, or a registered config.
+
+A run writes its resolved config (every override included) to ``<dump_folder>/config.toml`` and its
+checkpoints to ``<dump_folder>/<checkpoint.folder>/step-N``; the export, import and generation scripts
+find the one from the other, so a run trained with ``--model.n_layers 2`` converts with no flags.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from torchtitan_lite.config.overrides import apply_overrides, overrides_from_dict
+from torchtitan_lite.config.registry import ConfigRegistry
+from torchtitan_lite.config.toml_io import load_toml_overrides
+
+logger = logging.getLogger(__name__)
+
+RUN_CONFIG_NAME = "config.toml"
+BASE_CONFIG = "llama3_debug"
+"""The registered config the saved TOML is applied to; the TOML is complete, so any base of the same
+root gives the same result."""
+
+
+def find_run_config(checkpoint_dir: str) -> Path | None:
+    """``config.toml`` of the run that wrote ``checkpoint_dir`` (<dump>/<folder>/step-N), or the file
+    inside it (an exported folder); None when there is none."""
+    path = Path(checkpoint_dir).resolve()
+    for folder in (path, path.parent, path.parent.parent):
+        candidate = folder / RUN_CONFIG_NAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_config_file(path: str | Path, *, registry: ConfigRegistry, base: str = BASE_CONFIG) -> Any:
+    """A root config read back from a saved ``config.toml``."""
+    overrides = overrides_from_dict(load_toml_overrides(str(path)), origin=str(path))
+    return apply_overrides(registry.get(base), overrides, base_label=f"config '{base}'")
+
+
+def config_for_checkpoint(checkpoint_dir: str, *, registry: ConfigRegistry, config_name: str | None = None) -> Any:
+    """The root config of ``checkpoint_dir``: the registered ``config_name`` when given (it overrides the
+    run's file), else the run's saved ``config.toml``."""
+    if config_name is not None:
+        logger.info("using registered config %r (given with --config) for %s", config_name, checkpoint_dir)
+        return registry.get(config_name)
+    path = find_run_config(checkpoint_dir)
+    if path is None:
+        raise FileNotFoundError(
+            f"no {RUN_CONFIG_NAME} next to {checkpoint_dir} (looked in it, its parent and the run folder "
+            f"above); pass --config NAME with the registered config it was trained with")
+    logger.info("using the run's config %s", path)
+    return load_config_file(path, registry=registry)
