@@ -4,7 +4,7 @@
 # fresh machine. Set TTL_PYTHON to force an interpreter.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-probe='import torch, torchao, datasets, sentencepiece, tokenizers, huggingface_hub, tensorboard, safetensors, pytest, ruff, mypy, torchtitan_lite
+probe='import torch, torchao, datasets, sentencepiece, tokenizers, huggingface_hub, tensorboard, safetensors, pytest, ruff, mypy, transformers, wandb, torchtitan_lite
 import config_registry; config_registry.DEFAULT_REGISTRY'
 # Only the dependency lists decide whether the environment must be refreshed.
 stamp_of() { sed -n '/^dependencies/,/^\[tool.setuptools/p' "$root/pyproject.toml" | sha256sum | cut -c1-16; }
