@@ -83,7 +83,7 @@ def test_signals_stop_every_rank_at_one_step_with_a_complete_checkpoint_that_res
 
 def test_a_signal_without_checkpointing_says_nothing_was_saved(tmp_path):
     run = Launch(train_cmd(["--config", "llama3_debug", *TINY, "--training.steps", "10000",
-                            "--job.dump_folder", str(tmp_path)]))
+                            "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path)]))
     run.wait_for(r"step\s+2\s+loss")
     run.signal_launcher(signal.SIGTERM)
     assert run.finish() == 0, run.output[-4000:]

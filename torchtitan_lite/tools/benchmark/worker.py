@@ -8,7 +8,8 @@ The trainer is built from the registry config exactly as train.py builds it and 
 ``train()`` loop for warmup + steps steps, so every per-step cost of the real loop (data loading,
 metrics, checkpoint checks, gc) is timed. ``train_step`` is wrapped to record when each step starts
 and ends; the wrapper adds two clock reads per step. Validation is switched off (it is not training
-throughput; an explicit ``--validation.enable true`` turns it back on and then counts).
+throughput; an explicit ``--validation.enable true`` turns it back on and then counts; checkpointing
+is off the same way).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_") as dump:
         # Later flags win: the user's overrides come after these defaults, the step count last.
-        cli = parse_cli(["--validation.enable", "false", "--job.dump_folder", dump, *config_argv,
+        cli = parse_cli(["--validation.enable", "false", "--checkpoint.enable", "false", "--job.dump_folder", dump, *config_argv,
                          "--training.steps", str(args.warmup + args.steps)], registry=registry)
         config: Any = cli.config  # set: the action is train
         trainer = config.build()
