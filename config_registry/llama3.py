@@ -33,8 +33,8 @@ def llama3_debug() -> Trainer.Config:
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10, decay_type="cosine", min_lr_factor=0.1),
         validation=Validator.Config(enable=True, freq=100, steps=10),
         metrics=MetricsProcessor.Config(log_freq=10),
-        # The run leaves its final step (and step 100) to sample from, convert or resume: ~70 MB each.
-        checkpoint=CheckpointManager.Config(enable=True, interval=100, keep_latest_k=2),
+        # The run leaves steps 100 and 200 to sample from, convert or resume: ~70 MB each.
+        checkpoint=CheckpointManager.Config(enable=True, interval=100),
     )
 
 

@@ -47,7 +47,6 @@ LONG_RUNNING = {
         "needs the exported run",
     "python scripts/convert_from_hf.py --hf-dir hf_out --output seed_ckpt": "needs the exported run",
     "./run_train.sh --checkpoint.enable true --checkpoint.initial_load_path seed_ckpt": "trains",
-    "pip install -e .[hf]": "installs packages",
     "pip install -e .[wandb]": "installs packages",
     "python scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 llama3_debug_fp8_rowwise "
     "--last 20 --tolerance 0.05 --out loss.png --table loss_gap.md": "trains three configs",
@@ -66,6 +65,20 @@ LONG_RUNNING = {
     "python scripts/float8_layer_bench.py --shapes 256,256,256 --no-compile":
         "a benchmark (tests/unit/test_float8_layer_bench.py covers it)",
     "./run_train.sh --config <cfg> --metrics.log_freq 1 --job.dump_folder /tmp/ttl/lc/<cfg>": "a template (<cfg>)",
+    "HF_TOKEN=hf_... python scripts/download_hf_assets.py --repo meta-llama/Llama-3.1-8B":
+        "downloads from the hub (tests/unit/test_hf_assets.py runs it against a stand-in client)",
+    "NGPU=8 ./run_train.sh --config llama3_8b_fp8 --parallelism.tp 2 --training.steps 20000 --checkpoint.enable true "
+    "--checkpoint.interval 500 --job.dump_folder outputs/llama3_8b": "needs 8 GPUs and the fetched assets",
+    "sbatch --nodes=4 scripts/slurm_multinode.sh --config llama3_8b_fp8 --parallelism.tp 2 --training.steps 20000 "
+    "--checkpoint.enable true --job.dump_folder outputs/llama3_8b": "needs a SLURM cluster",
+    "sbatch --nodes=64 scripts/slurm_multinode.sh --config llama3_405b_fp8 --parallelism.tp 8 --parallelism.dp_replicate 4":
+        "needs a SLURM cluster",
+    "python scripts/convert_from_hf.py --hf-dir assets/hf/Llama-3.1-8B --config llama3_8b_fp8 --output seeds/llama3_8b":
+        "needs the downloaded 8B weights",
+    "python scripts/verify_checkpoint.py outputs/checkpoint":
+        "needs a trained run (tests/unit/test_checkpoint_integrity.py runs it on a small checkpoint)",
+    "scripts/test_torch_versions.sh 2.11.0 2.14.1 [-- PYTEST_ARGS]": "installs two torch releases and runs the suite",
+    "scripts/fetch_gpu_wheels.sh DIR": "downloads wheels (a template: DIR)",
     "python scripts/loss_compare.py --runs <bf16> <fp8> <fp8_rowwise> --last 20 --tolerance 0.05 --out loss.png":
         "a template (<bf16> ...)",
 }
