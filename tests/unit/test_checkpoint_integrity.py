@@ -268,3 +268,11 @@ def test_marker_json_of_older_checkpoints_still_loads(tmp_path):
     del data["checksums"], data["checksum_algorithm"]
     Path(marker_path).write_text(json.dumps(data))
     assert Run(str(tmp_path), seed=1).ckpt.load() == 2
+
+
+def test_the_storage_check_leaves_a_fresh_optimizer_untouched(tmp_path):
+    # Asking DCP for an unstepped optimizer's state creates it with a zero-lr step (Adam's step count
+    # then starts at 1 and every later update differs): the check must size it without asking.
+    run = Run(str(tmp_path))
+    run.ckpt.check_storage()
+    assert run.optim.opt.state == {}

@@ -73,6 +73,10 @@ PER_RANK_STATES = ("dataloader", "train_state")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+ADAM_MOMENTS = 2
+"""Optimizer tensors per parameter the storage check assumes (AdamW's exp_avg and exp_avg_sq)."""
+
+
 class CheckpointManager(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
@@ -459,7 +463,12 @@ class CheckpointManager(Configurable):
         checks, every rank gets the verdict)."""
         if not self.config.enable:
             return
-        expected = state_bytes({n: s for n, s in self.states.items() if n not in PER_RANK_STATES})
+        # The optimizer is sized, not asked: reading its state_dict before its first step makes DCP create
+        # its states with a zero-lr step, which advances Adam's step count and changes the whole run.
+        others = {n: s for n, s in self.states.items() if n not in PER_RANK_STATES and n != "optimizer"}
+        expected = state_bytes(others)
+        if "optimizer" in self.states and "model" in self.states:
+            expected += ADAM_MOMENTS * state_bytes({"model": self.states["model"]})
         verdict = [check_writable_with_space(self.folder, expected) if self.rank == 0 else None]
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(verdict, src=0)
