@@ -1,7 +1,6 @@
 """Generation: KV-cache decoding equals full recomputation, sampling options, loading a run's checkpoint."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -15,6 +14,7 @@ from torchtitan_lite.components.generation import GenerationModel, generate, loa
 from torchtitan_lite.components.sampling import SamplingConfig, sample_next
 from torchtitan_lite.config import apply_overrides, config_to_toml
 from torchtitan_lite.config.overrides import Override
+from torchtitan_lite.tools import generate as generate_tool
 
 SPEC = get_model_spec("llama3")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,10 +113,8 @@ def test_generate_script_reads_the_run_config(tmp_path, capsys):
     cfg = config_for_checkpoint(ckpt, registry=config_registry.DEFAULT_REGISTRY)
     assert cfg.model.n_layers == 1
     loaded_model = load_from_dcp(ckpt, cfg)
-    spec = importlib.util.spec_from_file_location("generate", os.path.join(REPO, "scripts", "generate.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    text = script.main(["--checkpoint", ckpt, "--prompt", "def main(", "--max-new-tokens", "8"])
+    text = generate_tool.main(["--checkpoint", ckpt, "--prompt", "def main(", "--max-new-tokens", "8"],
+                              registry=config_registry.DEFAULT_REGISTRY)
     assert capsys.readouterr().out == text + "\n"
     ids = loaded_model.tokenizer.encode("def main(", bos=True, eos=False)
     expected = generate(loaded_model, ids, max_new_tokens=8)
