@@ -91,6 +91,23 @@ def state_bytes(states: dict[str, Stateful]) -> int:
     return total
 
 
+ADAM_MOMENTS = 2
+"""Optimizer tensors per parameter the storage check assumes (AdamW's exp_avg and exp_avg_sq)."""
+
+
+def expected_checkpoint_bytes(states: dict[str, Stateful]) -> int:
+    """Bytes one checkpoint of ``states`` will hold, from the start of training on.
+
+    The optimizer is sized from the model, not asked: reading its state_dict before its first step makes
+    DCP create its states with a zero-lr step, which advances Adam's step count and changes the whole run.
+    """
+    others = {n: s for n, s in states.items() if n != "optimizer"}
+    expected = state_bytes(others)
+    if "optimizer" in states and "model" in states:
+        expected += ADAM_MOMENTS * state_bytes({"model": states["model"]})
+    return expected
+
+
 def check_writable_with_space(folder: str, expected_bytes: int) -> str | None:
     """None when ``folder`` can be created and written and its filesystem has ``expected_bytes`` free;
     otherwise the problem. 'cannot write' problems are always fatal, too little space may be a warning."""

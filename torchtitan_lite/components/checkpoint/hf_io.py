@@ -6,20 +6,43 @@ Name mapping and the q/k rotary layout change belong to the model's state-dict a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+logger = logging.getLogger(__name__)
+
+
+def export_model_state(state: dict[str, Any], out_dir: str, adapter: Any, dtype: torch.dtype, *, write: bool) -> None:
+    """Gather a (possibly sharded) model state and, where ``write``, save it as a Hugging Face folder.
+
+    Every rank must call it: ``full_tensor`` is collective, each rank gathers each tensor in the same order.
+    """
+    full: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        if write:
+            full[key] = value.detach().to(device="cpu", dtype=dtype)
+    if write:
+        save_hf(out_dir, full, adapter, dtype)
+        logger.info("exported Hugging Face model to %s", out_dir)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def save_hf(out_dir: str, state_dict: dict[str, torch.Tensor], adapter: Any, dtype: torch.dtype,

@@ -34,11 +34,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.components.checkpoint import hf_io
 from torchtitan_lite.components.checkpoint.checksums import ALGORITHM, ChecksummingWriter
-from torchtitan_lite.components.checkpoint.disk import check_writable_with_space, describe_save_error, state_bytes
+from torchtitan_lite.components.checkpoint.disk import (
+    check_writable_with_space,
+    describe_save_error,
+    expected_checkpoint_bytes,
+)
 from torchtitan_lite.components.checkpoint.layout import (
     MARKER_NAME,
     Marker,
@@ -55,10 +58,11 @@ from torchtitan_lite.components.checkpoint.verify import (
     WeightsOnlyLoadPlanner,
     check_compatible,
     describe_failure,
+    newest_verified_step,
     read_metadata,
     saved_state_names,
     saved_tensor_shape,
-    verify_step,
+    verify_together,
 )
 from torchtitan_lite.config import Configurable
 from torchtitan_lite.distributed import utils as dist_utils
@@ -71,10 +75,6 @@ PER_RANK_STATES = ("dataloader", "train_state")
 """States that differ per rank and are not sharded tensors; each rank saves and restores its own copy."""
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-ADAM_MOMENTS = 2
-"""Optimizer tensors per parameter the storage check assumes (AdamW's exp_avg and exp_avg_sq)."""
 
 
 class CheckpointManager(Configurable):
@@ -187,14 +187,16 @@ class CheckpointManager(Configurable):
             if cfg.load_step not in complete:
                 raise CheckpointError(f"checkpoint.load_step={cfg.load_step}: there is no complete "
                                       f"{step_dir(self.folder, cfg.load_step)}; {describe_steps(self.folder)}")
-            problems = self._verify(step_dir(self.folder, cfg.load_step))
+            problems = verify_together(step_dir(self.folder, cfg.load_step), checksums=cfg.verify_checksums,
+                                       rank=self.rank, world_size=self.world_size)
             if problems:
                 raise CheckpointError(f"checkpoint.load_step={cfg.load_step}: {step_dir(self.folder, cfg.load_step)} "
                                       f"fails verification: {'; '.join(problems)}. Load another step "
                                       f"({describe_steps(self.folder)}), or -1 for the newest one that verifies")
             step = cfg.load_step
         elif complete:
-            step = self._newest_verified(complete)
+            step = newest_verified_step(self.folder, complete, checksums=cfg.verify_checksums, rank=self.rank,
+                                            world_size=self.world_size)
         elif cfg.initial_load_path is not None:
             return self._initial_load(cfg.initial_load_path)
         else:
@@ -217,40 +219,11 @@ class CheckpointManager(Configurable):
         logger.info("resumed from %s in %.1fs", path, time.perf_counter() - start)
         return step
 
-    def _newest_verified(self, complete: list[int]) -> int:
-        """The newest complete step whose files verify; the ones skipped are reported."""
-        rejected: list[int] = []
-        reasons: list[str] = []
-        for step in reversed(complete):
-            path = step_dir(self.folder, step)
-            problems = self._verify(path)
-            if not problems:
-                if rejected:
-                    logger.warning("resuming from %s instead of the newer %s, which failed verification",
-                                   path, [step_dir(self.folder, s) for s in rejected])
-                return step
-            logger.error("checkpoint %s fails verification and is skipped: %s", path, "; ".join(problems))
-            rejected.append(step)
-            reasons.append(f"step {step}: {'; '.join(problems)}")
-        raise CheckpointError(f"no complete checkpoint in {self.folder} passes verification ({' | '.join(reasons)}); "
-                              f"move the folder away to start from scratch")
-
-    def _verify(self, path: str) -> list[str]:
-        """Problems found in ``path`` by all ranks together (each hashes a share of the files)."""
-        start = time.perf_counter()
-        mine = verify_step(path, checksums=self.config.verify_checksums, part=self.rank, n_parts=self.world_size)
-        if dist.is_initialized() and self.world_size > 1:
-            gathered: list[list[str] | None] = [None] * self.world_size
-            dist.all_gather_object(gathered, mine)
-            mine = sorted({p for problems in gathered for p in problems or []})
-        if not mine and self.config.verify_checksums:
-            logger.info("verified %s in %.1fs", path, time.perf_counter() - start)
-        return mine
-
     def _initial_load(self, path: str) -> int:
         metadata = read_metadata(path)
         marker = Marker.read(path)
-        problems = self._verify(path) if marker is not None else []
+        problems = verify_together(path, checksums=self.config.verify_checksums, rank=self.rank,
+                                   world_size=self.world_size) if marker is not None else []
         if problems:
             raise CheckpointError(f"checkpoint.initial_load_path={path} fails verification: {'; '.join(problems)}")
         candidates = ["model"] if self.config.initial_load_model_only else list(self.states)
@@ -463,12 +436,7 @@ class CheckpointManager(Configurable):
         checks, every rank gets the verdict)."""
         if not self.config.enable:
             return
-        # The optimizer is sized, not asked: reading its state_dict before its first step makes DCP create
-        # its states with a zero-lr step, which advances Adam's step count and changes the whole run.
-        others = {n: s for n, s in self.states.items() if n not in PER_RANK_STATES and n != "optimizer"}
-        expected = state_bytes(others)
-        if "optimizer" in self.states and "model" in self.states:
-            expected += ADAM_MOMENTS * state_bytes({"model": self.states["model"]})
+        expected = expected_checkpoint_bytes({n: s for n, s in self.states.items() if n not in PER_RANK_STATES})
         verdict = [check_writable_with_space(self.folder, expected) if self.rank == 0 else None]
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(verdict, src=0)
@@ -480,19 +448,8 @@ class CheckpointManager(Configurable):
         logger.warning("%s; training anyway (checkpoint.on_save_error=warn)", problem)
 
     def _export_hf(self, step: int) -> None:
-        dtype = EXPORT_DTYPES[self.config.export_dtype]
-        full: dict[str, torch.Tensor] = {}
-        for key, value in self.states["model"].state_dict().items():
-            # full_tensor is collective: every rank gathers each tensor in the same order.
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            if self.rank == 0:
-                full[key] = value.detach().to(device="cpu", dtype=dtype)
-        if self.rank == 0:
-            out = hf_export_dir(self.folder, step)
-            hf_io.save_hf(out, full, self.hf_adapter, dtype)
-            logger.info("exported Hugging Face model to %s", out)
-        if dist.is_initialized():
-            dist.barrier()
+        hf_io.export_model_state(self.states["model"].state_dict(), hf_export_dir(self.folder, step), self.hf_adapter,
+                                 EXPORT_DTYPES[self.config.export_dtype], write=self.rank == 0)
 
     def close(self) -> None:
         """Wait for a background save; call once at the end of training (also after a seed save)."""

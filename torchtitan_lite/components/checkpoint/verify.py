@@ -8,20 +8,25 @@ model flavor), and shard files that are missing or shorter than ``.metadata`` sa
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from torchtitan_lite.components.checkpoint.layout import DCP_METADATA_NAME, is_dcp_folder
+from torchtitan_lite.components.checkpoint.layout import DCP_METADATA_NAME, is_dcp_folder, step_dir
 
 _SHOWN = 5
 
+
+logger = logging.getLogger(__name__)
 
 class CheckpointError(RuntimeError):
     """A checkpoint folder cannot serve the requested load; the message names file and mismatch."""
@@ -163,3 +168,35 @@ def verify_folder(path: str) -> dict[str, list[str]]:
     found.update({step_dir(path, s): [f"incomplete: no {MARKER_NAME} marker (an interrupted save), never loaded"]
                   for s in incomplete})
     return found
+
+
+def verify_together(path: str, *, checksums: bool, rank: int, world_size: int) -> list[str]:
+    """Problems found in ``path`` by all ranks together (each hashes a share of the files)."""
+    start = time.perf_counter()
+    mine = verify_step(path, checksums=checksums, part=rank, n_parts=world_size)
+    if dist.is_initialized() and world_size > 1:
+        gathered: list[list[str] | None] = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+        mine = sorted({p for problems in gathered for p in problems or []})
+    if not mine and checksums:
+        logger.info("verified %s in %.1fs", path, time.perf_counter() - start)
+    return mine
+
+
+def newest_verified_step(folder: str, complete: list[int], *, checksums: bool, rank: int, world_size: int) -> int:
+    """The newest complete step whose files verify; the ones skipped are reported."""
+    rejected: list[int] = []
+    reasons: list[str] = []
+    for step in reversed(complete):
+        path = step_dir(folder, step)
+        problems = verify_together(path, checksums=checksums, rank=rank, world_size=world_size)
+        if not problems:
+            if rejected:
+                logger.warning("resuming from %s instead of the newer %s, which failed verification",
+                               path, [step_dir(folder, s) for s in rejected])
+            return step
+        logger.error("checkpoint %s fails verification and is skipped: %s", path, "; ".join(problems))
+        rejected.append(step)
+        reasons.append(f"step {step}: {'; '.join(problems)}")
+    raise CheckpointError(f"no complete checkpoint in {folder} passes verification ({' | '.join(reasons)}); "
+                          f"move the folder away to start from scratch")
