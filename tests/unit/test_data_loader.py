@@ -175,7 +175,7 @@ def test_state_holds_plain_values_only(tokenizer):
     assert {k: v for k, v in state.items() if k != "buffer"} == {
         "format": 1, "dataset": "embedded", "split": "train", "streaming": False, "dp_rank": 0,
         "dp_world_size": 1, "seq_len": 32, "vocab_size": 2048, "shuffle_seed": 3, "epoch": 0,
-        "position": 16, "stream_state": None,
+        "position": 16, "stream_state": None, "resume_doc": 0, "resume_char": 0,
     }
     assert state["buffer"].dtype == torch.int32 and state["buffer"].dim() == 1
 

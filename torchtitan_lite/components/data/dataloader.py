@@ -8,7 +8,9 @@ Pipeline per data-parallel rank:
    rank when their number divides by the data-parallel degree, otherwise every
    ``dp_world_size``-th document.
 3. Documents are read lazily in groups of ``DOCS_PER_ENCODE`` and tokenised with one batched
-   SentencePiece call per group, then packed (see ``packing.py``) into ``seq_len + 1`` windows.
+   SentencePiece call per group, then packed (see ``packing.py``) into ``seq_len + 1`` windows. A
+   document over ``LARGE_DOCUMENT_CHARS`` is streamed instead (``chunked_encode.py``): its tokens
+   reach the packer chunk by chunk, so its first windows come out after its first chunk is tokenised.
 
 Training (``infinite=True``) loops over epochs forever; with ``data.shuffle`` a map-style training
 split is read in a fresh permutation each epoch, seeded by ``(seed, epoch)``. A finite pass
@@ -17,7 +19,9 @@ fewer than ``local_batch_size`` windows, and drops the final partial window. Ran
 different numbers of batches in a finite pass.
 
 ``state_dict()`` is the position after the last batch handed out: epoch, documents consumed (or the
-streaming dataset's own resumable state), the shuffle seed and the tokens read but not yet batched.
+streaming dataset's own resumable state), within the next group of documents how many are already
+tokenised and how many characters of the next one (a streamed document stopped at a chunk boundary),
+the shuffle seed and the tokens read but not yet batched.
 It holds only ints, strings, dicts and one tensor, so it loads with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
@@ -25,14 +29,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 
-from torchtitan_lite.components.data.chunked_encode import encode_documents
+from torchtitan_lite.components.data.chunked_encode import encode_large, is_large
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer, to_batch
 from torchtitan_lite.components.data.sources import DataFormat, DataSourceError, load_split
 from torchtitan_lite.config import Configurable
@@ -41,6 +45,14 @@ DOCS_PER_ENCODE = 16
 """Documents tokenised per SentencePiece call: large enough to amortise the call, small enough that
 the leftover token buffer (saved in checkpoints) stays small."""
 STATE_FORMAT = 1
+
+
+class _Group(NamedTuple):
+    """Documents read together, and the source position after them (committed once all are tokenised)."""
+
+    texts: list[str]
+    end_position: int
+    end_stream_state: dict | None
 
 
 class TextDataLoader(Configurable):
@@ -121,6 +133,8 @@ class TextDataLoader(Configurable):
         self._epoch = 0
         self._position = 0  # documents of this epoch already tokenised (map-style)
         self._stream_state: dict | None = None  # IterableDataset.state_dict() after those documents
+        # Of the group read from there on: documents already tokenised, and characters of the next one.
+        self._resume_doc, self._resume_char = 0, 0
         self._buffer = empty_buffer()
         self._live_iterator: object | None = None
         self._pass_has_content = False
@@ -137,35 +151,62 @@ class TextDataLoader(Configurable):
     def _batches(self, token: object) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         window = self.seq_len + 1
         needed = self.local_batch_size * window
-        groups = self._document_groups()
+        pieces = self._token_pieces()
         while True:
             if self._live_iterator is not token:
                 raise RuntimeError("this data loader iterator is stale: a newer iterator was created or "
                                    "load_state_dict() was called; call iter(loader) again")
             while len(self._buffer) < needed:
-                texts = next(groups, None)
-                if texts is None:  # a finite pass ended: the last full windows, then stop
+                token_lists = next(pieces, None)
+                if token_lists is None:  # a finite pass ended: the last full windows, then stop
                     n_windows = len(self._buffer) // window
                     if n_windows:
                         windows, self._buffer = cut_windows(self._buffer, n_windows, window)
                         yield to_batch(windows)
                     return
-                token_lists = encode_documents(self.tokenizer, texts)
-                # BOS + EOS alone is an empty document; a pass of only those trains on nothing.
-                self._pass_has_content = self._pass_has_content or any(len(t) > 2 for t in token_lists)
                 self._buffer = append_documents(self._buffer, token_lists)
             windows, self._buffer = cut_windows(self._buffer, self.local_batch_size, window)
             yield to_batch(windows)
 
-    def _document_groups(self) -> Iterator[list[str]]:
-        """Groups of document texts from the saved position on; advances the position as it goes."""
+    def _token_pieces(self) -> Iterator[list[list[int]]]:
+        """Token lists to append to the buffer, in document order: the small documents of a group in one
+        batched call, a large one piece by piece. When a piece is handed out the loader's position already
+        counts it: the caller appends it before anything can read the state."""
+        for group in self._document_groups():
+            texts, first, first_char = group.texts, self._resume_doc, self._resume_char
+            small = [i for i in range(first, len(texts)) if not is_large(texts[i])]
+            encoded = dict(zip(small, self.tokenizer.encode_batch([texts[i] for i in small]) if small else []))
+            # BOS + EOS alone is an empty document; a pass of only those trains on nothing.
+            self._pass_has_content = self._pass_has_content or any(len(t) > 2 for t in encoded.values())
+            run: list[list[int]] = []
+            for i in range(first, len(texts)):
+                if i in encoded:
+                    run.append(encoded[i])
+                    continue
+                if run:
+                    self._resume_doc, self._resume_char = i, 0
+                    yield run
+                    run = []
+                self._pass_has_content = True
+                for tokens, end in encode_large(self.tokenizer, texts[i], first_char if i == first else 0):
+                    self._resume_doc, self._resume_char = (i, end) if end < len(texts[i]) else (i + 1, 0)
+                    yield tokens
+            self._position, self._stream_state = group.end_position, group.end_stream_state
+            self._resume_doc, self._resume_char = 0, 0
+            if run:
+                yield run
+
+    def _document_groups(self) -> Iterator[_Group]:
+        """Groups of documents from the saved position on; the consumer commits each group's end
+        position once its documents are tokenised, before asking for the next."""
         stream = self._stream_groups if isinstance(self.documents, IterableDataset) else self._indexed_groups
         while True:
             produced = False
-            from_start, self._pass_has_content = self._position == 0, False
-            for texts in stream():
+            from_start = self._position == 0 and self._resume_doc == 0 and self._resume_char == 0
+            self._pass_has_content = False
+            for group in stream():
                 produced = True
-                yield texts
+                yield group
             if produced and from_start and not self._pass_has_content:
                 raise DataSourceError(f"every document data-parallel rank {self.dp_rank} read from split {self.split!r} "
                                       f"of data.dataset={self.config.dataset!r} is empty (only BOS/EOS tokens); "
@@ -178,38 +219,36 @@ class TextDataLoader(Configurable):
                                       f"epoch; add data or use fewer data-parallel ranks")
             self._epoch, self._position, self._stream_state = self._epoch + 1, 0, None
 
-    def _indexed_groups(self) -> Iterator[list[str]]:
+    def _indexed_groups(self) -> Iterator[_Group]:
         """The rest of this epoch of a map-style dataset, in (shuffled) index order."""
         n = len(self.documents)
         order = np.random.default_rng([self.seed or 0, self._epoch]).permutation(n) if self.shuffle else None
         field = self.config.text_field
-        while self._position < n:
-            start, stop = self._position, min(self._position + DOCS_PER_ENCODE, n)
+        start = self._position
+        while start < n:
+            stop = min(start + DOCS_PER_ENCODE, n)
             indices = list(range(start, stop)) if order is None else order[start:stop].tolist()
             texts = self.documents[start:stop][field] if order is None else self.documents[indices][field]
             _check_texts(texts, indices, self)
-            self._position = stop
-            yield texts
+            yield _Group(texts, stop, None)
+            start = stop
 
-    def _stream_groups(self) -> Iterator[list[str]]:
+    def _stream_groups(self) -> Iterator[_Group]:
         """The rest of this epoch of a streaming dataset, resumed from its own state when saved."""
         self.documents.set_epoch(self._epoch)
         self.documents.load_state_dict(self._stream_state)
         field = self.config.text_field
-        texts: list[str] = []
+        position, texts = self._position, []
         for record in self.documents:
             texts.append(record[field])
             if len(texts) == DOCS_PER_ENCODE:
-                yield self._advance_stream(texts)
+                _check_texts(texts, range(position, position + len(texts)), self)
+                position += len(texts)
+                yield _Group(texts, position, self.documents.state_dict())
                 texts = []
         if texts:
-            yield self._advance_stream(texts)
-
-    def _advance_stream(self, texts: list[str]) -> list[str]:
-        _check_texts(texts, range(self._position, self._position + len(texts)), self)
-        self._position += len(texts)
-        self._stream_state = self.documents.state_dict()
-        return texts
+            _check_texts(texts, range(position, position + len(texts)), self)
+            yield _Group(texts, position + len(texts), self.documents.state_dict())
 
     # ----------------------------------------------------------------------------------------------
     # Checkpointing
@@ -228,6 +267,8 @@ class TextDataLoader(Configurable):
             "epoch": self._epoch,
             "position": self._position,
             "stream_state": self._stream_state,
+            "resume_doc": self._resume_doc,
+            "resume_char": self._resume_char,
             "buffer": torch.from_numpy(self._buffer.copy()),
         }
 
@@ -248,6 +289,8 @@ class TextDataLoader(Configurable):
         self._epoch = int(state["epoch"])
         self._position = int(state["position"])
         self._stream_state = state["stream_state"]
+        # States written before large documents were streamed always stand at a group boundary.
+        self._resume_doc, self._resume_char = int(state.get("resume_doc", 0)), int(state.get("resume_char", 0))
         self._buffer = state["buffer"].numpy().astype(self._buffer.dtype, copy=True)
         self._live_iterator = None
 
