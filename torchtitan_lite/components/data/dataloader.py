@@ -26,8 +26,11 @@ It holds only ints, strings, dicts and one tensor, so it loads with ``torch.load
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -38,6 +41,7 @@ from datasets.distributed import split_dataset_by_node
 
 from torchtitan_lite.components.data.chunked_encode import encode_large, is_large
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer, to_batch
+from torchtitan_lite.components.data.records import bad_record_error, log_skipped
 from torchtitan_lite.components.data.sources import DataFormat, DataSourceError, load_split
 from torchtitan_lite.config import Configurable
 
@@ -45,6 +49,8 @@ DOCS_PER_ENCODE = 16
 """Documents tokenised per SentencePiece call: large enough to amortise the call, small enough that
 the leftover token buffer (saved in checkpoints) stays small."""
 STATE_FORMAT = 1
+_MISSING = object()
+"""A streamed record without the text field."""
 
 
 class _Group(NamedTuple):
@@ -85,9 +91,12 @@ class TextDataLoader(Configurable):
         training.seed and the epoch, exactly resumable). Needs a map-style dataset: streaming
         datasets are read in their stable shard order, so set it to false with streaming."""
         on_bad_record: Literal["error", "skip"] = "error"
-        """A bad record in local JSON-lines or text files (invalid UTF-8, invalid JSON, missing field,
-        non-string value): 'error' stops naming file and line; 'skip' leaves such records out, logging
-        how many per reason (the remaining documents resume exactly like any other source)."""
+        """A bad record: in local JSON-lines, JSON, text, CSV or Parquet files, compressed or not (invalid
+        UTF-8 or JSON, missing field or column, null or non-string value, malformed CSV row), found
+        before training; in other sources (hub, dataset folders, streams) a record whose text field is
+        missing or not a string, found when read. 'error' stops naming file and line or row (dataset,
+        shard and record); 'skip' leaves such records out, logging how many per reason (the remaining
+        documents resume exactly like any other source)."""
 
         def __post_init__(self) -> None:
             if not self.dataset:
@@ -127,6 +136,10 @@ class TextDataLoader(Configurable):
                 f"than the {dp_world_size} data-parallel ranks that each need some; add data or use fewer "
                 f"data-parallel ranks")
         self.documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_world_size)
+        # A map-style dataset is split into contiguous parts: this rank's first row in the whole split.
+        self._first_row = _contiguous_part_start(len(documents), dp_rank, dp_world_size) \
+            if isinstance(documents, Dataset) else 0
+        self._bad_records: Counter = Counter()  # skipped bad records per reason (data.on_bad_record=skip)
         self.shuffle = config.shuffle and split == "train"
         # Without a seed the order is still random but recorded, so a resumed run continues it.
         self.seed = None if not self.shuffle else seed if seed is not None else int.from_bytes(os.urandom(4), "big")
@@ -208,8 +221,10 @@ class TextDataLoader(Configurable):
                 produced = True
                 yield group
             if produced and from_start and not self._pass_has_content:
+                skipped = sum(self._bad_records.values())
+                also = f" or a skipped bad record ({skipped} so far, data.on_bad_record=skip)" if skipped else ""
                 raise DataSourceError(f"every document data-parallel rank {self.dp_rank} read from split {self.split!r} "
-                                      f"of data.dataset={self.config.dataset!r} is empty (only BOS/EOS tokens); "
+                                      f"of data.dataset={self.config.dataset!r} is empty (only BOS/EOS tokens){also}; "
                                       f"check data.text_field and the data")
             if not self.infinite:
                 return
@@ -228,8 +243,9 @@ class TextDataLoader(Configurable):
         while start < n:
             stop = min(start + DOCS_PER_ENCODE, n)
             indices = list(range(start, stop)) if order is None else order[start:stop].tolist()
-            texts = self.documents[start:stop][field] if order is None else self.documents[indices][field]
-            _check_texts(texts, indices, self)
+            values = self.documents[start:stop][field] if order is None else self.documents[indices][field]
+            texts = [text for value, index in zip(values, indices, strict=True)
+                     if (text := self._document(value, functools.partial(self._row_name, index))) is not None]
             yield _Group(texts, stop, None)
             start = stop
 
@@ -238,17 +254,50 @@ class TextDataLoader(Configurable):
         self.documents.set_epoch(self._epoch)
         self.documents.load_state_dict(self._stream_state)
         field = self.config.text_field
-        position, texts = self._position, []
+        position, read, texts = self._position, 0, []
         for record in self.documents:
-            texts.append(record[field])
-            if len(texts) == DOCS_PER_ENCODE:
-                _check_texts(texts, range(position, position + len(texts)), self)
-                position += len(texts)
+            text = self._document(record.get(field, _MISSING), functools.partial(self._record_name, position + read, record))
+            read += 1
+            if text is not None:
+                texts.append(text)
+            if read == DOCS_PER_ENCODE:
+                position, read = position + read, 0
                 yield _Group(texts, position, self.documents.state_dict())
                 texts = []
-        if texts:
-            _check_texts(texts, range(position, position + len(texts)), self)
-            yield _Group(texts, position + len(texts), self.documents.state_dict())
+        if read:
+            yield _Group(texts, position + read, self.documents.state_dict())
+
+    # ----------------------------------------------------------------------------------------------
+    # Bad records of sources that are not scanned before loading
+
+    def _document(self, value: Any, name: Callable[[], str]) -> str | None:
+        """``value`` when it is a document; a bad record is an error, or None (counted) with on_bad_record=skip."""
+        if isinstance(value, str):
+            return value
+        field = self.config.text_field
+        if value is _MISSING:
+            reason, detail = "missing field", f"has no {field!r} field"
+        elif value is None:
+            reason, detail = "null value", f"has {field}=None (null), not a string"
+        else:
+            reason, detail = "non-string value", f"has {field}={value!r} ({type(value).__name__}), not a string"
+        if self.config.on_bad_record == "error":
+            raise bad_record_error(f"{name()} {detail}", reason)
+        self._bad_records[reason] += 1
+        count = sum(self._bad_records.values())
+        if count <= 3 or math.log10(count).is_integer():  # the first few, then at 10, 100, 1000, ...
+            log_skipped(count, self._bad_records, f"split {self.split!r} of data.dataset={self.config.dataset!r} "
+                        f"on data-parallel rank {self.dp_rank} so far", [f"{name()} {detail}"])
+        return None
+
+    def _row_name(self, index: int) -> str:
+        return (f"row {self._first_row + index} of split {self.split!r} of data.dataset={self.config.dataset!r} "
+                f"(data-parallel rank {self.dp_rank})")
+
+    def _record_name(self, position: int, record: dict) -> str:
+        shard = _shard_position(self.documents.state_dict())
+        return (f"record {position} of data-parallel rank {self.dp_rank}'s stream of split {self.split!r} of "
+                f"data.dataset={self.config.dataset!r}{shard} (fields {sorted(record)[:8]})")
 
     # ----------------------------------------------------------------------------------------------
     # Checkpointing
@@ -267,6 +316,7 @@ class TextDataLoader(Configurable):
             "epoch": self._epoch,
             "position": self._position,
             "stream_state": self._stream_state,
+            "bad_records": dict(self._bad_records),
             "resume_doc": self._resume_doc,
             "resume_char": self._resume_char,
             "buffer": torch.from_numpy(self._buffer.copy()),
@@ -289,6 +339,7 @@ class TextDataLoader(Configurable):
         self._epoch = int(state["epoch"])
         self._position = int(state["position"])
         self._stream_state = state["stream_state"]
+        self._bad_records = Counter(state.get("bad_records", {}))
         # States written before large documents were streamed always stand at a group boundary.
         self._resume_doc, self._resume_char = int(state.get("resume_doc", 0)), int(state.get("resume_char", 0))
         self._buffer = state["buffer"].numpy().astype(self._buffer.dtype, copy=True)
@@ -304,12 +355,20 @@ def _check_build_args(dp_rank: int, dp_world_size: int, seq_len: int, local_batc
         raise ValueError(f"split={split!r} must be 'train' or 'validation'")
 
 
-def _check_texts(texts: list, indices: Sequence[int], loader: TextDataLoader) -> None:
-    """Every text is a string; otherwise name the document (its index in this rank's part)."""
-    for index, text in zip(indices, texts):
-        if not isinstance(text, str):
-            raise DataSourceError(
-                f"document {index} of data-parallel rank {loader.dp_rank}'s part of split "
-                f"{loader.split!r} of data.dataset={loader.config.dataset!r} has {loader.config.text_field}="
-                f"{text!r} ({type(text).__name__}), not a string; clean the data or set data.text_field to "
-                f"a text field")
+def _contiguous_part_start(n: int, rank: int, world_size: int) -> int:
+    """First row of rank ``rank``'s part when ``datasets`` splits ``n`` rows contiguously (Dataset.shard)."""
+    per_rank, extra = divmod(n, world_size)
+    return per_rank * rank + min(rank, extra)
+
+
+def _shard_position(state: Any) -> str:
+    """', shard S' from a streaming dataset's state_dict, where it says so. (Its record count inside the
+    shard moves a whole Arrow batch at a time, so it does not name the record.)"""
+    if isinstance(state, dict):
+        if "shard_idx" in state:
+            return f", shard {state['shard_idx']}"
+        for value in state.values():
+            found = _shard_position(value)
+            if found:
+                return found
+    return ""
