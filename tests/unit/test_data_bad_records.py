@@ -98,6 +98,17 @@ def test_corpus_of_only_empty_documents_is_an_error(tmp_path, policy):
         _take(loader, 10)
 
 
+def _assert_skipped(pattern, texts: list[str], counted: str, caplog) -> None:
+    """With data.on_bad_record=skip, map-style and streamed, ``pattern`` reads as ``texts`` and the log counts."""
+    for streaming in (False, True):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            ds = load_split(TextDataLoader.Config(dataset=str(pattern), shuffle=False, streaming=streaming,
+                                                  on_bad_record="skip"), "train")
+        assert [r["text"] for r in ds] == texts
+        assert counted in caplog.text
+
+
 # --------------------------------------------------------------------------------------------------
 # Compressed JSON lines
 
@@ -113,12 +124,7 @@ def test_compressed_json_lines_are_scanned_under_both_policies(tmp_path, codec, 
     path.write_bytes({"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}[codec](raw))
     with pytest.raises(DataSourceError, match=rf"{path}:6: text=5 is a int, not a string"):
         load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
-    for streaming in (False, True):
-        with caplog.at_level(logging.WARNING):
-            ds = load_split(TextDataLoader.Config(dataset=str(path), shuffle=False, streaming=streaming,
-                                                  on_bad_record="skip"), "train")
-        assert [r["text"] for r in ds] == [json.loads(g)["text"] for g in GOOD]
-        assert "non-string value 1" in caplog.text
+    _assert_skipped(path, [json.loads(g)["text"] for g in GOOD], "non-string value 1", caplog)
 
 
 def test_zstd_without_its_package_names_the_package(tmp_path):
@@ -169,12 +175,8 @@ def test_bad_csv_row_both_policies(tmp_path, reason, caplog):
     # Line 6: the header, three rows (one spans two lines), then the bad one.
     with pytest.raises(DataSourceError, match=rf"{path}:6: {text} \(data\.dataset=.*data\.on_bad_record=skip"):
         load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
-    for streaming in (False, True):
-        with caplog.at_level(logging.WARNING):
-            ds = load_split(TextDataLoader.Config(dataset=str(path), shuffle=False, streaming=streaming,
-                                                  on_bad_record="skip"), "train")
-        assert [r["text"] for r in ds] == CSV_TEXTS
-        assert f"{reason} 1" in caplog.text and f"{path}:6: " in caplog.text
+    _assert_skipped(path, CSV_TEXTS, f"{reason} 1", caplog)
+    assert f"{path}:6: " in caplog.text
 
 
 def test_csv_without_the_text_column_both_policies(tmp_path, caplog):
@@ -216,13 +218,9 @@ def test_parquet_bad_records_both_policies(tmp_path, caplog):
     for path, text in errors.items():
         with pytest.raises(DataSourceError, match=rf"{path} {text}.*data\.on_bad_record=skip"):
             load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
-    for streaming in (False, True):
-        with caplog.at_level(logging.WARNING):
-            ds = load_split(TextDataLoader.Config(dataset=str(tmp_path / "*.parquet"), shuffle=False,
-                                                  streaming=streaming, on_bad_record="skip"), "train")
-        assert [r["text"] for r in ds] == PARQUET_TEXTS
-        assert "skipped 6 bad record(s)" in caplog.text
-        assert "missing column 3, non-string value 2, null value 1" in caplog.text
+    _assert_skipped(tmp_path / "*.parquet", PARQUET_TEXTS,
+                    "skipped 6 bad record(s) of data.dataset='{}' (data.on_bad_record=skip): missing column 3, "
+                    "non-string value 2, null value 1".format(tmp_path / "*.parquet"), caplog)
 
 
 def test_clean_parquet_files_may_differ_in_their_other_columns(tmp_path):

@@ -6,20 +6,22 @@ from __future__ import annotations
 import itertools
 import json
 
-import datasets
 import numpy as np
 import pytest
 import torch
-from test_data_loader import BOS, EOS, CharTokenizer, _build, _roundtrip, _take
+from test_data_loader import (  # noqa: F401  (isolated_hf_cache: an autouse fixture)
+    BOS,
+    EOS,
+    CharTokenizer,
+    _build,
+    _roundtrip,
+    _take,
+    isolated_hf_cache,
+)
 
 from torchtitan_lite.components.data import TextDataLoader, chunked_encode
 from torchtitan_lite.components.data.chunked_encode import encode_large, split_text
 from torchtitan_lite.components.tokenizer import Tokenizer
-
-
-@pytest.fixture(autouse=True)
-def isolated_hf_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
 
 
 @pytest.fixture(scope="module")

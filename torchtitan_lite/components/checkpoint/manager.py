@@ -112,7 +112,7 @@ class CheckpointManager(Configurable):
         """Load only the model from initial_load_path (the optimizer, data and step start fresh)."""
         exclude_from_loading: list[str] = field(default_factory=list)
         """State names not restored on resume (model, optimizer, lr_scheduler, dataloader, train_state,
-        grad_scaler); they start fresh."""
+        grad_scaler, spike_guard); they start fresh."""
         create_seed_checkpoint: bool = False
         """Write a model-only step-0 checkpoint right after initialisation and exit. Run it on 1 process:
         sharded initialisation draws different random numbers, the 1-process seed is layout-independent."""

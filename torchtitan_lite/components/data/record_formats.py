@@ -207,8 +207,9 @@ def _missing_column(path: str, where: str, number: int, header: list[str], text_
 # Parquet
 
 
-def parquet_problems(path: str, text_field: str) -> Iterator[Record]:
-    """The bad rows of a Parquet file, reading only the footer and the row groups that hold nulls."""
+def parquet_records(path: str, text_field: str, *, only_bad: bool = False) -> Iterator[Record]:
+    """The rows of a Parquet file, read one row group at a time; ``only_bad`` yields just the bad ones,
+    reading only the footer and the row groups whose statistics do not rule out nulls."""
     import pyarrow.parquet as pq
 
     file = pq.ParquetFile(path)
@@ -220,29 +221,14 @@ def parquet_problems(path: str, text_field: str) -> Iterator[Record]:
     for group in range(file.metadata.num_row_groups):
         meta = file.metadata.row_group(group)
         stats = meta.column(_leaf_index(file, text_field)).statistics
-        if stats is None or not stats.has_null_count or stats.null_count > 0:
-            values = file.read_row_group(group, columns=[text_field]).column(0)
-            for offset, value in enumerate(values.to_pylist()):
+        if not only_bad or stats is None or not stats.has_null_count or stats.null_count > 0:
+            values = file.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+            for row, value in enumerate(values, start=first_row):
                 if value is None:
-                    yield _parquet_null(path, first_row + offset, text_field)
+                    yield Record(f"{path} row {row}", row, None, ("null value", f"{text_field} is null"))
+                elif not only_bad:
+                    yield Record(f"{path} row {row}", row, value, None)
         first_row += meta.num_rows
-
-
-def parquet_records(path: str, text_field: str) -> Iterator[Record]:
-    """Every row of a Parquet file, read one row group at a time."""
-    import pyarrow.parquet as pq
-
-    file = pq.ParquetFile(path)
-    whole_file = _parquet_column_problem(path, file, text_field)
-    if whole_file is not None:
-        yield whole_file
-        return
-    row = 0
-    for group in range(file.metadata.num_row_groups):
-        for value in file.read_row_group(group, columns=[text_field]).column(0).to_pylist():
-            yield Record(f"{path} row {row}", row, value, None) if value is not None else \
-                _parquet_null(path, row, text_field)
-            row += 1
 
 
 def _parquet_column_problem(path: str, file: Any, text_field: str) -> Record | None:
@@ -263,7 +249,3 @@ def _parquet_column_problem(path: str, file: Any, text_field: str) -> Record | N
 
 def _leaf_index(file: Any, text_field: str) -> int:
     return [file.schema.column(i).path for i in range(len(file.schema))].index(text_field)
-
-
-def _parquet_null(path: str, row: int, text_field: str) -> Record:
-    return Record(f"{path} row {row}", row, None, ("null value", f"{text_field} is null"))

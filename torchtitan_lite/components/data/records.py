@@ -28,7 +28,6 @@ from torchtitan_lite.components.data.record_formats import (
     csv_records,
     is_json_lines,
     line_records,
-    parquet_problems,
     parquet_records,
 )
 
@@ -106,7 +105,7 @@ def _records(path: str, builder: str, text_field: str) -> Iterator[Record]:
 
 def _problems(path: str, builder: str, text_field: str) -> Iterator[Record]:
     if builder == "parquet":
-        return parquet_problems(path, text_field)
+        return parquet_records(path, text_field, only_bad=True)
     return (r for r in _records(path, builder, text_field) if r.problem is not None)
 
 
