@@ -12,8 +12,9 @@ with one all-reduce), so every rank skips the same steps.
 A skipped step trains nothing: no optimizer update (Adam's moments and step count stay) and its
 gradients are zeroed. Otherwise it is a normal step: its batches are consumed, the step counter and the
 learning-rate schedule advance (the schedule stays a function of the step number, as it does for a step
-the FP16 loss scaler skips), and it is logged. A step the FP16 scaler skips for an overflow belongs to
-the scaler: it is neither a spike nor a normal value here, so nothing is counted twice.
+the FP16 loss scaler skips), and it is logged. A step the FP16 scaler skips for a gradient overflow
+belongs to the scaler: it is neither a spike nor a normal value here, so nothing is counted twice (a
+non-finite loss, though, is a spike: the scaler would only lower its scale, step after step).
 
 Rollback. More than ``max_consecutive_skips`` spiking steps in a row, or more than ``max_total_skips``
 skipped steps since the last rollback, roll the run back: every state (model, optimizer, schedule, data
@@ -147,7 +148,7 @@ class SpikeGuard:
 
     def judge(self, step: int, values: dict[str, float], *, overflow: bool = False) -> Verdict:
         """The fate of step ``step``'s update given its (rank-agreed) loss and gradient norm."""
-        if overflow:
+        if overflow and math.isfinite(values["loss"]):
             return Verdict("overflow", reason="FP16 overflow, skipped by the loss scaler")
         cfg = self.config
         z, worst = self._largest_z(values)

@@ -59,6 +59,8 @@ def test_an_fp16_overflow_is_neither_a_spike_nor_a_sample():
     _feed(guard, STEADY)
     assert guard.judge(7, {"loss": 50.0, "grad_norm": math.inf}, overflow=True).action == "overflow"
     assert guard.skipped_total == 0 and list(guard.history["loss"]) == STEADY and guard.spike_steps == []
+    # A non-finite loss is more than an overflow of the gradients: a spike, counted here (the scaler only backs off).
+    assert guard.judge(8, {"loss": math.inf, "grad_norm": math.inf}, overflow=True).action == "skip"
 
 
 def test_consecutive_and_total_limits_turn_a_skip_into_a_rollback():
