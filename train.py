@@ -68,6 +68,7 @@ def main(argv: list[str]) -> int:
 
     from torchtitan_lite.components.checkpoint import CheckpointError
     from torchtitan_lite.run_lock import RunLock
+    from torchtitan_lite.spike_guard import SpikeError
     from torchtitan_lite.trainer import NonFiniteLossError
 
     lock = None
@@ -79,7 +80,7 @@ def main(argv: list[str]) -> int:
         trainer = cli.config.build()
         trainer.train()
         _leave_together()
-    except (ValueError, NonFiniteLossError, CheckpointError) as err:
+    except (ValueError, NonFiniteLossError, SpikeError, CheckpointError) as err:
         logging.getLogger("torchtitan_lite").error("%s", err)
         return 1
     finally:

@@ -46,3 +46,10 @@ class LossHealth:
         """Newest of ``complete_steps`` known good in this run, None when none is."""
         good = [s for s in complete_steps if s in self.good_checkpoints]
         return max(good) if good else None
+
+    def state_dict(self) -> dict[str, list]:
+        return {"recent": list(self.recent), "good_checkpoints": sorted(self.good_checkpoints)}
+
+    def load_state_dict(self, state: dict[str, list]) -> None:
+        self.recent = deque((float(x) for x in state["recent"]), maxlen=self.recent.maxlen)
+        self.good_checkpoints = {int(s) for s in state["good_checkpoints"]}

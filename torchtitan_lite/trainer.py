@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -42,9 +44,14 @@ from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.shutdown import PreemptionWatcher
+from torchtitan_lite.spike_guard import SpikeGuard, Verdict
 from torchtitan_lite.train_state import TrainState
 
 logger = logging.getLogger("torchtitan_lite")
+
+
+SPIKE_RECORD = "spike_rollbacks"
+"""<checkpoint folder>/spike_rollbacks.json: every rollback of the run, written the moment it happens."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -89,6 +96,15 @@ class Trainer(Configurable):
         debug: DebugConfig = field(default_factory=DebugConfig)
         """Determinism and anomaly detection."""
 
+        def __post_init__(self) -> None:
+            spikes = self.training.spike_policy
+            if spikes.enable and spikes.max_rollbacks > 0 and not self.checkpoint.enable:
+                raise ValueError(
+                    f"training.spike_policy.max_rollbacks={spikes.max_rollbacks} rolls back to the last good "
+                    f"checkpoint, but checkpoint.enable=false: set --checkpoint.enable true (with a "
+                    f"checkpoint.interval that leaves checkpoints before a spike), or --training.spike_policy."
+                    f"max_rollbacks 0 to only skip spiking steps (the run then stops past the skip limits)")
+
     config: Trainer.Config
 
     def __init__(self, config: Trainer.Config) -> None:
@@ -132,6 +148,11 @@ class Trainer(Configurable):
         self.loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss,
                                           backend=cfg.compile.backend)
         self.train_state = TrainState()
+        self.health = LossHealth()
+        policy = cfg.training.spike_policy
+        self.spike_guard = SpikeGuard(policy, self.health) if policy.enable else None
+        self.last_verdict: Verdict | None = None
+        """What the spike policy decided for the latest step (None with the policy off)."""
         states = {
             "model": ModelWrapper(self.model_parts),
             "optimizer": self.optimizers,
@@ -141,6 +162,8 @@ class Trainer(Configurable):
         }
         if self.grad_scaler is not None:
             states["grad_scaler"] = self.grad_scaler
+        if self.spike_guard is not None:
+            states["spike_guard"] = self.spike_guard
         self.checkpointer = cfg.checkpoint.build(
             dump_folder=cfg.job.dump_folder, states=states, model_args=self.model_args,
             model_spec=self.run.model_spec,
@@ -152,7 +175,6 @@ class Trainer(Configurable):
         )
         self.validator = self._build_validator()
         self.watcher = PreemptionWatcher(self.device)
-        self.health = LossHealth()
 
     # ----------------------------------------------------------------------------------------------
     # Construction helpers
@@ -216,6 +238,9 @@ class Trainer(Configurable):
             return
         self.checkpointer.check_storage()
         self.train_state.step = self.checkpointer.load()
+        if self.spike_guard is not None:
+            self.spike_guard.adopt_recorded(self.checkpointer.read_record(SPIKE_RECORD, []), self.train_state.step)
+            self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
         first_step = self.train_state.step + 1
         data_iter = iter(self.dataloader)
         if cfg.training.gc_freq > 0:
@@ -233,10 +258,13 @@ class Trainer(Configurable):
                 t0 = time.perf_counter()
                 # Labelled so profiler traces show the data time per step (tokenisation is on demand).
                 with torch.profiler.record_function("data_loading"):
+                    self._skip_spike_data(step, data_iter)
                     batches = [next(data_iter) for _ in range(self.n_microbatches)]
                 data_s = time.perf_counter() - t0
                 loss, grad_norm = self.train_step(batches)
-                if self.health.observe(step, loss):
+                verdict = self.last_verdict
+                # A skipped step vouches for no checkpoint and does not join the loss statistics.
+                if (verdict is None or verdict.updates) and self.health.observe(step, loss):
                     self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
                 if step == first_step:
                     compiled = f", {compile_seconds():.1f}s cold compile" if cfg.compile.enable else ""
@@ -245,6 +273,12 @@ class Trainer(Configurable):
                 last = step == cfg.training.steps
                 self.metrics.maybe_log(step, loss=loss, grad_norm=grad_norm, lr=self.lr_schedulers.last_lr,
                                        extra=self._extra_metrics(), force=last)
+                if verdict is not None:
+                    self._report_spike(step, verdict, logged=last or self.metrics.should_log(step))
+                    if verdict.action == "rollback":
+                        data_iter = self._roll_back()
+                        profiler.step()
+                        continue
                 self._maybe_validate(force=last)
                 preempted = self.watcher.should_stop()
                 with self.metrics.exclude_from_throughput():
@@ -275,21 +309,83 @@ class Trainer(Configurable):
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             loss_total += local_loss(loss.detach())
 
-        if self.grad_scaler is not None:
-            self.grad_scaler.unscale_(self.optimizers)
+        overflow = self.grad_scaler is not None and self.grad_scaler.unscale_(self.optimizers)
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
+        grad_norm = float(clip_grad_norm_(params, self.config.training.max_norm))
+        loss_value = self._sum_over_dp(loss_total)
+        verdict = self.last_verdict = self._judge_spike(loss_value, grad_norm, overflow)
+        applies = verdict is None or verdict.updates
         if self.grad_scaler is not None:
-            self.grad_scaler.step(self.optimizers)
+            if applies:
+                self.grad_scaler.step(self.optimizers)  # skips the update itself on an overflow
+            # A spike-skipped step had finite gradients: to the scaler a clean step, not one of its own skips.
             self.grad_scaler.update()
-        else:
+        elif applies:
             self.optimizers.step()
+        # The schedule follows the step number: a skipped step advances it as an FP16 overflow skip does.
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
 
-        loss_value = self._sum_over_dp(loss_total)
-        self._check_finite(loss_value, float(grad_norm))
-        return loss_value, float(grad_norm)
+        if verdict is None:  # with the policy on, a non-finite loss or norm is a spike like any other
+            self._check_finite(loss_value, grad_norm)
+        return loss_value, grad_norm
+
+    # ----------------------------------------------------------------------------------------------
+    # Loss spikes
+
+    def _judge_spike(self, loss: float, grad_norm: float, overflow: bool) -> Verdict | None:
+        if self.spike_guard is None:
+            return None
+        # The loss and norm are already reduced over the ranks; one MAX all-reduce makes every rank judge
+        # bit-identical numbers all the same (non-finite values count as +inf, which MAX keeps).
+        agreed = torch.tensor([loss, grad_norm], dtype=torch.float64)
+        agreed = torch.where(torch.isfinite(agreed), agreed, torch.full_like(agreed, math.inf))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            agreed = agreed.to(self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        values = dict(zip(("loss", "grad_norm"), agreed.tolist(), strict=True))
+        return self.spike_guard.judge(self.train_state.step, values, overflow=overflow)
+
+    def _report_spike(self, step: int, verdict: Verdict, *, logged: bool) -> None:
+        """Console line for each spike, spike/ scalars on each spike and each logged step."""
+        assert self.spike_guard is not None
+        if verdict.action in ("skip", "rollback"):
+            logger.warning("loss spike at step %s: %s", step, verdict.reason)
+        if verdict.action != "rollback" and (logged or verdict.action == "skip"):  # a rollback logs its own
+            self.metrics.log_scalars(self.spike_guard.scalars(), step)
+
+    def _roll_back(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Back to the newest good checkpoint before the spike; returns the data iterator to go on with."""
+        guard = self.spike_guard
+        assert guard is not None
+        self.checkpointer.wait()
+        plan = guard.plan_rollback(self.checkpointer.rollback_candidates())
+        aside = f"rolled_back_{guard.rollbacks + 1}"
+        guard.roll_back(plan, lambda step: self.checkpointer.roll_back(step, set_aside_as=aside))
+        self.train_state.step = plan.to_step  # restored with the rest; stated for the reader
+        self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
+        records = self.checkpointer.read_record(SPIKE_RECORD, [])
+        records.append({"rollback": guard.rollbacks, "to_step": plan.to_step, "spike_steps": list(plan.spike_steps),
+                        "skip_data_of_steps": [plan.first_data_step, plan.last_data_step]})
+        self.checkpointer.write_record(SPIKE_RECORD, records)
+        logger.warning("rollback %d of %d: back to the checkpoint of step %d after the spike at steps %s; the "
+                       "batches of steps %d-%d (%d steps) are skipped when training reaches step %d again",
+                       guard.rollbacks, self.config.training.spike_policy.max_rollbacks, plan.to_step,
+                       list(plan.spike_steps), plan.first_data_step, plan.last_data_step, plan.data_steps,
+                       plan.first_data_step)
+        self.metrics.log_scalars(guard.scalars(), plan.spike_steps[-1])
+        self.metrics.begin(plan.to_step, self.config.training.steps)
+        return iter(self.dataloader)
+
+    def _skip_spike_data(self, step: int, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        window = None if self.spike_guard is None else self.spike_guard.data_to_skip(step)
+        if window is None:
+            return
+        first, last = window
+        for _ in range((last - first + 1) * self.n_microbatches):
+            next(data_iter)
+        logger.warning("skipped the batches of steps %d-%d of the rolled-back run (%d batches); step %d trains "
+                       "on the data that followed them", first, last, (last - first + 1) * self.n_microbatches, step)
 
     def _global_target_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)

@@ -175,7 +175,7 @@ def test_state_holds_plain_values_only(tokenizer):
     assert {k: v for k, v in state.items() if k != "buffer"} == {
         "format": 1, "dataset": "embedded", "split": "train", "streaming": False, "dp_rank": 0,
         "dp_world_size": 1, "seq_len": 32, "vocab_size": 2048, "shuffle_seed": 3, "epoch": 0,
-        "position": 16, "stream_state": None,
+        "position": 16, "stream_state": None, "bad_records": {}, "resume_doc": 0, "resume_char": 0,
     }
     assert state["buffer"].dtype == torch.int32 and state["buffer"].dim() == 1
 
@@ -231,12 +231,15 @@ def test_null_text_names_the_document(tmp_path, shuffle, streaming):
     # A local JSON-lines file is scanned before loading: the record is named by file and line.
     with pytest.raises(DataSourceError, match=r"docs\.jsonl:3: text=None is a NoneType, not a string"):
         _build(TextDataLoader.Config(dataset=str(path), shuffle=shuffle, streaming=streaming), CharTokenizer())
-    # Sources that are not scanned (here a parquet file) are checked when read, naming the document.
-    datasets.Dataset.from_dict({"text": ["fine", "also fine", None]}).to_parquet(str(tmp_path / "docs.parquet"))
-    loader = _build(TextDataLoader.Config(dataset=str(tmp_path / "docs.parquet"), shuffle=shuffle, streaming=streaming),
+    # Sources that are not scanned (here a folder written by save_to_disk) are checked when read, naming the row.
+    datasets.Dataset.from_dict({"text": ["fine", "also fine", None]}).save_to_disk(str(tmp_path / "saved"))
+    loader = _build(TextDataLoader.Config(dataset=str(tmp_path / "saved"), shuffle=shuffle, streaming=streaming),
                     CharTokenizer())
-    with pytest.raises(DataSourceError, match=r"document 2 of data-parallel rank 0's part of split 'train' of "
-                                              r"data.dataset='.*docs.parquet' has text=None \(NoneType\), not a string"):
+    # Streamed, the folder is read as 3 one-row shards (see sources._load_saved).
+    where = (r"record 2 of data-parallel rank 0's stream of split 'train' of data.dataset='.*saved', shard 2 "
+             r"\(fields \['text'\]\)" if streaming else
+             r"row 2 of split 'train' of data.dataset='.*saved' \(data-parallel rank 0\)")
+    with pytest.raises(DataSourceError, match=where + r" has text=None \(null\), not a string; fix the record"):
         next(iter(loader))
 
 

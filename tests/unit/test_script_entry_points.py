@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL_SCRIPTS = ("benchmark", "_bench_worker", "bare_loop", "fp8_sqnr", "float8_layer_bench", "loss_compare",
-                "trace_compare", "train_tokenizer", "torchtitan_side_by_side", "generate")
+                "trace_compare", "train_tokenizer", "torchtitan_side_by_side", "generate", "first_window_bench")
 
 
 @pytest.mark.parametrize("script", TOOL_SCRIPTS)

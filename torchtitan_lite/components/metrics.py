@@ -10,7 +10,8 @@ is not counted.
 
 TensorBoard tags: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_second``,
 ``train/tflops``, ``train/mfu`` (percent; omitted when the peak is unknown), ``train/memory_gib``,
-``train/<key>`` for each extra value, and ``val/loss``.
+``train/<key>`` for each extra value, and ``val/loss``; other components add their own tags through
+``log_scalars`` (the loss-spike policy's ``spike/skipped_steps``, ``spike/rollbacks``, ``spike/z_score``).
 """
 from __future__ import annotations
 
@@ -277,6 +278,10 @@ class MetricsProcessor(Configurable):
         self._excluded_s = 0.0
         self._interval_start = now
         return values
+
+    def log_scalars(self, values: dict[str, float], step: int) -> None:
+        """Write ``values`` (full tags, e.g. ``spike/rollbacks``) at ``step`` to TensorBoard / W&B as they are."""
+        self._write_scalars(values, step)
 
     def log_validation(self, step: int, loss: float) -> None:
         self._write_scalars({"val/loss": float(loss)}, step)

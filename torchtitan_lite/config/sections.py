@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchtitan_lite.spike_guard import SpikePolicyConfig
+
 
 @dataclass(kw_only=True)
 class JobConfig:
@@ -53,6 +55,8 @@ class TrainingConfig:
     """Random seed for model init, data order and dropout-free sampling; None leaves RNGs unseeded."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps (automatic GC is disabled); 0 keeps it automatic."""
+    spike_policy: SpikePolicyConfig = field(default_factory=SpikePolicyConfig)
+    """Loss spikes: skip the update of a spiking step; past a limit roll back and skip the data around it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "local_batch_size"):

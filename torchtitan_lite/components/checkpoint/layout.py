@@ -49,13 +49,28 @@ class Marker:
                              f"{checkpoint_dir} as incomplete") from e
 
     def write(self, checkpoint_dir: str) -> None:
-        path = os.path.join(checkpoint_dir, MARKER_NAME)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(asdict(self), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_json_atomically(os.path.join(checkpoint_dir, MARKER_NAME), asdict(self))
+
+
+def write_json_atomically(path: str, obj: Any) -> None:
+    """``obj`` as JSON at ``path``: a temporary file, flushed to disk, then renamed over it."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: str, default: Any) -> Any:
+    """The JSON at ``path``, ``default`` when there is no such file."""
+    if not os.path.isfile(path):
+        return default
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable ({e}); restore or delete it") from e
 
 
 def new_marker(step: int, world_size: int, states: list[str], model_only: bool) -> Marker:
@@ -96,6 +111,15 @@ def describe_steps(folder: str) -> str:
     if incomplete:
         text += f"; incomplete (no {MARKER_NAME} marker, never loaded): {incomplete}"
     return text
+
+
+def set_aside(folder: str, steps: list[int], subfolder: str) -> None:
+    """Move the checkpoints of ``steps`` to ``<folder>/<subfolder>/step-<N>``, out of what loading and
+    purging look at."""
+    destination = os.path.join(folder, subfolder)
+    os.makedirs(destination, exist_ok=True)
+    for step in steps:
+        os.replace(step_dir(folder, step), step_dir(destination, step))
 
 
 def purge_old(folder: str, keep_latest_k: int, protected: set[int]) -> list[int]:

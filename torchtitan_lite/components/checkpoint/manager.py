@@ -49,8 +49,11 @@ from torchtitan_lite.components.checkpoint.layout import (
     hf_export_dir,
     new_marker,
     purge_old,
+    read_json,
     scan_steps,
+    set_aside,
     step_dir,
+    write_json_atomically,
 )
 from torchtitan_lite.components.checkpoint.stateful import decode, encode
 from torchtitan_lite.components.checkpoint.verify import (
@@ -71,8 +74,9 @@ logger = logging.getLogger(__name__)
 # A run without a process group is a normal single-process run here, not a mistake worth a warning.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-PER_RANK_STATES = ("dataloader", "train_state")
-"""States that differ per rank and are not sharded tensors; each rank saves and restores its own copy."""
+PER_RANK_STATES = ("dataloader", "train_state", "spike_guard")
+"""States that are not sharded tensors; each rank saves and restores its own copy (the data position and
+RNGs differ per rank; the spike guard's statistics are the same on every rank but vary in size)."""
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -108,7 +112,7 @@ class CheckpointManager(Configurable):
         """Load only the model from initial_load_path (the optimizer, data and step start fresh)."""
         exclude_from_loading: list[str] = field(default_factory=list)
         """State names not restored on resume (model, optimizer, lr_scheduler, dataloader, train_state,
-        grad_scaler); they start fresh."""
+        grad_scaler, spike_guard); they start fresh."""
         create_seed_checkpoint: bool = False
         """Write a model-only step-0 checkpoint right after initialisation and exit. Run it on 1 process:
         sharded initialisation draws different random numbers, the 1-process seed is layout-independent."""
@@ -289,6 +293,54 @@ class CheckpointManager(Configurable):
             dist.broadcast_object_list(found, src=0)
         return found[0]
 
+    def roll_back(self, step: int, *, set_aside_as: str) -> None:
+        """Restore every saved state from the complete checkpoint of ``step`` (a run going back to a
+        known-good point; collective). Newer checkpoints move to ``<folder>/<set_aside_as>/`` so that a
+        restart resumes from the rolled-back run, not the abandoned one; nothing is deleted."""
+        self.wait()
+        path = step_dir(self.folder, step)
+        problems = verify_together(path, checksums=self.config.verify_checksums, rank=self.rank,
+                                   world_size=self.world_size)
+        marker = Marker.read(path)
+        if problems or marker is None:
+            raise CheckpointError(f"cannot roll back to {path}: {'; '.join(problems) or 'its marker is gone'}")
+        complete, incomplete = self._agreed_scan()
+        newer = sorted(s for s in complete + incomplete if s > step)
+        start = time.perf_counter()
+        self._load_from(path, read_metadata(path), [n for n in self.states if n in marker.states], marker.world_size)
+        self._loaded_step, self._last_saved_step = step, None
+        if self.rank == 0 and newer:
+            set_aside(self.folder, newer, set_aside_as)
+        if dist.is_initialized():
+            dist.barrier()
+        logger.info("rolled back to %s in %.1fs%s", path, time.perf_counter() - start,
+                    f"; newer checkpoints {newer} moved to {os.path.join(self.folder, set_aside_as)}" if newer else "")
+
+    def rollback_candidates(self) -> list[int]:
+        """Complete checkpoints holding the whole training state (not model-only), as rank 0 sees them."""
+        complete, _ = self._agreed_scan()
+        found: list[Any] = [[s for s in complete if not _model_only(step_dir(self.folder, s))] if self.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
+
+    def write_record(self, name: str, record: Any) -> None:
+        """Rank 0 writes ``record`` as ``<folder>/<name>.json`` (atomically); facts about the run that must
+        outlive it before its next checkpoint."""
+        if self.rank == 0:
+            os.makedirs(self.folder, exist_ok=True)
+            write_json_atomically(os.path.join(self.folder, f"{name}.json"), record)
+
+    def read_record(self, name: str, default: Any) -> Any:
+        """What ``write_record`` stored under ``name`` (rank 0 reads, every rank gets it); ``default``
+        when there is none or checkpointing is off."""
+        if not self.config.enable:
+            return default
+        found: list[Any] = [read_json(os.path.join(self.folder, f"{name}.json"), default) if self.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
+
     def complete_steps(self) -> list[int]:
         """Steps with a complete checkpoint in this run's folder, ascending."""
         return scan_steps(self.folder)[0] if self.config.enable else []
@@ -457,6 +509,11 @@ class CheckpointManager(Configurable):
         if self._save_group is not None:
             dist.destroy_process_group(self._save_group)
             self._save_group = None
+
+
+def _model_only(path: str) -> bool:
+    marker = Marker.read(path)
+    return marker is None or marker.model_only
 
 
 def _count_rank_keys(metadata: Metadata) -> int | None:

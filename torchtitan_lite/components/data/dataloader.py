@@ -8,7 +8,9 @@ Pipeline per data-parallel rank:
    rank when their number divides by the data-parallel degree, otherwise every
    ``dp_world_size``-th document.
 3. Documents are read lazily in groups of ``DOCS_PER_ENCODE`` and tokenised with one batched
-   SentencePiece call per group, then packed (see ``packing.py``) into ``seq_len + 1`` windows.
+   SentencePiece call per group, then packed (see ``packing.py``) into ``seq_len + 1`` windows. A
+   document over ``LARGE_DOCUMENT_CHARS`` is streamed instead (``chunked_encode.py``): its tokens
+   reach the packer chunk by chunk, so its first windows come out after its first chunk is tokenised.
 
 Training (``infinite=True``) loops over epochs forever; with ``data.shuffle`` a map-style training
 split is read in a fresh permutation each epoch, seeded by ``(seed, epoch)``. A finite pass
@@ -17,23 +19,29 @@ fewer than ``local_batch_size`` windows, and drops the final partial window. Ran
 different numbers of batches in a finite pass.
 
 ``state_dict()`` is the position after the last batch handed out: epoch, documents consumed (or the
-streaming dataset's own resumable state), the shuffle seed and the tokens read but not yet batched.
+streaming dataset's own resumable state), within the next group of documents how many are already
+tokenised and how many characters of the next one (a streamed document stopped at a chunk boundary),
+the shuffle seed and the tokens read but not yet batched.
 It holds only ints, strings, dicts and one tensor, so it loads with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 
-from torchtitan_lite.components.data.chunked_encode import encode_documents
+from torchtitan_lite.components.data.chunked_encode import encode_large, is_large
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer, to_batch
+from torchtitan_lite.components.data.records import bad_record_error, log_skipped
 from torchtitan_lite.components.data.sources import DataFormat, DataSourceError, load_split
 from torchtitan_lite.config import Configurable
 
@@ -41,6 +49,16 @@ DOCS_PER_ENCODE = 16
 """Documents tokenised per SentencePiece call: large enough to amortise the call, small enough that
 the leftover token buffer (saved in checkpoints) stays small."""
 STATE_FORMAT = 1
+_MISSING = object()
+"""A streamed record without the text field."""
+
+
+class _Group(NamedTuple):
+    """Documents read together, and the source position after them (committed once all are tokenised)."""
+
+    texts: list[str]
+    end_position: int
+    end_stream_state: dict | None
 
 
 class TextDataLoader(Configurable):
@@ -73,9 +91,12 @@ class TextDataLoader(Configurable):
         training.seed and the epoch, exactly resumable). Needs a map-style dataset: streaming
         datasets are read in their stable shard order, so set it to false with streaming."""
         on_bad_record: Literal["error", "skip"] = "error"
-        """A bad record in local JSON-lines or text files (invalid UTF-8, invalid JSON, missing field,
-        non-string value): 'error' stops naming file and line; 'skip' leaves such records out, logging
-        how many per reason (the remaining documents resume exactly like any other source)."""
+        """A bad record: in local JSON-lines, JSON, text, CSV or Parquet files, compressed or not (invalid
+        UTF-8 or JSON, missing field or column, null or non-string value, malformed CSV row), found
+        before training; in other sources (hub, dataset folders, streams) a record whose text field is
+        missing or not a string, found when read. 'error' stops naming file and line or row (dataset,
+        shard and record); 'skip' leaves such records out, logging how many per reason (the remaining
+        documents resume exactly like any other source)."""
 
         def __post_init__(self) -> None:
             if not self.dataset:
@@ -115,12 +136,18 @@ class TextDataLoader(Configurable):
                 f"than the {dp_world_size} data-parallel ranks that each need some; add data or use fewer "
                 f"data-parallel ranks")
         self.documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_world_size)
+        # A map-style dataset is split into contiguous parts: this rank's first row in the whole split.
+        self._first_row = _contiguous_part_start(len(documents), dp_rank, dp_world_size) \
+            if isinstance(documents, Dataset) else 0
+        self._bad_records: Counter = Counter()  # skipped bad records per reason (data.on_bad_record=skip)
         self.shuffle = config.shuffle and split == "train"
         # Without a seed the order is still random but recorded, so a resumed run continues it.
         self.seed = None if not self.shuffle else seed if seed is not None else int.from_bytes(os.urandom(4), "big")
         self._epoch = 0
         self._position = 0  # documents of this epoch already tokenised (map-style)
         self._stream_state: dict | None = None  # IterableDataset.state_dict() after those documents
+        # Of the group read from there on: documents already tokenised, and characters of the next one.
+        self._resume_doc, self._resume_char = 0, 0
         self._buffer = empty_buffer()
         self._live_iterator: object | None = None
         self._pass_has_content = False
@@ -137,38 +164,67 @@ class TextDataLoader(Configurable):
     def _batches(self, token: object) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         window = self.seq_len + 1
         needed = self.local_batch_size * window
-        groups = self._document_groups()
+        pieces = self._token_pieces()
         while True:
             if self._live_iterator is not token:
                 raise RuntimeError("this data loader iterator is stale: a newer iterator was created or "
                                    "load_state_dict() was called; call iter(loader) again")
             while len(self._buffer) < needed:
-                texts = next(groups, None)
-                if texts is None:  # a finite pass ended: the last full windows, then stop
+                token_lists = next(pieces, None)
+                if token_lists is None:  # a finite pass ended: the last full windows, then stop
                     n_windows = len(self._buffer) // window
                     if n_windows:
                         windows, self._buffer = cut_windows(self._buffer, n_windows, window)
                         yield to_batch(windows)
                     return
-                token_lists = encode_documents(self.tokenizer, texts)
-                # BOS + EOS alone is an empty document; a pass of only those trains on nothing.
-                self._pass_has_content = self._pass_has_content or any(len(t) > 2 for t in token_lists)
                 self._buffer = append_documents(self._buffer, token_lists)
             windows, self._buffer = cut_windows(self._buffer, self.local_batch_size, window)
             yield to_batch(windows)
 
-    def _document_groups(self) -> Iterator[list[str]]:
-        """Groups of document texts from the saved position on; advances the position as it goes."""
+    def _token_pieces(self) -> Iterator[list[list[int]]]:
+        """Token lists to append to the buffer, in document order: the small documents of a group in one
+        batched call, a large one piece by piece. When a piece is handed out the loader's position already
+        counts it: the caller appends it before anything can read the state."""
+        for group in self._document_groups():
+            texts, first, first_char = group.texts, self._resume_doc, self._resume_char
+            small = [i for i in range(first, len(texts)) if not is_large(texts[i])]
+            encoded = dict(zip(small, self.tokenizer.encode_batch([texts[i] for i in small]) if small else []))
+            # BOS + EOS alone is an empty document; a pass of only those trains on nothing.
+            self._pass_has_content = self._pass_has_content or any(len(t) > 2 for t in encoded.values())
+            run: list[list[int]] = []
+            for i in range(first, len(texts)):
+                if i in encoded:
+                    run.append(encoded[i])
+                    continue
+                if run:
+                    self._resume_doc, self._resume_char = i, 0
+                    yield run
+                    run = []
+                self._pass_has_content = True
+                for tokens, end in encode_large(self.tokenizer, texts[i], first_char if i == first else 0):
+                    self._resume_doc, self._resume_char = (i, end) if end < len(texts[i]) else (i + 1, 0)
+                    yield tokens
+            self._position, self._stream_state = group.end_position, group.end_stream_state
+            self._resume_doc, self._resume_char = 0, 0
+            if run:
+                yield run
+
+    def _document_groups(self) -> Iterator[_Group]:
+        """Groups of documents from the saved position on; the consumer commits each group's end
+        position once its documents are tokenised, before asking for the next."""
         stream = self._stream_groups if isinstance(self.documents, IterableDataset) else self._indexed_groups
         while True:
             produced = False
-            from_start, self._pass_has_content = self._position == 0, False
-            for texts in stream():
+            from_start = self._position == 0 and self._resume_doc == 0 and self._resume_char == 0
+            self._pass_has_content = False
+            for group in stream():
                 produced = True
-                yield texts
+                yield group
             if produced and from_start and not self._pass_has_content:
+                skipped = sum(self._bad_records.values())
+                also = f" or a skipped bad record ({skipped} so far, data.on_bad_record=skip)" if skipped else ""
                 raise DataSourceError(f"every document data-parallel rank {self.dp_rank} read from split {self.split!r} "
-                                      f"of data.dataset={self.config.dataset!r} is empty (only BOS/EOS tokens); "
+                                      f"of data.dataset={self.config.dataset!r} is empty (only BOS/EOS tokens){also}; "
                                       f"check data.text_field and the data")
             if not self.infinite:
                 return
@@ -178,38 +234,70 @@ class TextDataLoader(Configurable):
                                       f"epoch; add data or use fewer data-parallel ranks")
             self._epoch, self._position, self._stream_state = self._epoch + 1, 0, None
 
-    def _indexed_groups(self) -> Iterator[list[str]]:
+    def _indexed_groups(self) -> Iterator[_Group]:
         """The rest of this epoch of a map-style dataset, in (shuffled) index order."""
         n = len(self.documents)
         order = np.random.default_rng([self.seed or 0, self._epoch]).permutation(n) if self.shuffle else None
         field = self.config.text_field
-        while self._position < n:
-            start, stop = self._position, min(self._position + DOCS_PER_ENCODE, n)
+        start = self._position
+        while start < n:
+            stop = min(start + DOCS_PER_ENCODE, n)
             indices = list(range(start, stop)) if order is None else order[start:stop].tolist()
-            texts = self.documents[start:stop][field] if order is None else self.documents[indices][field]
-            _check_texts(texts, indices, self)
-            self._position = stop
-            yield texts
+            values = self.documents[start:stop][field] if order is None else self.documents[indices][field]
+            texts = [text for value, index in zip(values, indices, strict=True)
+                     if (text := self._document(value, functools.partial(self._row_name, index))) is not None]
+            yield _Group(texts, stop, None)
+            start = stop
 
-    def _stream_groups(self) -> Iterator[list[str]]:
+    def _stream_groups(self) -> Iterator[_Group]:
         """The rest of this epoch of a streaming dataset, resumed from its own state when saved."""
         self.documents.set_epoch(self._epoch)
         self.documents.load_state_dict(self._stream_state)
         field = self.config.text_field
-        texts: list[str] = []
+        position, read, texts = self._position, 0, []
         for record in self.documents:
-            texts.append(record[field])
-            if len(texts) == DOCS_PER_ENCODE:
-                yield self._advance_stream(texts)
+            text = self._document(record.get(field, _MISSING), functools.partial(self._record_name, position + read, record))
+            read += 1
+            if text is not None:
+                texts.append(text)
+            if read == DOCS_PER_ENCODE:
+                position, read = position + read, 0
+                yield _Group(texts, position, self.documents.state_dict())
                 texts = []
-        if texts:
-            yield self._advance_stream(texts)
+        if read:
+            yield _Group(texts, position + read, self.documents.state_dict())
 
-    def _advance_stream(self, texts: list[str]) -> list[str]:
-        _check_texts(texts, range(self._position, self._position + len(texts)), self)
-        self._position += len(texts)
-        self._stream_state = self.documents.state_dict()
-        return texts
+    # ----------------------------------------------------------------------------------------------
+    # Bad records of sources that are not scanned before loading
+
+    def _document(self, value: Any, name: Callable[[], str]) -> str | None:
+        """``value`` when it is a document; a bad record is an error, or None (counted) with on_bad_record=skip."""
+        if isinstance(value, str):
+            return value
+        field = self.config.text_field
+        if value is _MISSING:
+            reason, detail = "missing field", f"has no {field!r} field"
+        elif value is None:
+            reason, detail = "null value", f"has {field}=None (null), not a string"
+        else:
+            reason, detail = "non-string value", f"has {field}={value!r} ({type(value).__name__}), not a string"
+        if self.config.on_bad_record == "error":
+            raise bad_record_error(f"{name()} {detail}", reason)
+        self._bad_records[reason] += 1
+        count = sum(self._bad_records.values())
+        if count <= 3 or math.log10(count).is_integer():  # the first few, then at 10, 100, 1000, ...
+            log_skipped(count, self._bad_records, f"split {self.split!r} of data.dataset={self.config.dataset!r} "
+                        f"on data-parallel rank {self.dp_rank} so far", [f"{name()} {detail}"])
+        return None
+
+    def _row_name(self, index: int) -> str:
+        return (f"row {self._first_row + index} of split {self.split!r} of data.dataset={self.config.dataset!r} "
+                f"(data-parallel rank {self.dp_rank})")
+
+    def _record_name(self, position: int, record: dict) -> str:
+        shard = _shard_position(self.documents.state_dict())
+        return (f"record {position} of data-parallel rank {self.dp_rank}'s stream of split {self.split!r} of "
+                f"data.dataset={self.config.dataset!r}{shard} (fields {sorted(record)[:8]})")
 
     # ----------------------------------------------------------------------------------------------
     # Checkpointing
@@ -228,6 +316,9 @@ class TextDataLoader(Configurable):
             "epoch": self._epoch,
             "position": self._position,
             "stream_state": self._stream_state,
+            "bad_records": dict(self._bad_records),
+            "resume_doc": self._resume_doc,
+            "resume_char": self._resume_char,
             "buffer": torch.from_numpy(self._buffer.copy()),
         }
 
@@ -248,6 +339,9 @@ class TextDataLoader(Configurable):
         self._epoch = int(state["epoch"])
         self._position = int(state["position"])
         self._stream_state = state["stream_state"]
+        self._bad_records = Counter(state.get("bad_records", {}))
+        # States written before large documents were streamed always stand at a group boundary.
+        self._resume_doc, self._resume_char = int(state.get("resume_doc", 0)), int(state.get("resume_char", 0))
         self._buffer = state["buffer"].numpy().astype(self._buffer.dtype, copy=True)
         self._live_iterator = None
 
@@ -261,12 +355,20 @@ def _check_build_args(dp_rank: int, dp_world_size: int, seq_len: int, local_batc
         raise ValueError(f"split={split!r} must be 'train' or 'validation'")
 
 
-def _check_texts(texts: list, indices: Sequence[int], loader: TextDataLoader) -> None:
-    """Every text is a string; otherwise name the document (its index in this rank's part)."""
-    for index, text in zip(indices, texts):
-        if not isinstance(text, str):
-            raise DataSourceError(
-                f"document {index} of data-parallel rank {loader.dp_rank}'s part of split "
-                f"{loader.split!r} of data.dataset={loader.config.dataset!r} has {loader.config.text_field}="
-                f"{text!r} ({type(text).__name__}), not a string; clean the data or set data.text_field to "
-                f"a text field")
+def _contiguous_part_start(n: int, rank: int, world_size: int) -> int:
+    """First row of rank ``rank``'s part when ``datasets`` splits ``n`` rows contiguously (Dataset.shard)."""
+    per_rank, extra = divmod(n, world_size)
+    return per_rank * rank + min(rank, extra)
+
+
+def _shard_position(state: Any) -> str:
+    """', shard S' from a streaming dataset's state_dict, where it says so. (Its record count inside the
+    shard moves a whole Arrow batch at a time, so it does not name the record.)"""
+    if isinstance(state, dict):
+        if "shard_idx" in state:
+            return f", shard {state['shard_idx']}"
+        for value in state.values():
+            found = _shard_position(value)
+            if found:
+                return found
+    return ""

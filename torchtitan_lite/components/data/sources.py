@@ -28,6 +28,7 @@ from datasets import Dataset, DatasetDict, IterableDataset
 
 from torchtitan_lite.components.data import records
 from torchtitan_lite.components.data.corpus import embedded_corpus
+from torchtitan_lite.components.data.record_formats import MissingCodec, check_codec
 
 if TYPE_CHECKING:
     from torchtitan_lite.components.data.dataloader import TextDataLoader
@@ -136,21 +137,35 @@ def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
 def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str) -> Any:
     files = resolve_files(pattern, where)
     builder = infer_format(files, cfg.data_format, where)
-    if builder in ("json", "text") and not any(f.endswith(_COMPRESSIONS) for f in files):
-        field = "text" if builder == "text" else cfg.text_field
-        bad = records.scan(files, builder, field, cfg.on_bad_record, where)
-        if bad.count:
-            kwargs = {"files": files, "builder": builder, "text_field": field,
-                      "bad_lines": {f: sorted(lines) for f, lines in bad.lines.items()},
-                      "stamps": records.file_stamps(files)}
-            make = IterableDataset.from_generator if cfg.streaming else Dataset.from_generator
-            return make(records.good_records, gen_kwargs=kwargs)
-    return _load_builder(builder, {split: files}, cfg, split, f"{where} ({len(files)} file(s))")
+    for file in files:
+        try:
+            check_codec(file)
+        except MissingCodec as error:
+            raise DataSourceError(f"{error} ({where})") from None
+    field = "text" if builder == "text" else cfg.text_field
+    bad = records.scan(files, builder, field, cfg.on_bad_record, where)
+    if bad.count:
+        kwargs = {"files": files, "builder": builder, "text_field": field, "stamps": records.file_stamps(files)}
+        make = IterableDataset.from_generator if cfg.streaming else Dataset.from_generator
+        return make(records.good_records, gen_kwargs=kwargs)
+    return _load_builder(builder, {split: files}, cfg, split, f"{where} ({len(files)} file(s))",
+                         **_reader_options(builder, field))
 
 
-def _load_builder(builder: str, data_files: dict[str, list[str]], cfg: TextDataLoader.Config, split: str, where: str) -> Any:
+def _reader_options(builder: str, field: str) -> dict[str, Any]:
+    """Read only the text column; every CSV cell of it as text (no type guessing, 'NA' is a document)."""
+    if builder == "parquet":
+        return {"columns": [field]}
+    if builder == "csv":
+        return {"usecols": [field], "features": datasets.Features({field: datasets.Value("string")}),
+                "keep_default_na": False}
+    return {}
+
+
+def _load_builder(builder: str, data_files: dict[str, list[str]], cfg: TextDataLoader.Config, split: str, where: str,
+                  **options: Any) -> Any:
     return _call_datasets(
-        lambda: datasets.load_dataset(builder, data_files=data_files, split=split, streaming=cfg.streaming),
+        lambda: datasets.load_dataset(builder, data_files=data_files, split=split, streaming=cfg.streaming, **options),
         where, split, hint=f"the files must be valid {builder} with one document per "
                            f"{'line' if builder == 'text' else 'record'}")
 
@@ -199,9 +214,16 @@ def _text_column(ds: Any, field: str, where: str, split: str) -> Any:
         raise DataSourceError(f"{where} (split {split!r}) has no field {field!r} (fields: {columns}); set "
                               f"data.text_field to the field that holds the document text")
     feature = ds.features[field] if ds.features is not None else None
-    if feature is not None and getattr(feature, "dtype", None) not in _STRING_DTYPES:
+    # A Json feature holds values of mixed types (strings among others): each record is checked as it is
+    # read, and a non-string one is a bad record (data.on_bad_record) named by its row.
+    mixed = type(feature).__name__ == "Json"  # what datasets infers for a JSON field of mixed types
+    if feature is not None and not mixed and getattr(feature, "dtype", None) not in _STRING_DTYPES:
         raise DataSourceError(f"{where} (split {split!r}) field {field!r} holds {feature}, not strings; set "
                               f"data.text_field to the field that holds the document text")
+    if isinstance(ds, IterableDataset) and ds.features is None:
+        # Records of unknown schema are checked as they are read: one without the field is a bad record
+        # (data.on_bad_record), where selecting the column would fail with a bare KeyError.
+        return ds
     ds = ds.select_columns([field])
     if isinstance(ds, Dataset) and len(ds) == 0:
         raise DataSourceError(f"{where} (split {split!r}) has no documents; add data or point data.dataset "

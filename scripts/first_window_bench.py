@@ -1,0 +1,12 @@
+"""Time to the first batch when the first document is huge (50 MB); the logic is in
+torchtitan_lite.tools.first_window_bench."""
+import sys
+from pathlib import Path
+
+# The repository root first: a script is started with only its own folder on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan_lite.tools.first_window_bench import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
