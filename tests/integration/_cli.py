@@ -19,8 +19,12 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(args: list[str], *, timeout: int = 600, launcher: str = "run_train.sh", **env: str):
-    """Run ./run_train.sh (torchrun) or train.py (in-process) with ``args``; returns CompletedProcess."""
-    cmd = [str(ROOT / "run_train.sh"), *args] if launcher == "run_train.sh" else [sys.executable, str(ROOT / "train.py"), *args]
+    """Run ./run_train.sh (torchrun), train.py (in-process) or another Python script standing in for
+    train.py (a path) with ``args``; returns CompletedProcess."""
+    if launcher == "run_train.sh":
+        cmd = [str(ROOT / "run_train.sh"), *args]
+    else:
+        cmd = [sys.executable, str(ROOT / launcher if launcher == "train.py" else launcher), *args]
     return subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
