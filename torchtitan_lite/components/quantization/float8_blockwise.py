@@ -32,6 +32,8 @@ class Float8BlockwiseConverter(ModelConverter):
 
     @dataclass(kw_only=True)
     class Config(ModelConverter.Config):
+        """Not supported: DeepSeek-style blockwise FP8 needs torchao's Triton kernels on an sm_90+ GPU; use mx."""
+
         kind: ClassVar[str] = "float8_blockwise"
         swaps: ClassVar[str | None] = "nn.Linear"
 

@@ -97,6 +97,8 @@ class MXLinearConverter(ModelConverter):
 
     @dataclass(kw_only=True)
     class Config(ModelConverter.Config):
+        """MXFP8 Linears: e4m3 elements, one e8m0 scale per 32; real kernels on Blackwell, emulated elsewhere."""
+
         kind: ClassVar[str] = "mx"
         swaps: ClassVar[str | None] = "nn.Linear"
 
