@@ -10,8 +10,11 @@ from _conversion import context
 from torchao.float8 import _auto_filter_for_recipe
 from torchao.float8.float8_linear import Float8Linear
 
+from config_registry import DEFAULT_REGISTRY
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
 from torchtitan_lite.components.quantization.float8_plan import float8_plan, format_float8_plan, skip_reason
+from torchtitan_lite.config import parse_cli
+from torchtitan_lite.resolved_run import resolve_run
 
 
 def _tiny_llama_like() -> nn.Module:
@@ -209,3 +212,19 @@ def test_edges_that_cannot_apply_are_errors(fields, model_fn, message):
 def test_edge_counts_must_be_non_negative_integers(value):
     with pytest.raises(ValueError, match=r"keep_last_blocks_hp=.* must be a non-negative integer"):
         Float8LinearConverter.Config(keep_last_blocks_hp=value)
+
+
+@pytest.mark.parametrize("kind, recipe", [("float8", "tensorwise"), ("mx", "mxfp8")])
+def test_a_converter_added_on_the_command_line_keeps_the_output_projection_unless_asked(kind, recipe):
+    def output_row(*extra: str) -> tuple[str | None, str]:
+        cli = parse_cli(["--config", "llama3_debug_bf16", "--model_converters.converters", kind, *extra],
+                        registry=DEFAULT_REGISTRY)
+        run = resolve_run(cli.config, world_size=1, device_type="cpu")
+        with torch.device("meta"):
+            model = run.model_spec.model_cls(run.model_args)
+        converter = run.converters.converters[0]
+        rows = float8_plan(model, converter.config, output_module=run.model_spec.parallel_plan.output)
+        return next((r.recipe, r.reason) for r in rows if r.fqn == "output")
+
+    assert output_row() == (None, "output projection (keep_output_hp)")
+    assert output_row("--model_converters.converters.0.keep_output_hp", "false") == (recipe, "")
