@@ -88,7 +88,8 @@ class ModelLayout:
     """FSDP all-gathers the float8 Linears' weights in float8 (tensorwise, enabled, and FSDP on)."""
     tp_regions: tuple[TPRegion, ...]
     """Each block's TP communication regions and whether they move float8 (identical for every block
-    unless a filter names single blocks; this is block 0's). Empty without TP."""
+    unless a filter names single blocks; this is the first converted block's: keep_first_blocks_hp skips the
+    ones before it). Empty without TP."""
 
     @property
     def float8_tp_regions(self) -> frozenset[str]:
@@ -136,7 +137,7 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
     tensorwise = float8_cfg is not None and float8_cfg.recipe_name == "tensorwise"
-    first_block = f"{plan.blocks}.0"
+    first_block = f"{plan.blocks}.{float8_cfg.keep_first_blocks_hp if float8_cfg is not None else 0}"
     regions = tuple(tp_regions(plan.block_tp, lambda fqn: tensorwise and f"{first_block}.{fqn}" in converted)
                     ) if dims.tp_enabled else ()
     return ModelLayout(
