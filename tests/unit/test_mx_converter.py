@@ -89,12 +89,14 @@ def test_float16_is_an_error():
         MXLinearConverter.Config().build(context=context("float16"))
 
 
-def test_native_kernel_in_float32_is_an_error(monkeypatch):
+@pytest.mark.parametrize("kernel", ["native", "auto"])
+def test_real_kernels_in_float32_are_an_error(monkeypatch, kernel):
     _fake_gpu(monkeypatch, (10, 0))
-    with pytest.raises(ValueError, match="kernel='native' with precision.param_dtype=float32: the MX GEMM writes "
-                                         "bfloat16 only"):
-        MXLinearConverter.Config(kernel="native").build(context=context("float32", device_type="cuda"))
-    assert MXLinearConverter.Config(kernel="emulated").build(context=context("float32")).kernel.emulate
+    with pytest.raises(ValueError, match=f"kernel='{kernel}' runs the real MX kernels here, and with "
+                                         f"precision.param_dtype=float32 that cannot work: the MX GEMM writes bfloat16"):
+        MXLinearConverter.Config(kernel=kernel).build(context=context("float32", device_type="cuda"))
+    emulated = MXLinearConverter.Config(kernel="emulated").build(context=context("float32", device_type="cuda"))
+    assert emulated.kernel.emulate
 
 
 def test_seq_len_must_be_a_multiple_of_the_block_for_an_mx_weight_gradient():

@@ -155,9 +155,10 @@ class MXLinearConverter(ModelConverter):
         if dtype == torch.float16:
             raise ValueError(f"{_FIELD} cannot be combined with precision.param_dtype=float16: torchao 0.18 has no "
                              f"float16 MX path and its MX GEMM writes bfloat16. Use precision.param_dtype=bfloat16")
-        if dtype == torch.float32 and self.config.kernel == "native":
-            raise ValueError(f"{_FIELD}.kernel='native' with precision.param_dtype=float32: the MX GEMM writes bfloat16 "
-                             f"only. Use precision.param_dtype=bfloat16, or kernel='emulated' for float32 numerics")
+        if dtype == torch.float32 and (self.config.kernel == "native" or self.kernel.emulate is False):
+            raise ValueError(f"{_FIELD}.kernel='{self.config.kernel}' runs the real MX kernels here, and with "
+                             f"precision.param_dtype=float32 that cannot work: the MX GEMM writes bfloat16 only. Use "
+                             f"precision.param_dtype=bfloat16, or kernel='emulated' for float32 numerics")
 
     def _check_sequence(self) -> None:
         # The weight-gradient GEMM reduces over the tokens, so MX blocks run along them too.
