@@ -11,6 +11,7 @@ from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter, Float8Recipe
+from torchtitan_lite.components.quantization.mx import MXLinearConverter
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
 from torchtitan_lite.config.sections import CompileConfig, ModelConfig, TrainingConfig
@@ -71,6 +72,15 @@ def llama3_debug_fp8_rowwise() -> Trainer.Config:
     cfg.model_converters = ModelConvertersContainer.Config(
         converters=[Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["output"])]
     )
+    return cfg
+
+
+@register
+def llama3_debug_mxfp8() -> Trainer.Config:
+    """llama3_debug_bf16 + MXFP8 Linears (32-element blocks, e8m0 scales; emulated below Blackwell and on CPU;
+    output layer kept in BF16)."""
+    cfg = llama3_debug_bf16()
+    cfg.model_converters = ModelConvertersContainer.Config(converters=[MXLinearConverter.Config(recipe_name="mxfp8")])
     return cfg
 
 
@@ -158,6 +168,15 @@ def llama3_8b_fp8_rowwise() -> Trainer.Config:
     cfg = llama3_8b()
     cfg.compile = CompileConfig(enable=True)
     cfg.model_converters = _fp8("rowwise", all_gather=False)
+    return cfg
+
+
+@register
+def llama3_8b_mxfp8() -> Trainer.Config:
+    """llama3_8b + compile + MXFP8 on every Linear but the output projection (real MX kernels on Blackwell)."""
+    cfg = llama3_8b()
+    cfg.compile = CompileConfig(enable=True)
+    cfg.model_converters = ModelConvertersContainer.Config(converters=[MXLinearConverter.Config(recipe_name="mxfp8")])
     return cfg
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+from torchtitan_lite.components.quantization import linear_quantizer
 from torchtitan_lite.config import CliResult, ConfigError, list_configs_text, main_help_text
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
@@ -74,15 +74,15 @@ def _print_config(cli: CliResult, registry: ConfigRegistry) -> str:
 
 
 def _print_fp8_plan(cli: CliResult, registry: ConfigRegistry) -> str:
-    """Build the model on meta and explain which Linear gets which float8 recipe, and why."""
+    """Build the model on meta and explain which Linear gets which FP8 recipe (float8 or MX), and why."""
     run = launch_run(cli.config, nnodes=cli.nnodes)
-    float8 = [c for c in run.converters.converters if isinstance(c, Float8LinearConverter)]
-    if not float8:
-        return (f"config '{cli.config_name}' has no float8 converter: every Linear runs in "
-                f"{cli.config.precision.param_dtype}. Add one with --model_converters.converters float8")
+    quantizer = linear_quantizer(run.converters.converters)
+    if quantizer is None:
+        return (f"config '{cli.config_name}' has no FP8 converter: every Linear runs in "
+                f"{cli.config.precision.param_dtype}. Add one with --model_converters.converters float8 (or mx)")
     with torch.device("meta"):
         model = run.model_spec.model_cls(run.model_args)
-    text = float8[0].explain(model, seq_len=run.training.seq_len,
+    text = quantizer.explain(model, seq_len=run.training.seq_len,
                              total_flops_per_token=model.flops_per_token(run.training.seq_len))
     if not run.parallel_dims.tp_enabled:
         return text

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+from torchtitan_lite.components.quantization import linear_quantizer
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_run_memory
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES
@@ -86,11 +86,11 @@ def _shard_bytes(model: nn.Module, run: ResolvedRun) -> dict[str, int]:
 
 
 def _float8_text(run: ResolvedRun, model: nn.Module) -> str:
-    """The float8 plan of the converted model and, under TP, what each communication region moves."""
-    float8 = [c for c in run.converters.converters if isinstance(c, Float8LinearConverter)]
-    if not float8:
-        return "no float8 converter: every Linear runs in the precision above"
-    text = float8[0].explain(model, seq_len=run.training.seq_len)
+    """The FP8 plan of the converted model and, under TP, what each communication region moves."""
+    quantizer = linear_quantizer(run.converters.converters)
+    if quantizer is None:
+        return "no FP8 converter: every Linear runs in the precision above"
+    text = quantizer.explain(model, seq_len=run.training.seq_len)
     if run.parallel_dims.tp_enabled:
         text += "\n" + tp_communication_text(run.model_spec.parallel_plan, model, tp=run.parallel_dims.tp,
                                               high_precision=run.precision.param_dtype)

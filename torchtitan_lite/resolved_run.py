@@ -102,7 +102,7 @@ def resolve_run(config: Trainer.Config, *, world_size: int, device_type: str, vo
     context = ConversionContext(
         device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
         fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,
-        seq_len=config.training.seq_len,
+        seq_len=config.training.seq_len, output_module=spec.parallel_plan.output,
     )
     return ResolvedRun(
         world_size=world_size, device_type=device_type, parallel_dims=dims, model_spec=spec, model_args=args,

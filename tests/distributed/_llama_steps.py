@@ -51,6 +51,8 @@ class Run:
     float8_keep_hp: tuple[str, ...] = ()
     """Linears (FQN substrings) that stay in high precision besides the output projection, as
     auto_filter_small_kn keeps attention.wk / wv on 8B shapes."""
+    mx: str | None = None
+    """mx converter recipe (MXFP8, emulated on CPU), or None."""
     fp8_all_gather: bool = False
     precompute: bool = False
     ac_mode: str = "none"
@@ -130,6 +132,8 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
         # The vocabulary projection stays in high precision, as in the project's float8 configs.
         convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda m, fqn: fqn != "output" and not any(
             keep in fqn for keep in run.float8_keep_hp))
+    if run.mx:
+        mx_converter(run, dims).convert(model)
     parallelize_llama(model, config, mp_policy=precision.mp_policy())
     model.to_empty(device="cpu")
     model.init_weights()
@@ -138,6 +142,20 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
     else:
         set_model_state_dict(model, initial_state_dict(), options=StateDictOptions(full_state_dict=True))
     return model, dims, precision, config
+
+
+def mx_converter(run: Run, dims: ParallelDims):
+    """The project's mx converter for ``run`` (output projection kept in high precision by default)."""
+    from torchtitan_lite.components.precision import resolve_precision
+    from torchtitan_lite.components.quantization import MXLinearConverter
+    from torchtitan_lite.protocols.model_converter import ConversionContext
+
+    resolved = resolve_precision(Precision.Config(param_dtype=run.param_dtype), device_type="cpu",
+                                 fsdp_enabled=dims.fsdp_enabled)
+    context = ConversionContext(device_type="cpu", param_dtype=resolved.param_dtype, autocast=resolved.autocast,
+                                fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=run.compile,
+                                seq_len=SEQ, output_module="output")
+    return MXLinearConverter.Config(recipe_name=run.mx).build(context=context)
 
 
 def train(run: Run, model, dims: ParallelDims, precision: Precision, config, *, record_step: int | None = None,
@@ -240,17 +258,22 @@ FP8_WK_WV_HP = dict(float8="tensorwise", fp8_all_gather=True, precompute=True,
                     float8_keep_hp=("attention.wk", "attention.wv"))
 # Extra runs on particular layouts: float8 all-gather without the scale precompute (to count its
 # all-reduces), the other reshard policies, bf16 with float8, a row-wise recipe with 2-D FSDP x TP, and
-# TP without sequence and loss parallelism.
+# TP without sequence and loss parallelism, and MXFP8 (emulated on CPU: float32 isolates the layout, where
+# only the order of sums differs; bf16 is the dtype MX trains in).
+MX_FP32 = dict(mx="mxfp8", steps=3)
+MX_BF16 = dict(param_dtype="bfloat16", mx="mxfp8", steps=3)
 EXTRA_VARIANTS = {
     "fsdp2": {
+        "mx_fp32": MX_FP32,
+        "mx_bf16": MX_BF16,
         "fp8_no_precompute": dict(float8="tensorwise", fp8_all_gather=True, steps=2),
         "reshard_always": dict(reshard_after_forward="always", steps=2),
         "reshard_never": dict(reshard_after_forward="never", steps=2),
         "bf16_fp8": dict(param_dtype="bfloat16", float8="tensorwise", fp8_all_gather=True, precompute=True),
     },
-    "fsdp2_tp2": {"rowwise": dict(float8="rowwise"), "fp8_wk_wv_hp": FP8_WK_WV_HP},
+    "fsdp2_tp2": {"rowwise": dict(float8="rowwise"), "fp8_wk_wv_hp": FP8_WK_WV_HP, "mx_fp32": MX_FP32},
     "tp2": {"no_sp_no_loss_parallel": dict(sequence_parallel=False, loss_parallel=False),
-            "fp8_wk_wv_hp": FP8_WK_WV_HP},
+            "fp8_wk_wv_hp": FP8_WK_WV_HP, "mx_fp32": MX_FP32},
 }
 
 

@@ -30,6 +30,13 @@ def test_8b_on_8_gpus_fits(cli):
     assert "config 'llama3_8b_fp8' is valid for 8 process(es) (FSDP 8); estimated peak" in result.stdout
 
 
+def test_8b_mxfp8_on_8_gpus_fits_and_a_native_kernel_request_is_left_to_the_gpu(cli):
+    result = cli(["--config", "llama3_8b_mxfp8", "--model_converters.converters.0.kernel", "native", "--check-config"],
+                 NGPU="8", TTL_GPU_MEMORY_GIB="80")
+    assert result.returncode == 0, result.stderr
+    assert "config 'llama3_8b_mxfp8' is valid for 8 process(es) (FSDP 8); estimated peak" in result.stdout
+
+
 def test_a_gpu_launch_on_a_host_without_gpus_stops_before_torchrun(cli):
     result = cli(["--config", "llama3_debug", "--training.steps", "1"], NGPU="2", CUDA_VISIBLE_DEVICES="")
     assert result.returncode != 0

@@ -82,6 +82,9 @@ LONG_RUNNING = {
     "scripts/fetch_gpu_wheels.sh DIR": "downloads wheels (a template: DIR)",
     "python scripts/loss_compare.py --runs <bf16> <fp8> <fp8_rowwise> --last 20 --tolerance 0.05 --out loss.png":
         "a template (<bf16> ...)",
+    "python scripts/loss_compare.py --runs <bf16> <fp8> <fp8_rowwise> <mxfp8> --last 20 --tolerance 0.05 "
+    "--out loss.png": "a template (<bf16> ...)",
+    "python scripts/fp8_sqnr.py --config <cfg> --min-fwd-sqnr 20": "a template (<cfg>)",
 }
 
 

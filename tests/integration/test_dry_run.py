@@ -47,6 +47,17 @@ def test_8b_fp8_on_8_gpus_with_tp_2_uses_float8_tp_for_the_ffn_and_wo(cli):
 
 
 @pytest.mark.slow
+def test_8b_mxfp8_on_8_gpus_with_tp_2_keeps_tp_communication_in_bfloat16(cli):
+    out = _dry_run(cli, "llama3_8b_mxfp8", 8, "--parallelism.tp", "2")
+    assert "dry run: rank 0 of 8, FSDP 4 + TP 2" in out
+    assert "FP8 plan: 224 of 225 Linear layers run in FP8" in out
+    assert re.search(r"^output\s+4096\s+128256\s+-\s+output projection \(keep_output_hp\)$", out, re.M)
+    # MX scales are per 32-element block, so TP gathers activations and gradients in bfloat16.
+    for region in ("attention input", "feed_forward input", "attention.wo output", "feed_forward.w2 output"):
+        assert re.search(rf"{region}\s+bfloat16\s+\(.*; every block\)", out), region
+
+
+@pytest.mark.slow
 def test_70b_fp8_on_64_gpus_with_tp_8(cli):
     out = _dry_run(cli, "llama3_70b_fp8", 64, "--parallelism.tp", "8")
     assert "dry run: rank 0 of 64, FSDP 8 + TP 8" in out

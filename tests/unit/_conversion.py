@@ -10,4 +10,5 @@ def context(param_dtype: str = "bfloat16", *, fsdp: bool = False, compile_model:
     precision = resolve_precision(Precision.Config(param_dtype=param_dtype), device_type=device_type,
                                   fsdp_enabled=fsdp)
     return ConversionContext(device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
-                             fsdp_sharded=fsdp, tp_enabled=tp, compile_model=compile_model, seq_len=seq_len)
+                             fsdp_sharded=fsdp, tp_enabled=tp, compile_model=compile_model, seq_len=seq_len,
+                             output_module="output")

@@ -1,4 +1,4 @@
-"""Float8 training wrappers never reach the saved state; fp8 and plain models load each other's checkpoints."""
+"""Float8 training wrappers never reach the saved state; fp8 and MX models and plain ones load each other's checkpoints."""
 from __future__ import annotations
 
 import os
@@ -62,3 +62,43 @@ def test_unwrap_picks_the_data_tensor_beside_a_precomputed_scale():
     assert len(wrapped.__tensor_flatten__()[0]) == 2
     unwrapped = plain_tensor("layers.0.w1.weight", wrapped)
     assert type(unwrapped) is torch.Tensor and torch.equal(unwrapped, data)
+
+
+def mx(model: nn.Module) -> nn.Module:
+    from _conversion import context
+
+    from torchtitan_lite.components.quantization import MXLinearConverter
+
+    converter = MXLinearConverter.Config().build(context=context())
+    for i in (0, 2):
+        model[i] = converter.mx_linear(model[i])
+    return model
+
+
+def test_mx_weights_save_as_plain_tensors_loadable_weights_only(tmp_path):
+    from torchtitan_lite.components.quantization.mx_linear import MXLinear
+
+    model = mx(tiny(0))
+    assert isinstance(model[0], MXLinear)  # the case under test
+    with torch.no_grad():  # one MX forward, so the saved state is that of a model that has run
+        model(torch.randn(2, 32, 64))
+    manager(tmp_path, model).save(1, force=True)
+    out = tmp_path / "plain.pt"
+    dcp_to_torch_save(os.path.join(tmp_path, "checkpoint", "step-1"), out)
+    loaded = torch.load(out, weights_only=True)
+    assert {type(v) for v in loaded["model"].values()} == {torch.Tensor}
+    assert set(loaded["model"]) == {"0.weight", "2.weight"}
+    assert torch.equal(loaded["model"]["2.weight"], model[2].weight.detach())
+
+
+@pytest.mark.parametrize("save_mx, load_mx", [(True, False), (False, True)])
+def test_mx_and_plain_models_load_each_others_checkpoints(tmp_path, save_mx, load_mx):
+    from torchtitan_lite.components.quantization.mx_linear import MXLinear
+
+    src = mx(tiny(0)) if save_mx else tiny(0)
+    manager(tmp_path, src).save(1, force=True)
+    dst = mx(tiny(1)) if load_mx else tiny(1)
+    assert manager(tmp_path, dst).load() == 1
+    for i in (0, 2):
+        assert isinstance(dst[i], MXLinear) == load_mx  # loading keeps the destination's own modules
+        assert torch.equal(dst[i].weight, src[i].weight)

@@ -10,8 +10,11 @@ from _conversion import context
 from torchao.float8 import _auto_filter_for_recipe
 from torchao.float8.float8_linear import Float8Linear
 
+from config_registry import DEFAULT_REGISTRY
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
 from torchtitan_lite.components.quantization.float8_plan import float8_plan, format_float8_plan, skip_reason
+from torchtitan_lite.config import parse_cli
+from torchtitan_lite.resolved_run import resolve_run
 
 
 def _tiny_llama_like() -> nn.Module:
@@ -29,15 +32,17 @@ def _meta(shapes: dict[str, tuple[int, int]]) -> nn.Module:
 
 
 def _plan(model, **fields):
-    return {row.fqn: (row.recipe, row.reason) for row in float8_plan(model, Float8LinearConverter.Config(**fields))}
+    config = Float8LinearConverter.Config(**fields)
+    return {row.fqn: (row.recipe, row.reason) for row in float8_plan(model, config, output_module="output")}
 
 
-def test_plan_without_filters_converts_every_aligned_linear():
+def test_plan_without_filters_converts_every_aligned_linear_but_the_output_projection():
     assert _plan(_tiny_llama_like()) == {
         "layers.0.attention.wq": ("tensorwise", ""),
         "layers.0.feed_forward.w1": (None, "dims not divisible by 16"),
-        "output": ("tensorwise", ""),
+        "output": (None, "output projection (keep_output_hp)"),
     }
+    assert _plan(_tiny_llama_like(), keep_output_hp=False)["output"] == ("tensorwise", "")
 
 
 def test_plan_with_filter_fqns_skips_matching_names():
@@ -98,11 +103,12 @@ def test_converter_swaps_exactly_the_planned_modules_and_leaves_its_config_alone
     assert [row.fqn for row in converter.plan if row.recipe] == ["layers.0.attention.wq"]
     assert dataclasses.asdict(config) == before
     # After conversion the plan of the converted model is unchanged (Float8Linear is an nn.Linear).
-    assert float8_plan(model, config) == converter.plan
+    assert float8_plan(model, config, output_module="output") == converter.plan
 
 
 @pytest.mark.parametrize("fields, model_fn, expected", [
-    ({}, _tiny_llama_like, {"layers.0.attention.wq", "output"}),
+    ({"keep_output_hp": False}, _tiny_llama_like, {"layers.0.attention.wq", "output"}),
+    ({}, _tiny_llama_like, {"layers.0.attention.wq"}),
     ({"filter_fqns": ["output"]}, _tiny_llama_like, {"layers.0.attention.wq"}),
     ({"filter_fqns": ["auto_filter_small_kn"]},
      lambda: _meta({"keep_wide_n": (16, 1040), "skip_edge": (4096, 1024), "keep_deep_k": (4112, 16)}),
@@ -122,7 +128,7 @@ def test_conversion_on_the_meta_model_swaps_exactly_the_expected_linears(fields,
 
 
 def test_table_lists_every_linear_and_the_fp8_share_of_linear_flops():
-    rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]))
+    rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]), output_module="output")
     table = format_float8_plan(rows)
     assert table.splitlines() == [
         "FP8 plan: 1 of 3 Linear layers run in FP8",
@@ -137,7 +143,7 @@ def test_table_lists_every_linear_and_the_fp8_share_of_linear_flops():
 
 
 def test_table_share_relative_to_model_flops_when_given():
-    rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]))
+    rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]), output_module="output")
     last = format_float8_plan(rows, seq_len=32, total_flops_per_token=245760).splitlines()[-1]
     # 6*64*64 = 24576 of 245760 model FLOPs per token = 10.0%
     assert last.startswith("FP8 share: 10.0% of the model's training FLOPs per token at seq_len 32 (attention included)")
@@ -166,3 +172,59 @@ def test_explain_accepts_explicit_seq_len_and_flops_and_reports_inactive_all_gat
     assert "FP8 share: 50.0% of the model's training FLOPs per token at seq_len 8192" in text
     sharded = config.build(context=context(fsdp=True)).explain(_tiny_llama_like())
     assert sharded.splitlines()[0] == "float8 converter (recipe tensorwise, FSDP float8 all-gather on, precomputed scales on)"
+
+
+def _blocks(n: int, head: str = "output") -> nn.Module:
+    with torch.device("meta"):
+        layers = nn.ModuleDict({str(i): nn.ModuleDict({"w": nn.Linear(64, 64, bias=False)}) for i in range(n)})
+        return nn.ModuleDict({"layers": layers, head: nn.Linear(64, 256, bias=False)})
+
+
+def test_first_and_last_blocks_stay_in_high_precision_and_filters_are_named_first():
+    assert _plan(_blocks(4), keep_first_blocks_hp=1, keep_last_blocks_hp=2, filter_fqns=["layers.3"]) == {
+        "layers.0.w": (None, "block 0 of the first 1 (keep_first_blocks_hp)"),
+        "layers.1.w": ("tensorwise", ""),
+        "layers.2.w": (None, "block 2 of the last 2 (keep_last_blocks_hp)"),
+        "layers.3.w": (None, "filter_fqns entry 'layers.3'"),
+        "output": (None, "output projection (keep_output_hp)"),
+    }
+
+
+def test_the_output_projection_is_the_one_the_context_names():
+    model = _blocks(2, head="lm_head")
+    converter = Float8LinearConverter.Config().build(context=dataclasses.replace(context(), output_module="lm_head"))
+    converter.convert(model)
+    assert {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)} == {"layers.0.w", "layers.1.w"}
+
+
+@pytest.mark.parametrize("fields, model_fn, message", [
+    ({"keep_first_blocks_hp": 2, "keep_last_blocks_hp": 1}, lambda: _blocks(3),
+     "keep_first_blocks_hp=2 \\+ keep_last_blocks_hp=1 keep all 3 blocks in high precision"),
+    ({"keep_first_blocks_hp": 1}, lambda: _meta({"w": (64, 64)}), "need the model's transformer blocks in model.layers"),
+])
+def test_edges_that_cannot_apply_are_errors(fields, model_fn, message):
+    converter = Float8LinearConverter.Config(**fields).build(context=context())
+    with pytest.raises(ValueError, match=message):
+        converter.convert(model_fn())
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_edge_counts_must_be_non_negative_integers(value):
+    with pytest.raises(ValueError, match=r"keep_last_blocks_hp=.* must be a non-negative integer"):
+        Float8LinearConverter.Config(keep_last_blocks_hp=value)
+
+
+@pytest.mark.parametrize("kind, recipe", [("float8", "tensorwise"), ("mx", "mxfp8")])
+def test_a_converter_added_on_the_command_line_keeps_the_output_projection_unless_asked(kind, recipe):
+    def output_row(*extra: str) -> tuple[str | None, str]:
+        cli = parse_cli(["--config", "llama3_debug_bf16", "--model_converters.converters", kind, *extra],
+                        registry=DEFAULT_REGISTRY)
+        run = resolve_run(cli.config, world_size=1, device_type="cpu")
+        with torch.device("meta"):
+            model = run.model_spec.model_cls(run.model_args)
+        converter = run.converters.converters[0]
+        rows = float8_plan(model, converter.config, output_module=run.model_spec.parallel_plan.output)
+        return next((r.recipe, r.reason) for r in rows if r.fqn == "output")
+
+    assert output_row() == (None, "output projection (keep_output_hp)")
+    assert output_row("--model_converters.converters.0.keep_output_hp", "false") == (recipe, "")

@@ -259,9 +259,10 @@ def _autocast_copies(layout: ModelLayout, s: ActivationSetup) -> int:
 
 
 def _float8_cast_bytes(layout: ModelLayout, s: ActivationSetup) -> int:
-    converted = [lin for lin in layout.linears if lin.float8]
-    # One Linear at a time: its float8 input (T x in), output gradient (T x out) and weight, 1 byte each.
-    # (The CPU torch._scaled_mm additionally upcasts its operands to float32 internally; not modelled.)
+    converted = [lin for lin in layout.linears if lin.float8 or lin.mx]
+    # One Linear at a time: its float8 input (T x in), output gradient (T x out) and weight, 1 byte each
+    # (MX adds one e8m0 scale byte per 32 elements, under 4%). Not modelled: the CPU torch._scaled_mm
+    # upcasts its operands to float32 internally, and emulated MX dequantizes them to the compute dtype.
     return max((s.tokens * (lin.in_features + lin.out_features) + lin.tp_numel for lin in converted), default=0)
 
 

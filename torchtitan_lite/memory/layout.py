@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+from torchtitan_lite.components.quantization import Float8LinearConverter, MXLinearConverter, linear_quantizer
 from torchtitan_lite.components.quantization.float8_plan import float8_plan
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import TPRegion, tp_regions
@@ -69,6 +69,9 @@ class LinearLayout:
     tp_numel: int
     """Weight elements one rank computes with (after TP)."""
     float8: bool
+    mx: bool = False
+    """Swapped for an MXFP8 Linear by the mx converter. Unlike Float8Linear it takes its operands in the
+    compute dtype (an autocast-dtype copy of the weight without FSDP), then casts them to 1-byte MX."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ class ModelLayout:
     """FSDP all-gathers the float8 Linears' weights in float8 (tensorwise, enabled, and FSDP on)."""
     tp_regions: tuple[TPRegion, ...]
     """Each block's TP communication regions and whether they move float8 (identical for every block
-    unless a filter names single blocks; this is block 0's). Empty without TP."""
+    unless a filter names single blocks; this is the first converted block's: keep_first_blocks_hp skips the
+    ones before it). Empty without TP."""
 
     @property
     def float8_tp_regions(self) -> frozenset[str]:
@@ -101,10 +105,13 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     with torch.device("meta"):
         model = run.model_spec.model_cls(args)
 
-    float8_cfg = _float8_config(run)
-    converted = set()
-    if float8_cfg is not None:
-        converted = {row.fqn for row in float8_plan(model, float8_cfg) if row.recipe is not None}
+    quantizer_cfg = _quantizer_config(run)
+    float8_cfg = quantizer_cfg if isinstance(quantizer_cfg, Float8LinearConverter.Config) else None
+    planned: set[str] = set()
+    if quantizer_cfg is not None:
+        planned = {row.fqn for row in float8_plan(model, quantizer_cfg, output_module=plan.output)
+                   if row.recipe is not None}
+    converted, mx_converted = (planned, set()) if float8_cfg is not None else (set(), planned)
     tied = model.get_submodule(plan.output).weight is model.get_submodule(plan.embedding).weight
     shard = dims.dp_shard if dims.fsdp_enabled else 1
 
@@ -124,13 +131,13 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     linears = tuple(
         LinearLayout(fqn=fqn, in_features=m.in_features, out_features=m.out_features,
                      tp_numel=math.prod(_tp_shape(plan, fqn, tuple(m.weight.shape), dims.tp)),
-                     float8=fqn in converted)
+                     float8=fqn in converted, mx=fqn in mx_converted)
         for fqn, m in linear_modules.items()
     )
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
     tensorwise = float8_cfg is not None and float8_cfg.recipe_name == "tensorwise"
-    first_block = f"{plan.blocks}.0"
+    first_block = f"{plan.blocks}.{float8_cfg.keep_first_blocks_hp if float8_cfg is not None else 0}"
     regions = tuple(tp_regions(plan.block_tp, lambda fqn: tensorwise and f"{first_block}.{fqn}" in converted)
                     ) if dims.tp_enabled else ()
     return ModelLayout(
@@ -140,9 +147,9 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     )
 
 
-def _float8_config(run: ResolvedRun) -> Float8LinearConverter.Config | None:
-    found = [c.config for c in run.converters.converters if isinstance(c, Float8LinearConverter)]
-    return found[0] if found else None
+def _quantizer_config(run: ResolvedRun) -> Float8LinearConverter.Config | MXLinearConverter.Config | None:
+    quantizer = linear_quantizer(run.converters.converters)
+    return None if quantizer is None else quantizer.config
 
 
 def _tp_shape(plan: ParallelPlan, module: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:

@@ -43,6 +43,9 @@ class ConversionContext:
     compile_model: bool
     """The transformer blocks are compiled."""
     seq_len: int
+    output_module: str
+    """FQN of the model's output projection (the family's ParallelPlan.output): converters keep it in high
+    precision unless told otherwise."""
 
 
 class ModelConverter(Configurable):

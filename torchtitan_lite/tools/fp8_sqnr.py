@@ -3,14 +3,16 @@
     python scripts/fp8_sqnr.py --config llama3_debug_fp8
     python scripts/fp8_sqnr.py --config llama3_debug_fp8_rowwise --checkpoint outputs/checkpoint --batches 4
     python scripts/fp8_sqnr.py --config llama3_debug_fp8 --precision.param_dtype float32 --model.n_layers 2
+    python scripts/fp8_sqnr.py --config llama3_debug_mxfp8
 
 Builds the config's model (initialised from ``training.seed``, or loaded from a DCP checkpoint: a
 ``step-<N>`` folder, or a checkpoint folder whose newest complete step is taken), casts its
 parameters to the config's ``precision.param_dtype`` as FSDP's mixed-precision policy does, and
 runs ``--batches`` batches of the config's training data through it. A forward hook on every Linear
-the config's float8 converter converts runs that Linear twice on the input it receives: as is (the
-high-precision reference) and as torchao ``Float8Linear`` built with the converter's float8 config;
-a fixed random upstream gradient drives both backward passes.
+the config's FP8 converter converts runs that Linear twice on the input it receives: as is (the
+high-precision reference) and as the converter's low-precision twin: torchao ``Float8Linear`` built
+with the float8 converter's config, or the mx converter's MXFP8 Linear (emulated MX GEMMs: the same
+MX rounding as the real kernels); a fixed random upstream gradient drives both backward passes.
 
     SQNR = 10 * log10(||reference||^2 / ||reference - fp8||^2)
 
@@ -27,7 +29,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -76,11 +78,20 @@ def sqnr_db(signal_energy: float, noise_energy: float) -> float:
 # Measurement
 
 
-def compare_linear(linear: nn.Linear, x: torch.Tensor, float8_config: Any, stats: LinearSqnr, *,
-                   generator: torch.Generator) -> None:
-    """Forward + backward of ``linear`` and of its Float8Linear twin on ``x``; adds the energies to ``stats``."""
+TwinFactory = Callable[[nn.Linear], nn.Linear]
+"""Makes the low-precision twin of a (copied) high-precision Linear."""
+
+
+def float8_twin(float8_config: Any) -> TwinFactory:
+    """Twins that are torchao Float8Linears built with ``float8_config`` (torchao's Float8LinearConfig)."""
     from torchao.float8.float8_linear import Float8Linear
 
+    return lambda linear: Float8Linear.from_float(linear, config=float8_config)
+
+
+def compare_linear(linear: nn.Linear, x: torch.Tensor, make_twin: TwinFactory, stats: LinearSqnr, *,
+                   generator: torch.Generator) -> None:
+    """Forward + backward of ``linear`` and of its low-precision twin on ``x``; adds the energies to ``stats``."""
     weight = linear.weight.detach()
     bias = None if linear.bias is None else linear.bias.detach()
     x_ref = x.clone().requires_grad_()
@@ -91,7 +102,7 @@ def compare_linear(linear: nn.Linear, x: torch.Tensor, float8_config: Any, stats
     grad_out = torch.randn(out_ref.shape, generator=generator, device="cpu").to(out_ref.device, out_ref.dtype)
     out_ref.backward(grad_out)
 
-    fp8 = Float8Linear.from_float(copy.deepcopy(linear), config=float8_config)
+    fp8 = make_twin(copy.deepcopy(linear))
     x_fp8 = x.clone().requires_grad_()
     out_fp8 = fp8(x_fp8)
     out_fp8.backward(grad_out)
@@ -103,7 +114,7 @@ def compare_linear(linear: nn.Linear, x: torch.Tensor, float8_config: Any, stats
     stats.add("grad_weight", w_ref.grad, fp8.weight.grad)
 
 
-def measure_sqnr(model: nn.Module, rows: list[Any], float8_config: Any, batches: Iterable[torch.Tensor], *,
+def measure_sqnr(model: nn.Module, rows: list[Any], make_twin: TwinFactory, batches: Iterable[torch.Tensor], *,
                  seed: int = 0) -> list[LinearSqnr]:
     """SQNR statistics for every converted plan row (``row.recipe`` set) of ``model``, over ``batches``.
 
@@ -113,7 +124,7 @@ def measure_sqnr(model: nn.Module, rows: list[Any], float8_config: Any, batches:
     """
     converted = [row for row in rows if row.recipe is not None]
     if not converted:
-        raise ValueError("the float8 converter converts no Linear of this model (see --print-fp8-plan for why)")
+        raise ValueError("the FP8 converter converts no Linear of this model (see --print-fp8-plan for why)")
     modules = dict(model.named_modules())
     stats = {row.fqn: LinearSqnr(row.fqn, row.in_features, row.out_features, row.recipe) for row in converted}
     linears = {fqn: cast(nn.Linear, modules[fqn]) for fqn in stats}  # the plan converts nn.Linear modules only
@@ -121,7 +132,7 @@ def measure_sqnr(model: nn.Module, rows: list[Any], float8_config: Any, batches:
 
     def compare_on_input(fqn: str, args: tuple[Any, ...]) -> None:
         with torch.enable_grad():
-            compare_linear(linears[fqn], args[0].detach(), float8_config, stats[fqn], generator=generator)
+            compare_linear(linears[fqn], args[0].detach(), make_twin, stats[fqn], generator=generator)
 
     handles = [linear.register_forward_pre_hook(lambda m, a, fqn=fqn: compare_on_input(fqn, a))
                for fqn, linear in linears.items()]
@@ -176,14 +187,50 @@ def format_report(results: list[LinearSqnr], *, min_fwd_sqnr: float | None = Non
 
 
 def float8_converter_config(cfg: Any, config_name: str) -> Any:
-    """The config's first float8 converter entry; ValueError naming the fix when it has none."""
-    from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+    """The config's FP8 converter entry (float8 or mx); ValueError naming the fix when it has none."""
+    from torchtitan_lite.components.quantization import Float8LinearConverter, MXLinearConverter
 
-    entries = [c for c in cfg.model_converters.converters if isinstance(c, Float8LinearConverter.Config)]
+    entries = [c for c in cfg.model_converters.converters
+               if isinstance(c, (Float8LinearConverter.Config, MXLinearConverter.Config))]
     if not entries:
-        raise ValueError(f"config '{config_name}' has no float8 converter; use an FP8 config (e.g. llama3_debug_fp8) or "
-                         f"add one with --model_converters.converters float8")
+        raise ValueError(f"config '{config_name}' has no FP8 converter; use an FP8 config (e.g. llama3_debug_fp8 or "
+                         f"llama3_debug_mxfp8) or add one with --model_converters.converters float8 (or mx)")
     return entries[0]
+
+
+def twin_factory(converter_config: Any, cfg: Any) -> TwinFactory:
+    """The low-precision twin of a Linear as the config's converter would train it."""
+    from torchtitan_lite.components.quantization import MXLinearConverter
+
+    if not isinstance(converter_config, MXLinearConverter.Config):
+        return float8_twin(effective_float8_config(converter_config, cfg))
+    converter = _quietly(lambda: MXLinearConverter(converter_config, context=_probe_context(cfg)),
+                         "torchtitan_lite.components.quantization.mx")
+    return converter.mx_linear
+
+
+def _probe_context(cfg: Any) -> Any:
+    """The run's conversion context as this CPU probe sees it: FSDP-style parameter casts, no autocast."""
+    from torchtitan_lite.components.precision import resolve_precision
+    from torchtitan_lite.protocols.model_converter import ConversionContext
+    from torchtitan_lite.protocols.model_spec import get_model_spec
+
+    precision = resolve_precision(cfg.precision, device_type="cpu", fsdp_enabled=True)
+    return ConversionContext(device_type="cpu", param_dtype=precision.param_dtype, autocast=False,
+                             fsdp_sharded=True, tp_enabled=False, compile_model=False, seq_len=cfg.training.seq_len,
+                             output_module=get_model_spec(cfg.model.name).parallel_plan.output)
+
+
+def _quietly(build: Callable[[], Any], logger_name: str) -> Any:
+    """``build()`` with the converter's logger at ERROR: training-speed advice (compile, emulation) does not
+    apply to a numerics probe."""
+    converter_logger = logging.getLogger(logger_name)
+    level = converter_logger.level
+    converter_logger.setLevel(logging.ERROR)
+    try:
+        return build()
+    finally:
+        converter_logger.setLevel(level)
 
 
 def effective_float8_config(converter_config: Any, cfg: Any) -> Any:
@@ -193,21 +240,10 @@ def effective_float8_config(converter_config: Any, cfg: Any) -> Any:
     way FSDP does (not with autocast). FP8 all-gather is then turned off: it changes how the weight
     travels, not its FP8 value (the scale is the amax of the whole weight either way).
     """
-    from torchtitan_lite.components.precision import resolve_precision
     from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
-    from torchtitan_lite.protocols.model_converter import ConversionContext
 
-    float8_logger = logging.getLogger("torchtitan_lite.components.quantization.float8")
-    level = float8_logger.level
-    float8_logger.setLevel(logging.ERROR)  # training-speed advice (compile) does not apply to a numerics probe
-    try:
-        precision = resolve_precision(cfg.precision, device_type="cpu", fsdp_enabled=True)
-        context = ConversionContext(device_type="cpu", param_dtype=precision.param_dtype, autocast=False,
-                                    fsdp_sharded=True, tp_enabled=False, compile_model=False,
-                                    seq_len=cfg.training.seq_len)
-        converter = Float8LinearConverter(converter_config, context=context)
-    finally:
-        float8_logger.setLevel(level)
+    converter = _quietly(lambda: Float8LinearConverter(converter_config, context=_probe_context(cfg)),
+                         "torchtitan_lite.components.quantization.float8")
     return dataclasses.replace(converter.float8_config, enable_fsdp_float8_all_gather=False)
 
 
@@ -312,16 +348,16 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
         converter_config = float8_converter_config(cfg, cli.config_name)
         device = torch.device(dist_utils.device_type())
         precision = cfg.precision.build(device=device, fsdp_enabled=False)
-        float8_config = effective_float8_config(converter_config, cfg)
+        make_twin = twin_factory(converter_config, cfg)
         tokenizer = cfg.tokenizer.build()
         model = build_model(cfg, device, tokenizer.vocab_size)
         source = f"initialised from seed {cfg.training.seed}"
         if args.checkpoint is not None:
             source = f"loaded from {load_model_checkpoint(model, args.checkpoint)}"
-        rows = float8_plan(model, converter_config)
+        rows = float8_plan(model, converter_config, output_module=_probe_context(cfg).output_module)
         cast_parameters(model, precision.param_dtype)
         batches = token_batches(cfg, tokenizer, args.batches, device)
-        results = measure_sqnr(model, rows, float8_config, batches, seed=args.seed)
+        results = measure_sqnr(model, rows, make_twin, batches, seed=args.seed)
     except (ConfigError, CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

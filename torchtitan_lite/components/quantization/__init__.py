@@ -1,4 +1,18 @@
 """Quantized-training converters; importing this package registers their kinds."""
-from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+from __future__ import annotations
 
-__all__ = ["Float8LinearConverter"]
+from collections.abc import Sequence
+
+from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+from torchtitan_lite.components.quantization.float8_blockwise import Float8BlockwiseConverter
+from torchtitan_lite.components.quantization.mx import MXLinearConverter
+from torchtitan_lite.protocols.model_converter import ModelConverter
+
+__all__ = ["Float8BlockwiseConverter", "Float8LinearConverter", "MXLinearConverter", "linear_quantizer"]
+
+
+def linear_quantizer(converters: Sequence[ModelConverter]) -> Float8LinearConverter | MXLinearConverter | None:
+    """The run's converter that trains Linears in FP8 (float8 or MX), or None. There is at most one: two
+    converters that swap nn.Linear are refused by the container."""
+    found = [c for c in converters if isinstance(c, (Float8LinearConverter, MXLinearConverter))]
+    return found[0] if found else None

@@ -26,7 +26,9 @@ from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.quantization.float8_plan import (
     AUTO_FILTER_SMALL_KN,
     PlanRow,
+    check_edge_fields,
     float8_plan,
+    float8_shape_reason,
     format_float8_plan,
 )
 from torchtitan_lite.distributed import utils as dist_utils
@@ -65,8 +67,20 @@ class Float8LinearConverter(ModelConverter):
         emulate: bool = False
         """Emulate FP8 GEMMs in high precision: FP8 numerics on GPUs without FP8 tensor cores (testing
         only; slower than BF16)."""
+        keep_output_hp: bool = True
+        """Keep the model's output projection (LM head) in high precision. Set false to convert it too."""
+        keep_first_blocks_hp: int = 0
+        """Keep every Linear of the first N transformer blocks in high precision (NeMo-style edges)."""
+        keep_last_blocks_hp: int = 0
+        """Keep every Linear of the last N transformer blocks in high precision (NeMo-style edges)."""
+
+        def shape_skip_reason(self, in_features: int, out_features: int) -> str:
+            """Why a Linear of this shape stays in high precision under this recipe, or ''."""
+            return float8_shape_reason(in_features, out_features, recipe_name=self.recipe_name,
+                                       filter_fqns=self.filter_fqns)
 
         def __post_init__(self) -> None:
+            check_edge_fields(self, _FIELD)
             if self.recipe_name not in RECIPES:
                 raise ValueError(f"{_FIELD}.recipe_name={self.recipe_name!r} is not one of: {', '.join(RECIPES)}")
             for entry in self.filter_fqns:
@@ -179,7 +193,7 @@ class Float8LinearConverter(ModelConverter):
         """Swap the planned Linears of ``model`` (in place) for ``Float8Linear``."""
         if isinstance(model, nn.Linear):
             raise ValueError("the float8 converter swaps Linears inside a model in place; pass the parent module")
-        self.plan = float8_plan(model, self.config)
+        self.plan = float8_plan(model, self.config, output_module=self.context.output_module)
         planned = {row.fqn for row in self.plan if row.recipe is not None}
         convert_to_float8_training(model, config=self.float8_config,
                                    module_filter_fn=lambda _module, fqn: fqn in planned)
@@ -200,7 +214,7 @@ class Float8LinearConverter(ModelConverter):
         ``seq_len`` defaults to training.seq_len; ``total_flops_per_token`` (forward + backward) to
         ``model.flops_per_token(seq_len)`` when the model has it, else the share is of Linear FLOPs only.
         """
-        rows = float8_plan(model, self.config)
+        rows = float8_plan(model, self.config, output_module=self.context.output_module)
         seq_len = self.context.seq_len if seq_len is None else seq_len
         flops_fn = getattr(model, "flops_per_token", None)
         if total_flops_per_token is None and callable(flops_fn):

@@ -1,15 +1,23 @@
-"""Which Linear layers run in FP8, and why the others do not.
+"""Which Linear layers run in FP8 (float8 or MXFP8), and why the others do not.
 
 The plan is a pure function of module names and shapes, so it can be computed on the meta-device
-model before conversion (``--print-fp8-plan``) and agrees with what the converter then does.
+model before conversion (``--print-fp8-plan``) and agrees with what the converter then does. Both
+the float8 and the MX converter use it; each supplies its own shape rule.
 
 A Linear stays in high precision when, checked in this order:
 
 1. its FQN contains a ``filter_fqns`` entry (substring match, e.g. 'output' for the LM head);
-2. ``in_features`` or ``out_features`` is not divisible by 16: ``torch._scaled_mm`` (the FP8 GEMM)
-   requires both GEMM dims of its operands to be multiples of 16 (FP8 tensor-core tile alignment);
-3. ``filter_fqns`` contains ``auto_filter_small_kn`` and the layer is below the size where the FP8
-   GEMM plus the casts beat BF16 for the recipe. Thresholds are torchao 0.18's
+2. it is the model's output projection and ``keep_output_hp`` is on (the default: the logits feed
+   the softmax and the loss, where quantization error costs the most, and the layer is a small share
+   of the FLOPs of a large model);
+3. it sits in one of the first ``keep_first_blocks_hp`` or last ``keep_last_blocks_hp`` transformer
+   blocks (``model.layers``, in order), NeMo's high-precision edges: the first and last blocks see the
+   least regular activations and gradients;
+4. the converter's shape rule refuses it (``shape_skip_reason``). float8: ``in_features`` or
+   ``out_features`` is not divisible by 16: ``torch._scaled_mm`` (the FP8 GEMM) requires both GEMM
+   dims of its operands to be multiples of 16 (FP8 tensor-core tile alignment); MX: see mx.py;
+5. float8 only: ``filter_fqns`` contains ``auto_filter_small_kn`` and the layer is below the size where
+   the FP8 GEMM plus the casts beat BF16 for the recipe. Thresholds are torchao 0.18's
    ``torchao.float8.float8_linear_utils._auto_filter_for_tensorwise`` / ``_auto_filter_for_rowwise``
    (measured on H100), with K = in_features and N = out_features:
 
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch.nn as nn
 
@@ -54,29 +62,105 @@ def too_small(recipe_name: str, k: int, n: int) -> bool:
 
 
 def skip_reason(fqn: str, in_features: int, out_features: int, *, recipe_name: str, filter_fqns: Iterable[str]) -> str:
-    """Why this Linear stays in high precision, or '' when it is converted to FP8."""
+    """Why this Linear stays out of the float8 recipe by name and shape, or '' when it is converted
+    (the ``filter_fqns`` and float8 shape rules; the high-precision edges are the plan's)."""
     filters = list(filter_fqns)
-    for entry in filters:
+    return filter_reason(fqn, filters) or float8_shape_reason(
+        in_features, out_features, recipe_name=recipe_name, filter_fqns=filters)
+
+
+def filter_reason(fqn: str, filter_fqns: Iterable[str]) -> str:
+    """The ``filter_fqns`` entry that names ``fqn`` (substring match), or ''."""
+    for entry in filter_fqns:
         if entry != AUTO_FILTER_SMALL_KN and entry in fqn:
             return f"filter_fqns entry {entry!r}"
+    return ""
+
+
+def float8_shape_reason(in_features: int, out_features: int, *, recipe_name: str, filter_fqns: Iterable[str]) -> str:
+    """Why the float8 GEMM cannot (alignment) or should not (auto_filter_small_kn) take this shape, or ''."""
     if in_features % ALIGNMENT or out_features % ALIGNMENT:
         return f"dims not divisible by {ALIGNMENT}"
-    if AUTO_FILTER_SMALL_KN in filters and too_small(recipe_name, in_features, out_features):
+    if AUTO_FILTER_SMALL_KN in filter_fqns and too_small(recipe_name, in_features, out_features):
         return f"too small for {recipe_name} per {AUTO_FILTER_SMALL_KN} (K={in_features}, N={out_features})"
     return ""
 
 
-def float8_plan(model: nn.Module, converter_config: Any) -> list[PlanRow]:
-    """One row per ``nn.Linear`` of ``model`` (meta or real, before or after conversion)."""
+class PlannedConverterConfig(Protocol):
+    """What the plan reads of a converter config (float8 and MX alike)."""
+
+    @property
+    def recipe_name(self) -> str: ...
+    @property
+    def filter_fqns(self) -> list[str]: ...
+    @property
+    def keep_output_hp(self) -> bool: ...
+    @property
+    def keep_first_blocks_hp(self) -> int: ...
+    @property
+    def keep_last_blocks_hp(self) -> int: ...
+
+    def shape_skip_reason(self, in_features: int, out_features: int) -> str: ...
+
+
+def float8_plan(model: nn.Module, converter_config: PlannedConverterConfig, *, output_module: str) -> list[PlanRow]:
+    """One row per ``nn.Linear`` of ``model`` (meta or real, before or after conversion).
+
+    ``output_module`` is the FQN of the model's output projection (the family's ``ParallelPlan.output``).
+    """
+    edges = high_precision_edges(model, converter_config, output_module=output_module)
     rows = []
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        reason = skip_reason(fqn, module.in_features, module.out_features,
-                             recipe_name=converter_config.recipe_name, filter_fqns=converter_config.filter_fqns)
+        reason = (filter_reason(fqn, converter_config.filter_fqns) or _edge_reason(fqn, edges)
+                  or converter_config.shape_skip_reason(module.in_features, module.out_features))
         recipe = None if reason else converter_config.recipe_name
         rows.append(PlanRow(fqn, module.in_features, module.out_features, recipe, reason))
     return rows
+
+
+def high_precision_edges(model: nn.Module, config: PlannedConverterConfig, *, output_module: str) -> dict[str, str]:
+    """Module FQN -> why everything under it stays in high precision: the output projection
+    (``keep_output_hp``) and the first / last blocks (``keep_first_blocks_hp`` / ``keep_last_blocks_hp``)."""
+    edges: dict[str, str] = {}
+    if config.keep_output_hp:
+        edges[output_module] = "output projection (keep_output_hp)"
+    first, last = config.keep_first_blocks_hp, config.keep_last_blocks_hp
+    if not first and not last:
+        return edges
+    blocks = getattr(model, "layers", None)
+    if not isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
+        raise ValueError(f"keep_first_blocks_hp={first} / keep_last_blocks_hp={last} need the model's transformer "
+                         f"blocks in model.layers, and {type(model).__name__} has none; set both to 0")
+    names = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
+    if first + last >= len(names):
+        raise ValueError(f"keep_first_blocks_hp={first} + keep_last_blocks_hp={last} keep all {len(names)} blocks "
+                         f"in high precision, so no block Linear would be converted; lower them (at most "
+                         f"{len(names) - 1} together) or remove the converter")
+    for i, name in enumerate(names):
+        if i < first:
+            edges[f"layers.{name}"] = f"block {i} of the first {first} (keep_first_blocks_hp)"
+        elif i >= len(names) - last:
+            edges[f"layers.{name}"] = f"block {i} of the last {last} (keep_last_blocks_hp)"
+    return edges
+
+
+def check_edge_fields(config: PlannedConverterConfig, field: str) -> None:
+    """The high-precision edge fields of a converter config are non-negative integers (``field`` names the
+    converter entry in errors)."""
+    for name in ("keep_first_blocks_hp", "keep_last_blocks_hp"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{field}.{name}={value!r} must be a non-negative integer (the number of blocks kept "
+                             f"in high precision); use 0 to convert every block")
+
+
+def _edge_reason(fqn: str, edges: dict[str, str]) -> str:
+    for prefix, reason in edges.items():
+        if fqn == prefix or fqn.startswith(prefix + "."):
+            return reason
+    return ""
 
 
 def fp8_flops_share(rows: list[PlanRow], *, total_flops_per_token: float | None = None) -> float:
