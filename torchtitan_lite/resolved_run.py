@@ -107,6 +107,10 @@ def resolve_run(config: Trainer.Config, *, world_size: int, device_type: str, vo
     )
     converters = config.model_converters.build(context=context)
     check_validation_precision(config.validation, converters, tp_enabled=dims.tp_enabled)
+    if config.metrics.fp8_stats_freq > 0 and not converters.converters:
+        raise ValueError(f"metrics.fp8_stats_freq={config.metrics.fp8_stats_freq} measures FP8 / MX Linears, but "
+                         f"model_converters.converters is empty; add a float8 converter (e.g. --config "
+                         f"llama3_debug_fp8) or set metrics.fp8_stats_freq=0")
     return ResolvedRun(
         world_size=world_size, device_type=device_type, parallel_dims=dims, model_spec=spec, model_args=args,
         precision=precision, n_microbatches=microbatches_per_step(config.training, dims.dp_degree),
