@@ -69,7 +69,7 @@ class Precision(Configurable):
         mixed_precision_eval: bool = True
         """Run validation forward passes in param_dtype like training (True) or in float32 (False).
         float32 evaluation needs the non-FSDP path: FSDP casts parameters to param_dtype in every forward.
-        Linears converted to FP8 compute in FP8 either way."""
+        Linears converted to FP8 / MX follow validation.low_precision."""
 
         def __post_init__(self) -> None:
             _check_choice("precision.param_dtype", self.param_dtype, PARAM_DTYPE_CHOICES)
