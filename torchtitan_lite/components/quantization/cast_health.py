@@ -141,7 +141,7 @@ def measure_cast(cast: Cast, x: torch.Tensor) -> torch.Tensor:
         whole = amax_to_scale(operand_amax(x), cast.dtype, cast.power_of_2)
     elif cast.dim == 0:
         whole = amax_to_scale(_column_amax(x), cast.dtype, cast.power_of_2)
-    for chunk in _row_chunks(x, _rows_per_chunk(x)):
+    for chunk in row_chunks(x, rows_per_chunk(x)):
         scale = whole
         if scale is None:  # per-row scales: each row's amax lies within the chunk
             scale = amax_to_scale(chunk.abs().amax(dim=-1, keepdim=True), cast.dtype, cast.power_of_2)
@@ -154,14 +154,14 @@ def measure_cast(cast: Cast, x: torch.Tensor) -> torch.Tensor:
 def operand_amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float64 scalar tensor (no host sync), computed chunk by chunk."""
     amax = torch.zeros((), dtype=torch.float64, device=x.device)
-    for chunk in _row_chunks(x, _rows_per_chunk(x)):
+    for chunk in row_chunks(x, rows_per_chunk(x)):
         amax = torch.maximum(amax, chunk.abs().amax().to(torch.float64))
     return amax
 
 
 def _column_amax(x: torch.Tensor) -> torch.Tensor:
     amax = torch.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)
-    for chunk in _row_chunks(x, _rows_per_chunk(x)):
+    for chunk in row_chunks(x, rows_per_chunk(x)):
         amax = torch.maximum(amax, chunk.abs().amax(dim=0, keepdim=True))
     return amax
 
@@ -170,10 +170,10 @@ def _measure_mx(cast: Cast, x: torch.Tensor, counts: torch.Tensor, threshold: fl
     from torchao.prototype.mx_formats.constants import F32_MIN_NORMAL
     from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
 
-    rows = _rows_per_chunk(x)
+    rows = rows_per_chunk(x)
     if cast.dim == 0:  # blocks run down the columns: a chunk must hold whole blocks
         rows = max(MX_BLOCK, rows // MX_BLOCK * MX_BLOCK)
-    for chunk in _row_chunks(x, rows):
+    for chunk in row_chunks(x, rows):
         data = (chunk if cast.dim == -1 else chunk.t()).contiguous()
         scale_e8m0, quantized = to_mx(data, cast.dtype, MX_BLOCK, cast.mx_mode)
         blocks = data.to(torch.float32).reshape(*data.shape[:-1], -1, MX_BLOCK)
@@ -188,10 +188,12 @@ def _count(counts: torch.Tensor, original: torch.Tensor, scaled: torch.Tensor, q
     counts[2] += ((original != 0) & (quantized.to(torch.float32) == 0)).sum()
 
 
-def _rows_per_chunk(x: torch.Tensor) -> int:
+def rows_per_chunk(x: torch.Tensor) -> int:
+    """Rows of the 2-D ``x`` per chunk: about CHUNK_ELEMENTS elements."""
     return max(1, CHUNK_ELEMENTS // max(1, x.shape[-1]))
 
 
-def _row_chunks(x: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
+def row_chunks(x: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
+    """Consecutive views of ``rows`` rows of ``x`` (the last one shorter)."""
     for start in range(0, x.shape[0], rows):
         yield x[start:start + rows]

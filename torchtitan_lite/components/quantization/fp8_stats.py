@@ -46,6 +46,8 @@ from torchtitan_lite.components.quantization.cast_health import (
     measure_cast,
     mx_casts,
     operand_amax,
+    row_chunks,
+    rows_per_chunk,
 )
 from torchtitan_lite.components.quantization.low_precision_linears import is_mx_linear, low_precision_linears
 
@@ -186,10 +188,8 @@ class Fp8StatsCollector:
             x = _whole(x).to(output.dtype)
             self._measure_operand(layer, "input", x)
             bias = None if module.bias is None else _whole(module.bias).to(x.dtype)
-            reference = F.linear(x, weight.to(x.dtype), bias)
-            fp8 = _whole(output)
-            energy = torch.stack([reference.double().square().sum(), (reference.double() - fp8.double()).square().sum()])
-            self._sums[layer.energy_slot:layer.energy_slot + 2] += energy
+            energies = _output_energies(x, weight.to(x.dtype), bias, _whole(output))
+            self._sums[layer.energy_slot:layer.energy_slot + 2] += energies
             layer.sqnr_measured = True
 
     def _measure_operand(self, layer: _Layer, operand: str, x: torch.Tensor) -> None:
@@ -303,6 +303,20 @@ def threshold_crossings(step: int, health: list[LayerHealth], *, saturation: flo
 
 def _operand(cast_name: str) -> str:
     return cast_name.removesuffix("_gw").removesuffix("_gi")
+
+
+def _output_energies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     fp8_output: torch.Tensor) -> torch.Tensor:
+    """float64 [signal, noise]: ||ref||^2 and ||ref - fp8||^2 with ref = F.linear(x, weight, bias), computed
+    in row chunks so the reference never exists whole."""
+    x2d, out2d = x.reshape(-1, x.shape[-1]), fp8_output.reshape(-1, fp8_output.shape[-1])
+    energies = torch.zeros(2, dtype=torch.float64, device=x.device)
+    rows = rows_per_chunk(out2d)
+    for start, x_rows in zip(range(0, x2d.shape[0], rows), row_chunks(x2d, rows)):
+        reference = F.linear(x_rows, weight, bias).double()
+        energies[0] += reference.square().sum()
+        energies[1] += (reference - out2d[start:start + rows].double()).square().sum()
+    return energies
 
 
 def _sqnr_db(signal: float, noise: float) -> float:
