@@ -90,3 +90,15 @@ def test_layouts_that_hand_linears_float8_data_refuse_high_precision_validation(
     rowwise = _fp8_config(recipe_name="rowwise")
     rowwise.parallelism.tp = 2
     resolve_run(rowwise, world_size=2, device_type="cpu")
+
+
+def test_a_compiled_model_switches_between_fp8_and_high_precision_validation():
+    torch._dynamo.reset()
+    plain = TinyLM()
+    converted = convert_to_float8_training(copy.deepcopy(plain), module_filter_fn=lambda _m, fqn: fqn == "hidden")
+    converted.compile(backend="aot_eager", fullgraph=True)
+    fp8 = _loss(converted, low_precision=True)
+    # The swapped forward is guarded by the compiled graph: the high-precision pass gets its own graph
+    # instead of reusing the FP8 one, and the FP8 graph is reused afterwards.
+    assert _loss(converted, low_precision=False) == _loss(plain, low_precision=True)
+    assert _loss(converted, low_precision=True) == fp8
