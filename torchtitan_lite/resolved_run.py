@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from torchtitan_lite.components.checkpoint import CheckpointManager
     from torchtitan_lite.components.optimizer import OptimizersContainer
     from torchtitan_lite.components.tokenizer import Tokenizer
+    from torchtitan_lite.components.validate import Validator
     from torchtitan_lite.trainer import Trainer
 
 logger = logging.getLogger("torchtitan_lite")
@@ -104,15 +105,45 @@ def resolve_run(config: Trainer.Config, *, world_size: int, device_type: str, vo
         fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,
         seq_len=config.training.seq_len, output_module=spec.parallel_plan.output,
     )
+    converters = config.model_converters.build(context=context)
+    check_validation_precision(config.validation, converters, tp_enabled=dims.tp_enabled)
+    if config.metrics.fp8_stats_freq > 0 and not converters.converters:
+        raise ValueError(f"metrics.fp8_stats_freq={config.metrics.fp8_stats_freq} measures FP8 / MX Linears, but "
+                         f"model_converters.converters is empty; add a float8 converter (e.g. --config "
+                         f"llama3_debug_fp8) or set metrics.fp8_stats_freq=0")
     return ResolvedRun(
         world_size=world_size, device_type=device_type, parallel_dims=dims, model_spec=spec, model_args=args,
         precision=precision, n_microbatches=microbatches_per_step(config.training, dims.dp_degree),
         compile_model=compile_model, compile_loss=config.compile.enable and "loss" in config.compile.components,
         sequence_parallel=sequence_parallel, loss_parallel=dims.tp_enabled and par.enable_loss_parallel,
-        converters=config.model_converters.build(context=context),
+        converters=converters,
         training=config.training, parallelism=par, activation_checkpoint=config.activation_checkpoint,
         compile=config.compile, optimizer=config.optimizer,
     )
+
+
+def check_validation_precision(validation: Validator.Config, converters: ModelConvertersContainer, *,
+                               tp_enabled: bool) -> None:
+    """validation.low_precision=False runs FP8 Linears as plain Linears: refuse the layouts that hand them
+    float8 data (FSDP float8 all-gather, float8 tensor-parallel communication), and say when it is moot."""
+    if not validation.enable or validation.low_precision:
+        return
+    if not converters.converters:
+        logger.info("validation.low_precision=False has no effect: no model converter makes Linears low precision")
+        return
+    for converter in converters.converters:
+        recipe = getattr(converter.config, "recipe_name", None)
+        if getattr(converter, "fsdp_float8_all_gather", False):
+            raise ValueError(
+                "validation.low_precision=False (validation in the high-precision policy) cannot be honoured with "
+                "enable_fsdp_float8_all_gather: FSDP all-gathers the weights as float8, so the Linears never see "
+                "their high-precision weights. Set validation.low_precision=true, or turn the float8 all-gather off")
+        if tp_enabled and converter.config.kind == "float8" and recipe == "tensorwise":
+            raise ValueError(
+                "validation.low_precision=False (validation in the high-precision policy) cannot be honoured with "
+                "tensor parallelism and the tensorwise float8 recipe: its inputs and output gradients are cast to "
+                "float8 before the tensor-parallel communication, outside the Linears. Set "
+                "validation.low_precision=true, or use a rowwise recipe")
 
 
 def microbatches_per_step(training: TrainingConfig, dp_degree: int) -> int:

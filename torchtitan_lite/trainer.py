@@ -1,6 +1,7 @@
 """The native training loop: build every component from ``Trainer.Config``, then train."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -23,6 +24,7 @@ from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.profiler import Profiler
+from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
 from torchtitan_lite.config import Configurable
@@ -174,6 +176,7 @@ class Trainer(Configurable):
             dp_degree=self.parallel_dims.dp_degree, tp_degree=cfg.parallelism.tp,
         )
         self.validator = self._build_validator()
+        self.fp8_stats = self._build_fp8_stats()
         self.watcher = PreemptionWatcher(self.device)
 
     # ----------------------------------------------------------------------------------------------
@@ -221,6 +224,16 @@ class Trainer(Configurable):
             dp_group=self._dp_group(), autocast=self.precision.eval_autocast,
             loss_context=lambda: loss_parallel_context(self.run.loss_parallel),
         )
+
+    def _build_fp8_stats(self) -> Fp8StatsCollector | None:
+        freq = self.config.metrics.fp8_stats_freq
+        if freq == 0:
+            return None
+        return Fp8StatsCollector(self.model_parts, freq=freq, dp_group=self._dp_group())
+
+    def _fp8_capture(self, on: bool) -> contextlib.AbstractContextManager[None]:
+        """Measure the FP8 casts of this micro-batch (the first of a stats step), or do nothing."""
+        return self.fp8_stats.capture() if on and self.fp8_stats is not None else contextlib.nullcontext()
 
     def _dp_group(self) -> dist.ProcessGroup | None:
         mesh = self.parallel_dims.dp_mesh
@@ -297,11 +310,13 @@ class Trainer(Configurable):
         model = self.model_parts[0]
         global_tokens = self._global_target_tokens(batches)
         loss_total = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
+        fp8_stats_step = self.fp8_stats is not None and self.fp8_stats.due(self.train_state.step)
+        for i, (inputs, labels) in enumerate(batches):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             self.train_state.tokens_seen += inputs.numel()
             self.metrics.record_tokens(inputs.numel())
-            with self.precision.autocast(), loss_parallel_context(self.run.loss_parallel):
+            with (self._fp8_capture(fp8_stats_step and i == 0), self.precision.autocast(),
+                  loss_parallel_context(self.run.loss_parallel)):
                 logits = model(inputs)
                 loss_sum, _ = self.loss_fn(logits, labels)
                 loss = loss_sum / global_tokens
@@ -325,6 +340,9 @@ class Trainer(Configurable):
         # The schedule follows the step number: a skipped step advances it as an FP16 overflow skip does.
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
+        if fp8_stats_step and self.fp8_stats is not None:
+            # Before the finiteness check: the casts of a step that went non-finite are worth seeing.
+            self.metrics.log_fp8_stats(self.train_state.step, self.fp8_stats.collect())
 
         if verdict is None:  # with the policy on, a non-finite loss or norm is a spike like any other
             self._check_finite(loss_value, grad_norm)

@@ -55,6 +55,8 @@ LONG_RUNNING = {
     "-- --precision.param_dtype float32 --model.n_layers 2": "trains two configs",
     "python scripts/loss_compare.py --runs outputs/bf16 outputs/fp8 --last 50": "needs finished runs",
     "python scripts/fp8_sqnr.py --config llama3_debug_fp8": "runs the model on training batches (a minute)",
+    "python train.py --config llama3_debug_fp8 --metrics.fp8_stats_freq 10":
+        "trains 200 steps (tests/integration/test_fp8_stats_run.py runs it on a 2-layer model)",
     "python scripts/fp8_sqnr.py --config llama3_debug_fp8_rowwise --checkpoint outputs/checkpoint --batches 4":
         "needs a trained run",
     "python scripts/fp8_sqnr.py --config llama3_debug_fp8 --precision.param_dtype float32 --min-fwd-sqnr 20":

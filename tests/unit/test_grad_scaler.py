@@ -97,7 +97,7 @@ def test_state_dict_round_trip_with_numbers_and_tensors():
     for poison in [False, True, False, False]:
         _step(model, opt, scaler, x, poison=poison)
     state = scaler.state_dict()
-    assert state == {"scale": 32.0, "growth_tracker": 2, "skipped_steps": 1}
+    assert state == {"scale": 32.0, "growth_tracker": 2, "hysteresis_tracker": 0, "skipped_steps": 1}
     assert all(isinstance(v, (int, float)) for v in state.values())
 
     restored = GradScaler(init_scale=1.0, growth_interval=5)
@@ -106,6 +106,72 @@ def test_state_dict_round_trip_with_numbers_and_tensors():
     for _ in range(3):  # the growth tracker survived: 3 more clean steps reach growth_interval=5
         _step(model, opt, restored, x)
     assert restored.scale_value == 64.0
+
+
+def _scales(scaler, pattern: str, model=None, opt=None, x=None) -> list[float]:
+    """Scale after each step of ``pattern`` ('O' = a step whose gradient overflows, 'C' = a clean one)."""
+    if model is None:
+        model, x = _model_and_data()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scales = []
+    for kind in pattern:
+        _step(model, opt, scaler, x, poison=kind == "O")
+        scales.append(scaler.scale_value)
+    return scales
+
+
+def test_scale_never_backs_off_below_min_scale_and_says_so_at_the_floor(caplog):
+    scaler = GradScaler(init_scale=8.0, min_scale=2.0, growth_interval=100)
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        assert _scales(scaler, "OOOO") == [4.0, 2.0, 2.0, 2.0]
+    assert scaler.skipped_steps == 4
+    assert caplog.text.count("FP16 gradient overflow at the minimum loss scale 2 (precision.min_scale): step "
+                             "skipped") == 2
+    # A min_scale that is not a power of the backoff is still the floor, not skipped over.
+    assert _scales(GradScaler(init_scale=8.0, min_scale=3.0), "OO") == [4.0, 3.0]
+
+
+def test_hysteresis_follows_megatron_counting_overflows_since_the_last_growth(caplog):
+    # Megatron-LM DynamicGradScaler.update: each overflow decrements the hysteresis tracker and backs off
+    # only at 0; clean steps do not refill it, growth does. Hand-derived for hysteresis=2, interval 3:
+    #   O: tracker 1, keep 16 | C | O: tracker 0 -> 8 | O: -> 4 | C C C: grow to 8, tracker 2 |
+    #   O: tracker 1, keep 8 | O: tracker 0 -> 4
+    scaler = GradScaler(init_scale=16.0, hysteresis=2, growth_interval=3)
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        scales = _scales(scaler, "OCOOCCCOO")
+    assert scales == [16.0, 16.0, 8.0, 4.0, 4.0, 4.0, 8.0, 8.0, 4.0]
+    assert scaler.skipped_steps == 5 and scaler.hysteresis_left == 0
+    assert "loss scale stays 16 (hysteresis: 1 more overflow(s) before it backs off)" in caplog.text
+    # hysteresis=1 is torch.amp's rule: every overflow backs off.
+    assert _scales(GradScaler(init_scale=16.0, hysteresis=1, growth_interval=3), "OCOO") == [8.0, 8.0, 4.0, 2.0]
+
+
+def test_static_scale_never_changes_but_overflow_steps_are_still_skipped():
+    model, x = _model_and_data()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = GradScaler(init_scale=128.0, growth_interval=2, dynamic=False)
+    assert _scales(scaler, "CCCC", model, opt, x) == [128.0] * 4  # no growth after growth_interval clean steps
+    before = [p.detach().clone() for p in model.parameters()]
+    assert _step(model, opt, scaler, x, poison=True) is False
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert scaler.scale_value == 128.0 and scaler.skipped_steps == 1
+    assert _step(model, opt, scaler, x)
+
+
+def test_resume_continues_the_scale_sequence_exactly_hysteresis_included():
+    pattern = "COCCOCCCOOCCC"
+    uninterrupted = _scales(GradScaler(init_scale=64.0, hysteresis=3, growth_interval=3), pattern)
+    first = GradScaler(init_scale=64.0, hysteresis=3, growth_interval=3)
+    head = _scales(first, pattern[:5])
+    assert first.hysteresis_left == 1  # two overflows since the start: the saved tracker matters
+    resumed = GradScaler(init_scale=64.0, hysteresis=3, growth_interval=3)
+    resumed.load_state_dict({k: torch.tensor(v) for k, v in first.state_dict().items()})
+    assert head + _scales(resumed, pattern[5:]) == uninterrupted
+
+    # A static scaler takes its scale from the config, the skip count from the checkpoint.
+    static = GradScaler(init_scale=32.0, dynamic=False)
+    static.load_state_dict(first.state_dict())
+    assert static.scale_value == 32.0 and static.skipped_steps == first.skipped_steps
 
 
 def test_misuse_is_reported():
@@ -120,6 +186,8 @@ def test_misuse_is_reported():
         scaler.unscale_(opt)
     with pytest.raises(ValueError, match="need init_scale > 0, growth_factor > 1"):
         GradScaler(backoff_factor=1.5)
+    with pytest.raises(ValueError, match="0 < min_scale <= init_scale and hysteresis >= 1"):
+        GradScaler(init_scale=4.0, min_scale=8.0)
 
 
 def test_dtensor_gradients_of_an_fsdp_model_are_unscaled_and_checked():
@@ -163,16 +231,20 @@ def _two_rank_worker(rank: int, world_size: int, folder: str) -> None:
     store = dist.FileStore(os.path.join(folder, "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        model, x = _model_and_data(seed=0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = GradScaler(init_scale=256.0)
-        before = model.weight.detach().clone()
-        # Only rank 1 overflows: rank 0 must still skip, or the replicas would diverge.
-        stepped = _step(model, opt, scaler, x, poison=rank == 1)
-        result = {"stepped": stepped, "scale": scaler.scale_value, "skipped": scaler.skipped_steps,
-                  "unchanged": torch.equal(before, model.weight)}
+        results = {}
+        for name, scaler in [("dynamic", GradScaler(init_scale=256.0)),
+                             ("hysteresis", GradScaler(init_scale=256.0, hysteresis=2)),
+                             ("static", GradScaler(init_scale=256.0, dynamic=False))]:
+            model, x = _model_and_data(seed=0)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            before = model.weight.detach().clone()
+            # Only rank 1 overflows: rank 0 must still skip, or the replicas would diverge.
+            stepped = _step(model, opt, scaler, x, poison=rank == 1)
+            results[name] = {"stepped": stepped, "scale": scaler.scale_value, "skipped": scaler.skipped_steps,
+                             "hysteresis_left": scaler.hysteresis_left,
+                             "unchanged": torch.equal(before, model.weight)}
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+            json.dump(results, f)
         # Both ranks leave together: a rank tearing gloo down while its peer still holds the pair
         # aborts the peer ("terminate called without an active exception").
         dist.barrier()
@@ -185,4 +257,28 @@ def test_an_overflow_on_one_rank_makes_every_rank_skip(tmp_path, monkeypatch):
     mp.spawn(_two_rank_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for result in results:
-        assert result == {"stepped": False, "scale": 128.0, "skipped": 1, "unchanged": True}
+        assert result == {
+            "dynamic": {"stepped": False, "scale": 128.0, "skipped": 1, "hysteresis_left": 0, "unchanged": True},
+            # Both ranks spend the same hysteresis: the scale stays, the tracker agrees.
+            "hysteresis": {"stepped": False, "scale": 256.0, "skipped": 1, "hysteresis_left": 1, "unchanged": True},
+            "static": {"stepped": False, "scale": 256.0, "skipped": 1, "hysteresis_left": 1, "unchanged": True},
+        }
+
+
+def test_scaler_state_survives_a_real_checkpoint_round_trip(tmp_path):
+    from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
+
+    def manager(model, scaler):
+        states = {"model": ModelWrapper(model), "grad_scaler": scaler}
+        return CheckpointManager.Config(enable=True, interval=1).build(dump_folder=str(tmp_path), states=states)
+
+    model, x = _model_and_data()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    saved = GradScaler(init_scale=64.0, hysteresis=3, growth_interval=4)
+    _scales(saved, "OCOC", model, opt, x)
+    manager(model, saved).save(4, force=True)
+
+    restored = GradScaler(init_scale=1.0, hysteresis=3, growth_interval=4)
+    assert manager(copy.deepcopy(model), restored).load() == 4
+    assert restored.state_dict() == saved.state_dict() == {
+        "scale": 64.0, "growth_tracker": 1, "hysteresis_tracker": 1, "skipped_steps": 2}

@@ -20,11 +20,19 @@ def _build(fsdp: bool = False, device: str = "cpu", **fields) -> Precision:
     [
         ({"param_dtype": "fp16"}, "precision.param_dtype='fp16' is not one of: auto, float32, bfloat16, float16"),
         ({"reduce_dtype": "auto"}, "precision.reduce_dtype='auto' is not one of: float32, bfloat16, float16"),
-        ({"loss_scaling": "static"}, "precision.loss_scaling='static' is not one of: auto, dynamic, none"),
+        ({"loss_scaling": "fixed"}, "precision.loss_scaling='fixed' is not one of: auto, dynamic, static, none"),
         ({"init_scale": 0.0}, "precision.init_scale=0.0 must be > 0"),
         ({"growth_factor": 1.0}, "precision.growth_factor=1.0 must be > 1"),
         ({"backoff_factor": 1.0}, "precision.backoff_factor=1.0 must be between 0 and 1"),
         ({"growth_interval": 0}, "precision.growth_interval=0 must be >= 1"),
+        ({"min_scale": 0.0}, "precision.min_scale=0.0 must be > 0 and at most precision.init_scale=65536"),
+        ({"init_scale": 8.0, "min_scale": 16.0}, "precision.min_scale=16.0 must be > 0 and at most "
+                                                 "precision.init_scale=8"),
+        ({"hysteresis": 0}, "precision.hysteresis=0 must be >= 1"),
+        ({"loss_scaling": "static", "hysteresis": 2, "growth_interval": 100},
+         "precision.loss_scaling='static' keeps the loss scale at init_scale=65536, so precision.growth_interval, "
+         "precision.hysteresis would do nothing: they only steer a dynamic scale. Remove them, or use "
+         "precision.loss_scaling='dynamic'"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(fields, message):
@@ -129,6 +137,16 @@ def test_loss_scaling_resolution(param, scaling, expected):
     if expected:
         assert isinstance(scaler, GradScaler)
         assert scaler.scale_value == 1024.0 and scaler.growth_interval == 7
+
+
+def test_static_and_megatron_settings_reach_the_scaler():
+    static = _build(param_dtype="float16", loss_scaling="static", init_scale=512.0)
+    scaler = static.grad_scaler()
+    assert scaler is not None and not scaler.dynamic and scaler.scale_value == 512.0
+    assert static.describe() == "param float16, reduce float32 via autocast, static loss scale 512"
+    dynamic = _build(param_dtype="float16", min_scale=4.0, hysteresis=2).grad_scaler()
+    assert dynamic is not None and dynamic.dynamic
+    assert (dynamic.min_scale, dynamic.hysteresis, dynamic.hysteresis_left) == (4.0, 2, 2)
 
 
 def test_questionable_combinations_are_logged(caplog):

@@ -1,9 +1,23 @@
-"""Dynamic loss scaling for FP16 training that works with sharded (DTensor) gradients.
+"""Loss scaling for FP16 training that works with sharded (DTensor) gradients.
 
 FP16 has 5 exponent bits: small gradients underflow to zero. The loss is multiplied by a large
 scale before backward so gradients stay representable, and divided out again before clipping and
 the optimizer step. When the scale is too large some gradient overflows to inf/nan: that step is
-skipped on every rank and the scale is reduced.
+skipped on every rank.
+
+The scale itself follows Megatron-LM's ``DynamicGradScaler`` (megatron/core/optimizer/grad_scaler.py):
+
+- every overflow skips the step, zeroes the growth tracker and takes one off the hysteresis tracker;
+  the scale backs off (``scale = max(scale * backoff_factor, min_scale)``) only once that tracker
+  has reached 0. The tracker is not refilled by clean steps: it counts overflows since the scale
+  last grew, so with ``hysteresis=2`` the first overflow after a growth only skips, and every
+  further one (clean steps in between or not) backs off until the scale grows again;
+- after ``growth_interval`` consecutive clean steps the scale is multiplied by ``growth_factor``
+  and the hysteresis tracker is refilled.
+
+``hysteresis=1`` is ``torch.amp.GradScaler``'s rule (back off at every overflow). A static scaler
+(``dynamic=False``) never changes the scale, but an overflow still skips the step (Megatron's
+``ConstantGradScaler`` with its optimizer's skip).
 
 ``torch.amp.GradScaler`` checks only the gradients a rank holds; with FSDP each rank holds a
 different shard, so one rank could see an overflow that the others do not and the ranks would
@@ -32,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 
 class GradScaler:
-    """Dynamic loss scaler: halves the scale on overflow, grows it after ``growth_interval`` clean steps.
+    """Loss scaler: skips overflowing steps; a dynamic one backs the scale off (after ``hysteresis``
+    overflows, never below ``min_scale``) and grows it after ``growth_interval`` clean steps.
 
     ``optimizers`` arguments are anything with ``param_groups`` and ``step()`` (a torch optimizer or
     the ``OptimizersContainer``), or a list of those.
@@ -45,18 +60,26 @@ class GradScaler:
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        min_scale: float = 1.0,
+        hysteresis: int = 1,
+        dynamic: bool = True,
         device: torch.device | str = "cpu",
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if init_scale <= 0 or growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0 or growth_interval < 1:
+        if (init_scale <= 0 or growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0 or growth_interval < 1
+                or not 0.0 < min_scale <= init_scale or hysteresis < 1):
             raise ValueError(
                 f"invalid loss-scaler settings init_scale={init_scale}, growth_factor={growth_factor}, "
-                f"backoff_factor={backoff_factor}, growth_interval={growth_interval}: need init_scale > 0, "
-                f"growth_factor > 1, 0 < backoff_factor < 1 and growth_interval >= 1"
+                f"backoff_factor={backoff_factor}, growth_interval={growth_interval}, min_scale={min_scale}, "
+                f"hysteresis={hysteresis}: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
+                f"growth_interval >= 1, 0 < min_scale <= init_scale and hysteresis >= 1"
             )
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
+        self.min_scale = float(min_scale)
+        self.hysteresis = hysteresis
+        self.dynamic = dynamic
         # The overflow flag is all-reduced on this device (NCCL needs CUDA tensors even when the
         # gradients themselves were offloaded to CPU).
         self.device = torch.device(device)
@@ -64,6 +87,7 @@ class GradScaler:
         self.process_group = process_group
         self._scale = float(init_scale)
         self._growth_tracker = 0
+        self._hysteresis_tracker = hysteresis
         self._skipped_steps = 0
         self._found_inf: bool | None = None  # set by unscale_, cleared by update
 
@@ -74,6 +98,11 @@ class GradScaler:
     def scale_value(self) -> float:
         """The current loss scale."""
         return self._scale
+
+    @property
+    def hysteresis_left(self) -> int:
+        """Overflows still allowed before the scale backs off (refilled to ``hysteresis`` when it grows)."""
+        return self._hysteresis_tracker
 
     @property
     def skipped_steps(self) -> int:
@@ -115,33 +144,61 @@ class GradScaler:
         return True
 
     def update(self) -> None:
-        """Adapt the scale after a step: back off on overflow, grow after enough clean steps."""
+        """Adapt the scale after a step (dynamic only): back off once the hysteresis is used up, grow
+        after ``growth_interval`` clean steps in a row."""
         if self._found_inf is None:
             raise RuntimeError("GradScaler.update() called without unscale_()/step() for this step")
-        if self._found_inf:
-            old = self._scale
-            self._scale *= self.backoff_factor
-            self._growth_tracker = 0
+        found_inf, self._found_inf = self._found_inf, None
+        if not self.dynamic:
+            if found_inf:
+                logger.info("FP16 gradient overflow: step skipped (%d so far), static loss scale %g",
+                            self._skipped_steps, self._scale)
+            return
+        if not found_inf:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self._growth_tracker = 0
+                self._hysteresis_tracker = self.hysteresis
+                self._scale *= self.growth_factor
+            return
+        self._growth_tracker = 0
+        self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)
+        old = self._scale
+        if self._hysteresis_tracker <= 0:
+            self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+        if old == self.min_scale and self._hysteresis_tracker <= 0:
+            logger.warning("FP16 gradient overflow at the minimum loss scale %g (precision.min_scale): step skipped "
+                           "(%d so far). Gradients overflow even at this scale: lower optimizer.lr, enable clipping "
+                           "(training.max_norm) or use precision.param_dtype=bfloat16", old, self._skipped_steps)
+        elif self._scale != old:
             logger.info("FP16 gradient overflow: step skipped (%d so far), loss scale %g -> %g",
                         self._skipped_steps, old, self._scale)
         else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._scale *= self.growth_factor
-                self._growth_tracker = 0
-        self._found_inf = None
+            logger.info("FP16 gradient overflow: step skipped (%d so far), loss scale stays %g (hysteresis: %d more "
+                        "overflow(s) before it backs off)", self._skipped_steps, old, self._hysteresis_tracker)
 
     # ----------------------------------------------------------------------------------------------
     # Checkpointing
 
     def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self._scale, "growth_tracker": self._growth_tracker, "skipped_steps": self._skipped_steps}
+        return {"scale": self._scale, "growth_tracker": self._growth_tracker,
+                "hysteresis_tracker": self._hysteresis_tracker, "skipped_steps": self._skipped_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._scale = float(_as_number(state_dict["scale"]))
-        self._growth_tracker = int(_as_number(state_dict["growth_tracker"]))
+        """Resume exactly where the saved scaler stopped. A static scaler keeps its configured scale (the
+        config decides it; only the skip count carries over); a hysteresis tracker above this run's
+        ``hysteresis`` is capped to it."""
         self._skipped_steps = int(_as_number(state_dict["skipped_steps"]))
         self._found_inf = None
+        saved_scale = float(_as_number(state_dict["scale"]))
+        if not self.dynamic:
+            if saved_scale != self._scale:
+                logger.info("static loss scale %g from the config; the checkpoint's scale %g is not used",
+                            self._scale, saved_scale)
+            return
+        self._scale = saved_scale
+        self._growth_tracker = int(_as_number(state_dict["growth_tracker"]))
+        self._hysteresis_tracker = min(int(_as_number(state_dict["hysteresis_tracker"])), self.hysteresis)
 
 
 def _as_number(value: Any) -> float:

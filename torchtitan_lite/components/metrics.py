@@ -12,6 +12,9 @@ TensorBoard tags: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tok
 ``train/tflops``, ``train/mfu`` (percent; omitted when the peak is unknown), ``train/memory_gib``,
 ``train/<key>`` for each extra value, and ``val/loss``; other components add their own tags through
 ``log_scalars`` (the loss-spike policy's ``spike/skipped_steps``, ``spike/rollbacks``, ``spike/z_score``).
+With ``fp8_stats_freq``, every FP8 / MX Linear's health on those steps goes to ``fp8/<layer fqn>/<stat>``
+(components/quantization/fp8_stats.py), with the worst layers on the console and a warning naming each
+layer whose cast crosses a threshold.
 """
 from __future__ import annotations
 
@@ -65,6 +68,19 @@ class MetricsProcessor(Configurable):
         <dump_folder>/wandb, and WANDB_MODE=offline keeps them local."""
         wandb_project: str = "torchtitan_lite"
         """Weights & Biases project of the run (with enable_wandb)."""
+        fp8_stats_freq: int = 0
+        """Every this many steps (0 = off), measure every FP8 / MX Linear on the step's first micro-batch: amax
+        of input / weight / output gradient, the share of elements each cast saturates and flushes to zero,
+        and the output SQNR against high precision. TensorBoard fp8/<layer>/<stat>, the worst layers on the
+        console. Costs an eager forward + backward with the measurement on those steps, nothing on others."""
+        fp8_saturation_warn: float = 1e-4
+        """Warn naming the layer when a cast saturates more than this share of its elements (once per layer and
+        cast, again when the share doubles). Dynamic amax scaling saturates nothing (MX with floor-rounded
+        scales: a few per mille); see docs/mixed_precision.md."""
+        fp8_underflow_warn: float = 1e-2
+        """Warn naming the layer when a cast flushes more than this share of its elements (nonzero ones) to zero
+        (once per layer and cast, again when the share doubles). A Gaussian tensor loses ~1e-5, the debug
+        model's SwiGLU outputs up to ~5e-3; see docs/mixed_precision.md."""
         cpu_peak_tflops: float | None = None
         """Peak TFLOP/s of a CPU device for MFU; None measures it once at start (~0.5 s per dtype): the best
         matmul rate of the fastest dtype the CPU runs natively (float32; bfloat16 with AVX512-BF16/AMX)."""
@@ -77,6 +93,11 @@ class MetricsProcessor(Configurable):
             if self.enable_wandb and importlib.util.find_spec("wandb") is None:
                 raise ValueError("metrics.enable_wandb=True needs the wandb package, which is not installed: "
                                  "pip install -e .[wandb] (or pip install wandb), or leave metrics.enable_wandb off")
+            if self.fp8_stats_freq < 0:
+                raise ValueError(f"metrics.fp8_stats_freq must be >= 0 (0 turns FP8 stats off), got {self.fp8_stats_freq}")
+            for name in ("fp8_saturation_warn", "fp8_underflow_warn"):
+                if not 0.0 <= getattr(self, name) <= 1.0:
+                    raise ValueError(f"metrics.{name} is a share of elements between 0 and 1, got {getattr(self, name)}")
             if self.cpu_peak_tflops is not None and not self.cpu_peak_tflops > 0:
                 raise ValueError(
                     f"metrics.cpu_peak_tflops must be > 0 or None (measure it), got {self.cpu_peak_tflops}"
@@ -122,6 +143,7 @@ class MetricsProcessor(Configurable):
         self._excluded_s = 0.0
         self._interval_start = clock()
         self._eta_origin: tuple[int, float] | None = None
+        self._fp8_warned: dict[tuple[str, str, str], float] = {}
         self._total_steps: int | None = None
 
     # ----------------------------------------------------------------------------------------------
@@ -282,6 +304,30 @@ class MetricsProcessor(Configurable):
     def log_scalars(self, values: dict[str, float], step: int) -> None:
         """Write ``values`` (full tags, e.g. ``spike/rollbacks``) at ``step`` to TensorBoard / W&B as they are."""
         self._write_scalars(values, step)
+
+    def log_fp8_stats(self, step: int, health: list[Any]) -> None:
+        """Write one stats step's ``LayerHealth`` list (already reduced over ranks): every scalar to TensorBoard /
+        W&B, the worst layers to the console, and a warning per layer and cast over a threshold (rank 0)."""
+        from torchtitan_lite.components.quantization.fp8_stats import summary_line, threshold_crossings
+
+        values: dict[str, float] = {}
+        for layer in health:
+            values |= layer.scalars()
+        self._write_scalars(values, step)
+        if not self.console:
+            return
+        logger.info(summary_line(step, health))
+        cfg = self.config
+        for crossing in threshold_crossings(step, health, saturation=cfg.fp8_saturation_warn,
+                                            underflow=cfg.fp8_underflow_warn):
+            # Once per layer and cast, and again each time the share has doubled: a steady share that is
+            # over the threshold stays on the console summary instead of repeating every stats step.
+            last = self._fp8_warned.get(crossing.key)
+            if last is not None and crossing.share < 2 * last:
+                continue
+            self._fp8_warned[crossing.key] = crossing.share
+            since = "" if last is None else f"; up from {100 * last:.3g}% when last reported"
+            logger.warning(crossing.message + since)
 
     def log_validation(self, step: int, loss: float) -> None:
         self._write_scalars({"val/loss": float(loss)}, step)

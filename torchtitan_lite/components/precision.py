@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PARAM_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 REDUCE_DTYPE_CHOICES = ("float32", "bfloat16", "float16")
-LOSS_SCALING_CHOICES = ("auto", "dynamic", "none")
+LOSS_SCALING_CHOICES = ("auto", "dynamic", "static", "none")
+# The settings that only a dynamic scaler reads: a static scale with any of them changed is an error.
+DYNAMIC_SCALER_FIELDS = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "hysteresis")
 
 
 class Precision(Configurable):
@@ -44,21 +46,30 @@ class Precision(Configurable):
         reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
         """Dtype of the FSDP gradient reduce-scatter / all-reduce. float32 keeps gradient sums exact
         enough for long runs; only meaningful with FSDP (without FSDP gradients stay float32)."""
-        loss_scaling: Literal["auto", "dynamic", "none"] = "auto"
+        loss_scaling: Literal["auto", "dynamic", "static", "none"] = "auto"
         """'auto' = dynamic loss scaling exactly when param_dtype is float16; 'dynamic' forces it on;
-        'none' turns it off (float16 without scaling loses small gradients to underflow)."""
+        'static' multiplies the loss by the constant init_scale (steps whose gradients overflow are still
+        skipped); 'none' turns it off (float16 without scaling loses small gradients to underflow)."""
         init_scale: float = 2.0**16
-        """Initial loss scale for dynamic loss scaling."""
+        """Initial loss scale for dynamic loss scaling; the constant scale for static loss scaling."""
         growth_factor: float = 2.0
-        """Factor the loss scale grows by after growth_interval steps without overflow (> 1)."""
+        """Factor the loss scale grows by after growth_interval steps without overflow (> 1). Dynamic only."""
         backoff_factor: float = 0.5
-        """Factor the loss scale shrinks by when a gradient overflows; that step is skipped (0..1)."""
+        """Factor the loss scale shrinks by once hysteresis overflows have been seen (0..1). Every overflowing
+        step is skipped. Dynamic only."""
         growth_interval: int = 2000
-        """Consecutive overflow-free steps before the loss scale grows."""
+        """Consecutive overflow-free steps before the loss scale grows. Dynamic only."""
+        min_scale: float = 1.0
+        """The loss scale never backs off below this (Megatron-LM's --min-loss-scale); an overflow at it is
+        skipped with a warning. Between 0 and init_scale. Dynamic only."""
+        hysteresis: int = 1
+        """Overflows tolerated before the scale backs off (Megatron-LM's --hysteresis, 2 there): each overflow
+        takes one off a counter that only refills when the scale grows. 1 backs off at every overflow, as
+        torch.amp.GradScaler does. Dynamic only."""
         mixed_precision_eval: bool = True
         """Run validation forward passes in param_dtype like training (True) or in float32 (False).
         float32 evaluation needs the non-FSDP path: FSDP casts parameters to param_dtype in every forward.
-        Linears converted to FP8 compute in FP8 either way."""
+        Linears converted to FP8 / MX follow validation.low_precision."""
 
         def __post_init__(self) -> None:
             _check_choice("precision.param_dtype", self.param_dtype, PARAM_DTYPE_CHOICES)
@@ -75,6 +86,24 @@ class Precision(Configurable):
                 )
             if self.growth_interval < 1:
                 raise ValueError(f"precision.growth_interval={self.growth_interval} must be >= 1; the default is 2000")
+            if not 0.0 < self.min_scale <= self.init_scale:
+                raise ValueError(
+                    f"precision.min_scale={self.min_scale} must be > 0 and at most precision.init_scale="
+                    f"{self.init_scale:g} (the scale starts at init_scale and never backs off below min_scale); "
+                    f"the default is 1.0"
+                )
+            if self.hysteresis < 1:
+                raise ValueError(f"precision.hysteresis={self.hysteresis} must be >= 1 (1 backs off at every "
+                                 f"overflow); the default is 1")
+            if self.loss_scaling == "static":
+                changed = [name for name in DYNAMIC_SCALER_FIELDS
+                           if getattr(self, name) != type(self).__dataclass_fields__[name].default]
+                if changed:
+                    raise ValueError(
+                        f"precision.loss_scaling='static' keeps the loss scale at init_scale={self.init_scale:g}, so "
+                        f"{', '.join(f'precision.{name}' for name in changed)} would do nothing: they only steer a "
+                        f"dynamic scale. Remove them, or use precision.loss_scaling='dynamic'"
+                    )
 
     config: Precision.Config
 
@@ -119,7 +148,7 @@ class Precision(Configurable):
         return self.autocast()
 
     def grad_scaler(self, process_group: dist.ProcessGroup | None = None) -> GradScaler | None:
-        """A dynamic loss scaler when loss scaling is on, else None.
+        """A loss scaler (dynamic or static) when loss scaling is on, else None.
 
         ``process_group`` is the group over which an overflow on any rank makes every rank skip;
         None means all ranks (the default group) once a process group exists.
@@ -129,7 +158,8 @@ class Precision(Configurable):
         cfg = self.config
         return GradScaler(
             init_scale=cfg.init_scale, growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
-            growth_interval=cfg.growth_interval, device=self.device, process_group=process_group,
+            growth_interval=cfg.growth_interval, min_scale=cfg.min_scale, hysteresis=cfg.hysteresis,
+            dynamic=not self.resolved.static_loss_scale, device=self.device, process_group=process_group,
         )
 
     def describe(self) -> str:
@@ -148,6 +178,8 @@ class ResolvedPrecision:
     loss_scaling: bool
     reason: str
     """Why param_dtype is what it is (for 'auto': the device's bfloat16 support)."""
+    static_loss_scale: bool = False
+    """With loss_scaling: the scale is the constant init_scale (else it adapts dynamically)."""
 
     @property
     def autocast(self) -> bool:
@@ -160,7 +192,9 @@ class ResolvedPrecision:
 
     def describe(self, *, init_scale: float | None = None) -> str:
         scaling = ""
-        if self.loss_scaling:
+        if self.loss_scaling and self.static_loss_scale:
+            scaling = ", static loss scale" + (f" {init_scale:g}" if init_scale is not None else "")
+        elif self.loss_scaling:
             scaling = ", dynamic loss scaling" + (f" from {init_scale:g}" if init_scale is not None else "")
         if self.fsdp:
             path = "FSDP mixed-precision policy"
@@ -179,9 +213,11 @@ def resolve_precision(config: Precision.Config, *, device_type: str, fsdp_enable
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     param_dtype, reason = _resolve_param_dtype(config.param_dtype, device_type, cuda_available)
-    loss_scaling = config.loss_scaling == "dynamic" or (config.loss_scaling == "auto" and param_dtype == torch.float16)
+    loss_scaling = (config.loss_scaling in ("dynamic", "static")
+                    or (config.loss_scaling == "auto" and param_dtype == torch.float16))
     resolved = ResolvedPrecision(param_dtype=param_dtype, reduce_dtype=DTYPES[config.reduce_dtype],
-                                 fsdp=fsdp_enabled, loss_scaling=loss_scaling, reason=reason)
+                                 fsdp=fsdp_enabled, loss_scaling=loss_scaling, reason=reason,
+                                 static_loss_scale=config.loss_scaling == "static")
     _check_combination(config, resolved)
     return resolved
 
@@ -191,9 +227,9 @@ def _check_combination(cfg: Precision.Config, resolved: ResolvedPrecision) -> No
     if param_dtype == torch.float16 and cfg.loss_scaling == "none":
         logger.warning("precision.param_dtype=float16 with loss_scaling=none: small gradients underflow to zero "
                        "in float16; use loss_scaling=auto unless this is deliberate")
-    if param_dtype != torch.float16 and cfg.loss_scaling == "dynamic":
-        logger.warning("precision.loss_scaling=dynamic with param_dtype=%s: loss scaling only matters for "
-                       "float16, it is applied anyway", _name(param_dtype))
+    if param_dtype != torch.float16 and cfg.loss_scaling in ("dynamic", "static"):
+        logger.warning("precision.loss_scaling=%s with param_dtype=%s: loss scaling only matters for "
+                       "float16, it is applied anyway", cfg.loss_scaling, _name(param_dtype))
     if not resolved.fsdp and cfg.reduce_dtype != "float32":
         logger.info("precision.reduce_dtype=%s has no effect without FSDP: gradients stay float32", cfg.reduce_dtype)
     if resolved.fsdp and not cfg.mixed_precision_eval and param_dtype != torch.float32:

@@ -4,6 +4,10 @@ The value is the token-weighted mean over every validation batch of every data-p
 ``sum(loss sums) / sum(target tokens)``, exactly how the training loss is normalised, so the two
 curves are comparable. Every call starts the validation data from its beginning, so values at
 different steps are measured on the same tokens.
+
+``low_precision`` decides what the FP8 / MX Linears of a converted model compute: as in training
+(True), or ``nn.Linear.forward`` on the same weights, i.e. the precision section's policy without the
+converter (False); the remaining ops follow ``precision.mixed_precision_eval`` either way.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_lite.components.quantization.low_precision_linears import high_precision_linears
 from torchtitan_lite.config import Configurable
 
 logger = logging.getLogger("torchtitan_lite")
@@ -38,6 +43,12 @@ class Validator(Configurable):
         """Validate every this many training steps."""
         steps: int = 20
         """Validation batches per rank per validation; -1 runs the whole (finite) validation split."""
+        low_precision: bool = True
+        """Validate with the FP8 / MX Linears of a model converter computing as in training (True), or in
+        the high-precision policy (False): those Linears then run as plain Linears in precision.param_dtype,
+        exactly what the unconverted model computes from the same weights. Not possible with FSDP float8
+        all-gather or float8 tensor-parallel communication, which hand the Linears float8 data. The
+        dtype of the other ops is precision.mixed_precision_eval's choice."""
 
         def __post_init__(self) -> None:
             if self.freq < 1:
@@ -93,10 +104,11 @@ class Validator(Configurable):
             )
         modes = [part.training for part in model_parts]
         start = time.perf_counter()
+        linears = contextlib.nullcontext() if self.config.low_precision else high_precision_linears(model_parts)
         try:
             for part in model_parts:
                 part.eval()
-            with torch.no_grad():
+            with torch.no_grad(), linears:
                 loss_sum, tokens, batches = self._sum_over_split(model_parts[0])
         finally:
             for part, mode in zip(model_parts, modes):

@@ -67,7 +67,7 @@ def unsupported_reason(cfg: Any) -> str | None:
         return "gradient accumulation"
     if cfg.optimizer.low_bit is not None:
         return "low-bit optimizer states"
-    if cfg.precision.param_dtype == "float16" or cfg.precision.loss_scaling == "dynamic":
+    if cfg.precision.param_dtype == "float16" or cfg.precision.loss_scaling in ("dynamic", "static"):
         return "FP16 loss scaling"
     return None
 

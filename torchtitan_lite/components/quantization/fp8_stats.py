@@ -1,0 +1,375 @@
+"""Live FP8 health: per converted Linear, what its casts do to the tensors of one training micro-batch.
+
+Every ``metrics.fp8_stats_freq`` steps, on that step's first micro-batch, for every FP8 / MX Linear
+(torchao ``Float8Linear``, ``MXFP8Linear``):
+
+- the amax of its input, weight and output gradient (the gradient includes an FP16 loss scale);
+- per cast (``cast_health``): the share of elements it saturates and the share it flushes to zero;
+- the SQNR of its output against the same Linear computed without FP8 from the same operands, in the
+  dtype the FP8 GEMM writes (the precision policy's): 10*log10(||ref||^2 / ||ref - fp8||^2).
+
+How it stays free on the other steps: nothing is installed between stats steps. On a stats step,
+hooks go onto the Linears for one forward + backward, and modules compiled with ``Module.compile`` run
+their eager forward for that micro-batch, so the compiled graphs never see a hook (no recompile, no
+graph break); every other micro-batch and step runs the compiled code untouched.
+
+What the numbers cover with parallelism. Every operand is measured whole, as the cast sees it:
+tensor-parallel DTensors are gathered (``full_tensor``) for the measurement, FSDP's weights are the
+unsharded ones of the forward, and with FSDP float8 all-gather (the weight reaches the Linear already
+in float8) the weight is measured from the sharded float32 master weights the all-gather casts,
+gathered. Each data-parallel rank measures its own micro-batch; rank sums (elements, saturated,
+underflowed, signal and noise energy) and maxima (amax) are reduced over the data-parallel group, so
+shares and SQNR are those of the whole global micro-batch. With tensor parallelism and the tensorwise
+recipe, torchao casts a Linear's input and output gradient to float8 inside the tensor-parallel
+communication, before the Linear sees them: those casts (and the output SQNR, which needs the
+high-precision input) are not measured and are logged once as such.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from torchtitan_lite.components.quantization.cast_health import (
+    OPERANDS,
+    Cast,
+    float8_casts,
+    measure_cast,
+    mx_casts,
+    operand_amax,
+    row_chunks,
+    rows_per_chunk,
+)
+from torchtitan_lite.components.quantization.low_precision_linears import is_mx_linear, low_precision_linears
+
+logger = logging.getLogger("torchtitan_lite")
+
+
+@dataclass
+class LayerHealth:
+    """One Linear's numbers on one stats step, reduced over the data-parallel ranks."""
+
+    fqn: str
+    amax: dict[str, float] = field(default_factory=dict)
+    """operand ('input', 'weight', 'grad_output') -> max |x|."""
+    saturated: dict[str, float] = field(default_factory=dict)
+    """cast name -> share of the operand's elements the cast clamps at the format's max."""
+    underflow: dict[str, float] = field(default_factory=dict)
+    """cast name -> share of the operand's elements that are nonzero and cast to 0."""
+    output_sqnr_db: float | None = None
+    casts: dict[str, str] = field(default_factory=dict)
+    """cast name -> its format and scaling, e.g. 'e4m3 tensorwise'."""
+
+    def scalars(self) -> dict[str, float]:
+        """TensorBoard tags under ``fp8/<fqn>/`` -> value."""
+        out = {f"{operand}_amax": value for operand, value in self.amax.items()}
+        out |= {f"{name}_saturated": value for name, value in self.saturated.items()}
+        out |= {f"{name}_underflow": value for name, value in self.underflow.items()}
+        if self.output_sqnr_db is not None:
+            out["output_sqnr_db"] = self.output_sqnr_db
+        return {f"fp8/{self.fqn}/{key}": value for key, value in out.items()}
+
+
+class _Layer:
+    """A converted Linear and where its numbers accumulate during one stats micro-batch."""
+
+    def __init__(self, index: int, fqn: str, module: nn.Linear, casts: list[Cast], offset: int) -> None:
+        self.index, self.fqn, self.module, self.casts = index, fqn, module, casts
+        self.slots = {cast.name: offset + 3 * i for i, cast in enumerate(casts)}
+        self.energy_slot = offset + 3 * len(casts)  # signal, noise
+        self.width = 3 * len(casts) + 2
+        self.measured: set[str] = set()  # operands measured on this step
+        self.sqnr_measured = False
+        self.forward_seen = False
+        self.grad_seen = False
+        self.sharded_weight: torch.Tensor | None = None
+
+
+class Fp8StatsCollector:
+    """Installs the stats hooks for one micro-batch, then reduces what they measured over the data-parallel
+    group. Build it after the model is parallelized; every rank calls ``capture`` and ``collect`` on the
+    same steps (``collect`` is collective)."""
+
+    def __init__(self, model_parts: Sequence[nn.Module], *, freq: int,
+                 dp_group: dist.ProcessGroup | None = None) -> None:
+        if freq < 1:
+            raise ValueError(f"Fp8StatsCollector needs freq >= 1, got {freq}")
+        self.freq = freq
+        self.dp_group = dp_group
+        self.model_parts = list(model_parts)
+        self.layers: list[_Layer] = []
+        offset = 0
+        for part in self.model_parts:
+            for fqn, module in low_precision_linears(part):
+                casts = mx_casts(module) if is_mx_linear(module) else float8_casts(module.config)
+                layer = _Layer(len(self.layers), _clean_fqn(fqn), module, casts, offset)
+                self.layers.append(layer)
+                offset += layer.width
+        if not self.layers:
+            raise ValueError("metrics.fp8_stats_freq > 0 but the model has no FP8 / MX Linear to measure (every "
+                             "Linear was filtered or no converter is configured); set metrics.fp8_stats_freq=0 "
+                             "or check the converter's plan with --print-fp8-plan")
+        device = next(p.device for part in self.model_parts for p in part.parameters())
+        self.device = torch.device("cpu") if device.type == "meta" else device
+        self._sums = torch.zeros(offset, dtype=torch.float64, device=self.device)
+        self._amax = torch.zeros(3 * len(self.layers), dtype=torch.float64, device=self.device)
+        self._unmeasured_logged = False
+
+    def due(self, step: int) -> bool:
+        return step % self.freq == 0
+
+    # ----------------------------------------------------------------------------------------------
+    # Capture
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Wrap the forward and backward of one micro-batch: every FP8 / MX Linear's casts are measured."""
+        for layer in self.layers:
+            layer.forward_seen = layer.grad_seen = layer.sqnr_measured = False
+            layer.measured = set()
+            # Outside the forward FSDP holds the sharded parameter: with float8 all-gather this is the only
+            # place the high-precision weight exists.
+            layer.sharded_weight = layer.module.weight
+        handles = [layer.module.register_forward_hook(self._forward_hook(layer), prepend=True)
+                   for layer in self.layers]
+        with _eager(self.model_parts):
+            try:
+                yield
+            finally:
+                for handle in handles:
+                    handle.remove()
+                for layer in self.layers:
+                    layer.sharded_weight = None
+
+    def _forward_hook(self, layer: _Layer) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            # Activation checkpointing runs the forward again in backward: measure the first pass only.
+            if layer.forward_seen:
+                return
+            layer.forward_seen = True
+            self._measure_forward(layer, args[0], output)
+            if output.requires_grad:
+                output.register_hook(self._grad_hook(layer))
+        return hook
+
+    def _grad_hook(self, layer: _Layer) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if layer.grad_seen:
+                return
+            layer.grad_seen = True
+            with _plain_math(grad):
+                self._measure_operand(layer, "grad_output", grad)
+        return hook
+
+    def _measure_forward(self, layer: _Layer, x: torch.Tensor, output: torch.Tensor) -> None:
+        from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+
+        module = layer.module
+        with _plain_math(output):
+            weight: torch.Tensor = module.weight
+            if tensor_already_casted_to_fp8(weight) and layer.sharded_weight is not None:
+                weight = layer.sharded_weight  # FSDP float8 all-gather: measure the master weights it casts
+            weight = _whole(weight)
+            if is_mx_linear(module):  # the MX GEMM reads both operands in the dtype it writes
+                weight = weight.to(output.dtype)
+            self._measure_operand(layer, "weight", weight)
+            if tensor_already_casted_to_fp8(x):
+                return  # cast by tensor-parallel float8 communication before the Linear: not observable here
+            # What the FP8 GEMM quantizes: the input in the dtype it computes in (the output's).
+            x = _whole(x).to(output.dtype)
+            self._measure_operand(layer, "input", x)
+            bias = None if module.bias is None else _whole(module.bias).to(x.dtype)
+            energies = _output_energies(x, weight.to(x.dtype), bias, _whole(output))
+            self._sums[layer.energy_slot:layer.energy_slot + 2] += energies
+            layer.sqnr_measured = True
+
+    def _measure_operand(self, layer: _Layer, operand: str, x: torch.Tensor) -> None:
+        from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+
+        if tensor_already_casted_to_fp8(x):
+            return  # tensor-parallel float8 communication cast it before the Linear
+        x = _whole(x)
+        x2d = x.reshape(-1, x.shape[-1])
+        index = 3 * layer.index + OPERANDS.index(operand)
+        self._amax[index] = torch.maximum(self._amax[index], operand_amax(x2d))
+        for cast in layer.casts:
+            if cast.operand == operand:
+                slot = layer.slots[cast.name]
+                self._sums[slot:slot + 3] += measure_cast(cast, x2d)
+        layer.measured.add(operand)
+
+    # ----------------------------------------------------------------------------------------------
+    # Reduce
+
+    def collect(self) -> list[LayerHealth]:
+        """The captured step's numbers, summed (counts, energies) and maxed (amax) over data-parallel ranks;
+        clears them for the next stats step. Collective over the data-parallel group."""
+        sums, amax = self._sums, self._amax
+        if self.dp_group is not None:
+            dist.all_reduce(sums, group=self.dp_group)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.dp_group)
+        sums_list, amax_list = sums.tolist(), amax.tolist()
+        self._sums = torch.zeros_like(sums)
+        self._amax = torch.zeros_like(amax)
+        health = [self._layer_health(i, layer, sums_list, amax_list) for i, layer in enumerate(self.layers)]
+        self._log_unmeasured()
+        for layer in self.layers:
+            layer.measured, layer.sqnr_measured = set(), False
+            layer.forward_seen = layer.grad_seen = False
+        return health
+
+    def _layer_health(self, i: int, layer: _Layer, sums: list[float], amax: list[float]) -> LayerHealth:
+        health = LayerHealth(layer.fqn, casts={cast.name: cast.describe() for cast in layer.casts})
+        for j, operand in enumerate(OPERANDS):
+            if operand in layer.measured:
+                health.amax[operand] = amax[3 * i + j]
+        for cast in layer.casts:
+            if cast.operand not in layer.measured:
+                continue
+            elements, saturated, underflowed = sums[layer.slots[cast.name]:layer.slots[cast.name] + 3]
+            health.saturated[cast.name] = saturated / elements if elements else 0.0
+            health.underflow[cast.name] = underflowed / elements if elements else 0.0
+        if layer.sqnr_measured:
+            health.output_sqnr_db = _sqnr_db(*sums[layer.energy_slot:layer.energy_slot + 2])
+        return health
+
+    def _log_unmeasured(self) -> None:
+        if not any(layer.forward_seen for layer in self.layers):
+            return  # nothing was captured since the last collect
+        missing = [f"{layer.fqn} ({', '.join(o for o in OPERANDS if o not in layer.measured)})"
+                   for layer in self.layers if len(layer.measured) < len(OPERANDS)]
+        if missing and not self._unmeasured_logged:
+            self._unmeasured_logged = True
+            logger.info("fp8 stats: %d Linear(s) receive some operands already in float8 (tensor-parallel float8 "
+                        "communication casts them before the Linear), not measured: %s", len(missing),
+                        ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+# --------------------------------------------------------------------------------------------------
+# Console summary and warnings
+
+
+def summary_line(step: int, health: list[LayerHealth], *, worst: int = 3) -> str:
+    """One line: the lowest output SQNRs and the largest underflow / saturation shares, worst layers only."""
+    sqnr = sorted((h.output_sqnr_db, h.fqn) for h in health if h.output_sqnr_db is not None)
+    parts = [f"fp8 stats step {step} ({len(health)} Linears)"]
+    if sqnr:
+        parts.append("lowest output SQNR " + ", ".join(f"{fqn} {_db(db)}" for db, fqn in sqnr[:worst]))
+    for label, attr in (("underflow", "underflow"), ("saturated", "saturated")):
+        shares = sorted(((share, f"{h.fqn} {name}") for h in health for name, share in getattr(h, attr).items()),
+                        reverse=True)
+        top = [(share, where) for share, where in shares[:worst] if share > 0]
+        parts.append(f"{label} " + (", ".join(f"{where} {share:.2e}" for share, where in top) if top else "none"))
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class ThresholdCrossing:
+    """A cast whose saturated or underflow share exceeds its threshold on one stats step."""
+
+    key: tuple[str, str, str]
+    """(layer fqn, cast name, 'saturated' | 'underflow'): what repeats from one stats step to the next."""
+    share: float
+    message: str
+
+
+def threshold_crossings(step: int, health: list[LayerHealth], *, saturation: float,
+                        underflow: float) -> list[ThresholdCrossing]:
+    """Every layer and cast whose saturated / underflow share exceeds its threshold, with a message naming it."""
+    crossings = []
+    for h in health:
+        for kind, label, shares, limit, why in (
+            ("saturated", "saturates", h.saturated, saturation, "clamped at the format's max"),
+            ("underflow", "flushes to zero", h.underflow, underflow,
+             "nonzero but below the smallest subnormal after scaling"),
+        ):
+            for name, share in shares.items():
+                if share > limit:
+                    crossings.append(ThresholdCrossing((h.fqn, name, kind), share, (
+                        f"fp8 stats step {step}: {h.fqn} {name} cast ({h.casts.get(name, '?')}) {label} "
+                        f"{100 * share:.3g}% of its elements ({why}; threshold {100 * limit:.3g}%), amax "
+                        f"{h.amax.get(_operand(name), math.nan):.3g}")))
+    return crossings
+
+
+def _operand(cast_name: str) -> str:
+    return cast_name.removesuffix("_gw").removesuffix("_gi")
+
+
+def _output_energies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     fp8_output: torch.Tensor) -> torch.Tensor:
+    """float64 [signal, noise]: ||ref||^2 and ||ref - fp8||^2 with ref = F.linear(x, weight, bias), computed
+    in row chunks so the reference never exists whole."""
+    x2d, out2d = x.reshape(-1, x.shape[-1]), fp8_output.reshape(-1, fp8_output.shape[-1])
+    energies = torch.zeros(2, dtype=torch.float64, device=x.device)
+    rows = rows_per_chunk(out2d)
+    for start, x_rows in zip(range(0, x2d.shape[0], rows), row_chunks(x2d, rows)):
+        reference = F.linear(x_rows, weight, bias).double()
+        energies[0] += reference.square().sum()
+        energies[1] += (reference - out2d[start:start + rows].double()).square().sum()
+    return energies
+
+
+def _sqnr_db(signal: float, noise: float) -> float:
+    """10*log10(signal / noise); +inf for an exact match, -inf for a zero reference with nonzero error."""
+    if noise == 0.0:
+        return math.inf
+    return 10.0 * math.log10(signal / noise) if signal > 0.0 else -math.inf
+
+
+def _db(value: float) -> str:
+    return f"{value:.1f} dB" if math.isfinite(value) else str(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+
+
+@contextlib.contextmanager
+def _eager(model_parts: Sequence[nn.Module]) -> Iterator[None]:
+    """Modules compiled with ``Module.compile`` run their eager forward inside (the compiled one is kept)."""
+    compiled = [(m, m._compiled_call_impl) for part in model_parts for m in part.modules()
+                if getattr(m, "_compiled_call_impl", None) is not None]
+    for module, _ in compiled:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, impl in compiled:
+            module._compiled_call_impl = impl
+
+
+@contextlib.contextmanager
+def _plain_math(like: torch.Tensor) -> Iterator[None]:
+    """No autograd graph and no autocast around the measurement: dtypes are chosen explicitly."""
+    device_type = like.device.type
+    with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):
+        yield
+
+
+def _clean_fqn(fqn: str) -> str:
+    """The parameter-style name: wrapper modules (activation checkpointing, torch.compile) left out."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        fqn = fqn.replace(wrapper, "")
+    return fqn
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding all of ``t``: DTensors are gathered; the float8 all-gather weight wrapper is
+    unwrapped to the float32 master shard first."""
+    if not isinstance(t, DTensor):
+        return getattr(t, "_tensor", t)  # WeightWithDynamicFloat8CastTensor without a DTensor around it
+    local = t.to_local()
+    inner = getattr(local, "_tensor", None)
+    if inner is not None:
+        t = DTensor.from_local(inner, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    return t.full_tensor()
