@@ -282,3 +282,29 @@ def test_scaler_state_survives_a_real_checkpoint_round_trip(tmp_path):
     assert manager(copy.deepcopy(model), restored).load() == 4
     assert restored.state_dict() == saved.state_dict() == {
         "scale": 64.0, "growth_tracker": 1, "hysteresis_tracker": 1, "skipped_steps": 2}
+
+
+def test_a_checkpoint_from_before_hysteresis_resumes_with_a_full_counter(tmp_path):
+    # Earlier releases saved the scaler without a hysteresis counter; such a checkpoint must still resume
+    # (scale and growth count exact), not stop on the key it lacks.
+    from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
+
+    class EarlierScaler(GradScaler):
+        def state_dict(self):
+            state = super().state_dict()
+            del state["hysteresis_tracker"]
+            return state
+
+    def manager(model, scaler):
+        states = {"model": ModelWrapper(model), "grad_scaler": scaler}
+        return CheckpointManager.Config(enable=True, interval=1).build(dump_folder=str(tmp_path), states=states)
+
+    model, x = _model_and_data()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    saved = EarlierScaler(init_scale=64.0, growth_interval=4)
+    _scales(saved, "OCC", model, opt, x)
+    manager(model, saved).save(3, force=True)
+
+    restored = GradScaler(init_scale=1.0, hysteresis=2, growth_interval=4)
+    assert manager(copy.deepcopy(model), restored).load() == 3
+    assert restored.state_dict() == {"scale": 32.0, "growth_tracker": 2, "hysteresis_tracker": 2, "skipped_steps": 1}

@@ -180,6 +180,9 @@ class GradScaler:
     # ----------------------------------------------------------------------------------------------
     # Checkpointing
 
+    OPTIONAL_STATE_KEYS = ("hysteresis_tracker",)
+    """Keys that checkpoints of earlier releases lack; loading goes on without them (see load_state_dict)."""
+
     def state_dict(self) -> dict[str, float | int]:
         return {"scale": self._scale, "growth_tracker": self._growth_tracker,
                 "hysteresis_tracker": self._hysteresis_tracker, "skipped_steps": self._skipped_steps}
@@ -198,7 +201,9 @@ class GradScaler:
             return
         self._scale = saved_scale
         self._growth_tracker = int(_as_number(state_dict["growth_tracker"]))
-        self._hysteresis_tracker = min(int(_as_number(state_dict["hysteresis_tracker"])), self.hysteresis)
+        # Checkpoints written before hysteresis existed lack the counter: they had none, so it starts full.
+        saved_tracker = state_dict.get("hysteresis_tracker", self.hysteresis)
+        self._hysteresis_tracker = min(int(_as_number(saved_tracker)), self.hysteresis)
 
 
 def _as_number(value: Any) -> float:

@@ -250,7 +250,7 @@ class CheckpointManager(Configurable):
         per_rank_keys: dict[str, str] = {}
         for name in names:
             if name not in PER_RANK_STATES:
-                target[name] = self.states[name].state_dict()
+                target[name] = _without_absent_optional_keys(name, self.states[name], metadata)
                 continue
             key = self._per_rank_source(path, metadata, name, saved_world_size)
             if key is None:
@@ -519,3 +519,15 @@ def _model_only(path: str) -> bool:
 def _count_rank_keys(metadata: Metadata) -> int | None:
     ranks = [k for k in metadata.state_dict_metadata if k.startswith("train_state.rank")]
     return len(ranks) or None
+
+
+def _without_absent_optional_keys(name: str, state: Any, metadata: Metadata) -> dict[str, Any]:
+    """``state``'s state_dict without the keys it declares optional (``OPTIONAL_STATE_KEYS``: added after
+    earlier releases wrote their checkpoints) that the checkpoint lacks, so such a checkpoint still resumes."""
+    state_dict = state.state_dict()
+    saved = metadata.state_dict_metadata
+    for key in getattr(state, "OPTIONAL_STATE_KEYS", ()):
+        if key in state_dict and f"{name}.{key}" not in saved:
+            logger.info("checkpoint has no %s.%s (written by an earlier release): it starts fresh", name, key)
+            del state_dict[key]
+    return state_dict
