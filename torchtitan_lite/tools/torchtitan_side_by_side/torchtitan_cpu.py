@@ -6,8 +6,8 @@
     python _torchtitan_cpu.py train --module M --config C [torchtitan flags...]
         ``python -m torchtitan.train`` with the shims below applied first (launch it under torchrun)
 
-torchtitan 0.3.0 on a machine without an accelerator, with torch 2.13, fails in three places. Each
-shim is applied only where the thing it replaces is missing:
+torchtitan 0.3.0 on a machine without an accelerator, with torch 2.13, fails in five places. Each
+shim is applied only where the thing it replaces is missing or unusable:
 
 1. ``torchtitan.tools.utils`` takes ``torch._utils._get_available_device_type() or "cuda"`` as the
    device type, so without a GPU it calls ``torch.cuda.set_device`` and stops with
@@ -21,10 +21,22 @@ shim is applied only where the thing it replaces is missing:
 3. After step 1 it shortens process-group timeouts with ``torch.distributed.set_timeout``, which
    torch 2.13 does not have (``AttributeError: module 'torch.distributed' has no attribute
    'set_timeout'``; the release targets newer torch builds). Shim: a no-op (a timeout only).
+4. With 2+ data-parallel ranks, FSDP's gradient divide factor of 1 (torchtitan divides by the global
+   token count itself) makes FSDP reduce-scatter with ``ReduceOp.PREMUL_SUM``, which gloo rejects
+   (``RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo``). Shim: torchtitan's
+   ``disable_fsdp_gradient_division`` also forces plain SUM collectives, the same gradients (factor 1).
+5. Its float8 converter refuses any device below CUDA sm89 / MI300 (``ValueError: Failed to swap to
+   Float8Linear because float8 is only supported on NVIDIA SM89 or later``), although torch 2.13's
+   CPU ``torch._scaled_mm`` runs the tensorwise and rowwise FP8 GEMMs. Shim: that capability check
+   passes when there is no GPU.
 
-A fourth limit is not shimmed but configured around by the generated config: torchtitan's default
+Two more limits are not shimmed but configured around by the generated config: torchtitan's default
 FlexAttention raises ``NotImplementedError: FlexAttention does not support backward on CPU``, so the
-side-by-side config uses torchtitan's own ``ScaledDotProductAttention`` (causal), as our model does.
+side-by-side config uses torchtitan's own ``ScaledDotProductAttention`` (causal), as our model does;
+and with 2+ ranks its default ``parallelism.spmd_backend="spmd_types"`` stops in ``fully_shard``
+(``ValueError: When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh``)
+for a purely data-parallel model, so those runs select ``spmd_backend="partial_dtensor"`` (DTensor
+on the model-parallel axes only, of which there are none here: plain FSDP2).
 """
 # The docstring above is the usage text of scripts/_torchtitan_cpu.py. Only the standard library and
 # torch may be imported at module level: torchtitan's environment has none of this project's dependencies.
@@ -99,6 +111,29 @@ def apply_cpu_shims() -> None:
     dist: Any = torch.distributed
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = lambda timeout, group=None: None
+    if not torch.cuda.is_available():
+        _sum_reductions_for_gloo()
+        _float8_on_cpu()
+
+
+def _sum_reductions_for_gloo() -> None:
+    import torchtitan.distributed.fsdp as fsdp
+
+    original = fsdp.disable_fsdp_gradient_division
+
+    def disable_division_with_sum_reductions(model: Any) -> None:
+        original(model)
+        for module in model.modules():
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+
+    fsdp.disable_fsdp_gradient_division = disable_division_with_sum_reductions
+
+
+def _float8_on_cpu() -> None:
+    import torchtitan.components.quantization.float8 as float8
+
+    float8.has_cuda_capability = lambda major, minor: True
 
 
 def _cpu_name() -> str:
