@@ -5,6 +5,9 @@
         byte-level BPE tokenizer.json + tokenizer_config.json, trained on the "text" field of the files
     python _torchtitan_cpu.py train --module M --config C [torchtitan flags...]
         ``python -m torchtitan.train`` with the shims below applied first (launch it under torchrun)
+    python _torchtitan_cpu.py compile-time --module M --dtype float32|bfloat16 --batch B --seq-len S --steps N
+        the cold / warm compile time of the blocks of the model in config module M (function
+        ``ttl_side_by_side``), compiled by torchtitan's own ``apply_compile``; one process, no process group
 
 torchtitan 0.3.0 on a machine without an accelerator, with torch 2.13, fails in five places. Each
 shim is applied only where the thing it replaces is missing or unusable:
@@ -53,17 +56,57 @@ from typing import Any
 
 def main(argv: list[str]) -> int:
     """``tokenizer OUT_DIR VOCAB_SIZE FILE...`` or ``train [torchtitan flags]``; 2 with the usage otherwise."""
-    if not argv or argv[0] not in ("tokenizer", "train"):
+    if not argv or argv[0] not in ("tokenizer", "train", "compile-time"):
         print(__doc__, file=sys.stderr)
         return 2
     if argv[0] == "tokenizer":
         out_dir, vocab_size, *files = argv[1:]
         build_tokenizer(out_dir, int(vocab_size), files)
         return 0
+    if argv[0] == "compile-time":
+        measure_compile_time(argv[1:])
+        return 0
     apply_cpu_shims()
     sys.argv = ["torchtitan.train", *argv[1:]]
     runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
     return 0
+
+
+def measure_compile_time(argv: list[str]) -> None:
+    """torchtitan's side of scripts/compile_time_bench.py: build, compile, time (torchtitan_lite.tools.compile_time)."""
+    import argparse
+    import importlib
+
+    import torch
+
+    parser = argparse.ArgumentParser(prog="_torchtitan_cpu.py compile-time")
+    parser.add_argument("--module", required=True)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    apply_cpu_shims()
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.tools.utils import set_default_dtype
+
+    from torchtitan_lite.tools.compile_time.protocol import measure, print_result
+
+    config = importlib.import_module(args.module).ttl_side_by_side()
+    model_config = config.model_spec.model
+    torch.manual_seed(0)
+    # As torchtitan's trainer builds it: on meta under the training dtype, then materialised and initialised
+    # (a later .to(bfloat16) would also cast its complex rotary table to a real one).
+    with torch.device("meta"), set_default_dtype(getattr(torch, args.dtype)):
+        model = model_config.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_states(buffer_device=None)
+    apply_compile(model, compile_config=CompileConfig(enable=True, components=["model"]),
+                  parallel_dims=types.SimpleNamespace(tp_enabled=False))  # read only for async TP
+    print_result(measure(model, vocab_size=model_config.vocab_size, batch=args.batch, seq_len=args.seq_len,
+                         steps=args.steps))
 
 
 def build_tokenizer(out_dir: str, vocab_size: int, files: list[str]) -> None:
