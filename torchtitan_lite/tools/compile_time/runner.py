@@ -109,6 +109,9 @@ def main(argv: list[str]) -> int:
                     print(f"  {size_name} {layers} layers {trainer} {temperature}: {measured['compile_s']:.1f} s",
                           flush=True)
                 row.commands[trainer] = cmd
+            params = {trainer: row.measured[(trainer, "cold")]["params"] for trainer in args.trainers}
+            if len(set(params.values())) > 1:
+                raise SystemExit(f"error: the models differ ({size_name}, {layers} layers): parameters {params}")
             rows.append(row)
     text = report_text(args, rows, versions, load_start, load_average())
     print(text)
