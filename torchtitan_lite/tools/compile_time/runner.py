@@ -26,7 +26,6 @@ import datetime
 import os
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -212,9 +211,7 @@ def report_text(args: argparse.Namespace, rows: list[Row], versions: dict[str, s
         if both:
             cells.append(f"**{m[(ours, 'cold')]['compile_s'] / m[(theirs, 'cold')]['compile_s']:.2f}x**")
         lines.append("| " + " | ".join(cells) + " |")
-    steady = {t: statistics.median(r.measured[(t, "cold")]["steady_step_s"] for r in rows) for t in args.trainers}
-    lines += ["", "Median steady step of the timed processes, s: " + ", ".join(f"{t} {v:.3f}" for t, v in steady.items()),
-              "", "Commands (each run with `TORCHINDUCTOR_CACHE_DIR` set to its own folder):", ""]
+    lines += ["", "Commands (each run with `TORCHINDUCTOR_CACHE_DIR` set to its own folder):", ""]
     for row in rows:
         for trainer in args.trainers:
             lines.append(f"- `{row.size}` {row.layers} layers, {trainer}: `{_display(row.commands[trainer])}`")
