@@ -44,7 +44,7 @@ from torchtitan_lite.config.registry import ConfigRegistry
 from torchtitan_lite.tools.benchmark.report import write_markdown
 from torchtitan_lite.tools.benchmark.run_info import load_average
 from torchtitan_lite.tools.repo import REPO_ROOT, SCRIPTS_DIR
-from torchtitan_lite.tools.torchtitan_side_by_side.cases import Case, select_cases
+from torchtitan_lite.tools.torchtitan_side_by_side.cases import MATRIX, Case, select_cases
 from torchtitan_lite.tools.torchtitan_side_by_side.environment import (
     ensure_tokenizer,
     ensure_venv,
@@ -78,9 +78,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                "training if they need anything else.")
     parser.add_argument("--config", default="llama3_debug", help="our registry config (default llama3_debug)")
     parser.add_argument("--matrix", action="store_true", help="run every case of the matrix (see --cases)")
-    parser.add_argument("--cases", metavar="A,B", help="run only these matrix cases: fp32-eager, fp32-compile, "
-                        "bf16-eager, bf16-compile, the same four with -fsdp2, fp8-rowwise-compile, "
-                        "fp8-tensorwise-compile")
+    parser.add_argument("--cases", metavar="A,B", help="run only these matrix cases: "
+                        + ", ".join(case.key for case in MATRIX))
     parser.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
     parser.add_argument("--warmup", type=int, default=10, help="first steps excluded (default 10)")
     parser.add_argument("--log-freq", type=int, default=10, help="both trainers' log interval (default 10)")
