@@ -91,8 +91,14 @@ class RotaryEmbedding(nn.Module):
         self.cache = self._compute(self.cache.device if device is None else device)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
-        super()._apply(fn, recurse)
-        self.reset_cache()
+        # The table is recomputed, never converted: `.to(bfloat16)` would cast the complex table to a real
+        # one (dropping the sines, with a warning). `fn` on an empty tensor says where the table now belongs.
+        cache = self._buffers.pop("cache")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers["cache"] = cache
+        self.reset_cache(fn(torch.empty(0, device=cache.device)).device)
         return self
 
     def extra_repr(self) -> str:
