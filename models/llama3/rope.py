@@ -93,7 +93,8 @@ class RotaryEmbedding(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
         # The table is recomputed, never converted: `.to(bfloat16)` would cast the complex table to a real
         # one (dropping the sines, with a warning). `fn` on an empty tensor says where the table now belongs.
-        cache = self._buffers.pop("cache")
+        cache = self.cache
+        del self._buffers["cache"]
         try:
             super()._apply(fn, recurse)
         finally:
