@@ -3,6 +3,7 @@ train.py and the scripts alike."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 
 def _not_pytree_enum_notice(record: logging.LogRecord) -> bool:
@@ -18,5 +19,8 @@ def silence_known_library_notices() -> None:
     import torch
 
     logging.getLogger("torch.utils._pytree").addFilter(_not_pytree_enum_notice)
+    # The rotary embedding multiplies complex pairs, which inductor leaves to torch's eager kernel on
+    # purpose (models/llama3/rope.py says why); the notice says so once per compiled run.
+    warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex operators")
     if not torch.cuda.is_available():
         logging.getLogger("torchao").setLevel(logging.ERROR)

@@ -112,13 +112,15 @@ def test_side_by_side_generated_config_carries_our_settings(tmp_path):
         max_norm=1.0, gc_freq=50, seed=0,
     )
     source = torchtitan_config_source(settings, tokenizer_dir=tmp_path / "tok", data_dir=tmp_path / "data")
-    compile(source, "ttl_side_by_side_config.py", "exec")  # valid Python
+    compile(source, "ttl_sbs_case.py", "exec")  # valid Python
     assert "DIM, N_LAYERS, N_HEADS, N_KV_HEADS = 256, 6, 8, 4" in source
     assert "VOCAB_SIZE, FFN_HIDDEN_DIM, NORM_EPS = 2048, 768, 1e-05" in source
     assert "default_adamw(lr=0.002, betas=(0.9, 0.95), eps=1e-08, weight_decay=0.1)" in source
-    assert 'dtype="float32", mixed_precision_param="float32"' in source
+    assert 'dtype="float32", mixed_precision_param=\'float32\'' in source
+    assert "fuse_qkv=False" in source and "compile=CompileConfig(enable=False)" in source
     assert "activation_checkpoint=None" in source and "ScaledDotProductAttention.Config()" in source
     assert f"dataset_path={str(tmp_path / 'data')!r}" in source
+    assert "Float8LinearConverter.Config(" not in source and "partial_dtensor" not in source
 
 
 def test_benchmark_rejects_flags_it_owns():

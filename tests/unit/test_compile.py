@@ -2,13 +2,16 @@
 real compile path without C++ code generation; inductor runs in tests/distributed/test_compile_composition.py)."""
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from models.llama3.model import Llama3ModelArgs, Transformer
 from torchtitan_lite.components.loss import cross_entropy_sum
 from torchtitan_lite.config.sections import CompileConfig
 from torchtitan_lite.distributed.activation_checkpoint import apply_ac
-from torchtitan_lite.distributed.compile import apply_compile, compile_seconds, maybe_compile_loss
+from torchtitan_lite.distributed.compile import apply_compile, compile_seconds, compiled_graphs, maybe_compile_loss
 
 ARGS = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
 AOT_EAGER = CompileConfig(enable=True, backend="aot_eager", fullgraph=True)
@@ -50,3 +53,64 @@ def test_checkpointed_blocks_compile_fullgraph_with_unchanged_names_and_numerics
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name.replace("_checkpoint_wrapped_module.", "")].grad,
                                    rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _fresh_compile_state() -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _model_of_depth(n_layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Transformer(dataclasses.replace(ARGS, n_layers=n_layers))
+
+
+@pytest.mark.parametrize(("ac_mode", "ac_option", "kinds"), [
+    ("none", "op", 1), ("full", "op", 1), ("selective", "op", 1),
+    ("selective", "2", 2),  # every second block checkpointed: two block kinds
+])
+def test_blocks_compile_once_per_block_kind_whatever_the_depth(ac_mode, ac_option, kinds):
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for n_layers in (2, 6):
+        _fresh_compile_state()
+        model = _model_of_depth(n_layers)
+        apply_ac(model, ac_mode, ac_option)
+        apply_compile(model, AOT_EAGER)
+        model(tokens).sum().backward()
+        assert compiled_graphs() == kinds, (n_layers, compiled_graphs())
+
+
+def test_shared_block_graph_trains_bitwise_like_one_graph_per_block():
+    # The reference compiles every block into a graph of its own (a distinct backend object per block fails
+    # dynamo's backend guard, so no block reuses another's graph); ours reuses the first block's graph for
+    # all. aot_eager runs the same aten ops either way, so three optimizer steps agree bitwise.
+    from torch._dynamo.backends.debugging import aot_eager
+
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def train(model: torch.nn.Module) -> list[float]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            loss, _ = cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    _fresh_compile_state()
+    shared = _model_of_depth(4)
+    apply_compile(shared, AOT_EAGER)
+    shared_losses = train(shared)
+    assert compiled_graphs() == 1
+
+    _fresh_compile_state()
+    separate = _model_of_depth(4)
+    for block in separate.layers.values():
+        block.compile(backend=lambda gm, inputs: aot_eager(gm, inputs), fullgraph=True)
+    separate_losses = train(separate)
+    assert compiled_graphs() == 4
+    assert shared_losses == separate_losses

@@ -186,3 +186,18 @@ def test_backward_reaches_every_parameter():
     logits = model(torch.randint(0, 100, (2, 16)))
     F.cross_entropy(logits.flatten(0, 1), torch.randint(0, 100, (32,))).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_cpu_reduced_precision_attention_runs_in_float32_and_returns_the_input_dtype():
+    # bf16 inputs attended in float32 (CPU autocast on, as in a single-process bf16 run): the result equals
+    # float32 attention of the same bf16-rounded inputs, rounded once to bf16.
+    from models.llama3.attention import causal_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 24, 16).bfloat16() for heads in (4, 2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = causal_attention(q, k, v, enable_gqa=True)
+    reference = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                                 enable_gqa=True)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, reference.bfloat16())

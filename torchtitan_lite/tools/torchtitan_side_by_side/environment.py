@@ -15,9 +15,12 @@ def ensure_venv(venv: Path, torchtitan_version: str) -> tuple[Path, dict[str, st
     """torchtitan's interpreter (the environment is created or fixed when needed) and its versions."""
     import torch
 
+    from torchtitan_lite.tools.benchmark.run_info import package_version
+
     python = venv / "bin" / "python"
     torch_version = torch.__version__.split("+")[0]
-    wanted = {"torchtitan": torchtitan_version, "torch": torch_version}
+    # torchao at our version: torchtitan's float8 converter builds torchao's Float8Linear, as ours does.
+    wanted = {"torchtitan": torchtitan_version, "torch": torch_version, "torchao": package_version("torchao")}
     if not python.exists():
         print(f"creating {venv}", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -25,7 +28,7 @@ def ensure_venv(venv: Path, torchtitan_version: str) -> tuple[Path, dict[str, st
     if any(not versions.get(name, "").startswith(version) for name, version in wanted.items()) or "triton" not in versions:
         # torch pinned to ours: an unpinned resolve would pull a multi-GB CUDA build onto a CPU machine.
         cmd = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-               f"torch=={torch_version}", f"torchtitan=={torchtitan_version}", "triton"]
+               *(f"{name}=={version}" for name, version in wanted.items()), "triton"]
         print("installing: " + shlex.join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         versions = _installed(python)
@@ -33,10 +36,21 @@ def ensure_venv(venv: Path, torchtitan_version: str) -> tuple[Path, dict[str, st
 
 
 def _installed(python: Path) -> dict[str, str]:
-    probe = ("import importlib.metadata as m, json\nout = {}\nfor name in ('torchtitan', 'torch', 'triton'):\n"
+    probe = ("import importlib.metadata as m, json\nout = {}\nfor name in ('torchtitan', 'torch', 'torchao', 'triton'):\n"
              "    try: out[name] = m.version(name)\n    except m.PackageNotFoundError: pass\nprint(json.dumps(out))")
     result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True)
     return json.loads(result.stdout)
+
+
+def torchtitan_float8_recipes(python: Path) -> list[str]:
+    """The float8 recipe names the installed torchtitan's converter accepts (read off its config's type)."""
+    probe = ("import json, typing\nfrom torchtitan.components.quantization import Float8LinearConverter\n"
+             "hints = typing.get_type_hints(Float8LinearConverter.Config)\n"
+             "print(json.dumps(list(typing.get_args(hints['recipe_name']))))")
+    result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"error: could not read torchtitan's float8 recipes:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def ensure_tokenizer(python: Path, out_dir: Path, vocab_size: int, data_dir: Path) -> Path:

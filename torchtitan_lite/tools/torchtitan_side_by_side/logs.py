@@ -1,5 +1,5 @@
-"""Running each trainer with its console output in a log file, and reading throughput and the
-parameter count back from both trainers' logs."""
+"""Running each trainer with its console output in a log file, and reading throughput back from both
+trainers' logs."""
 from __future__ import annotations
 
 import os
@@ -12,8 +12,6 @@ from torchtitan_lite.tools.repo import REPO_ROOT
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 TORCHTITAN_STEP = re.compile(r"step:\s*(\d+)\s.*?tps:\s*([\d,]+)")
 OURS_STEP = re.compile(r"step\s+(\d+)\s.*?tok/s\s+([\d,]+)")
-TORCHTITAN_PARAMS = re.compile(r"size:\s*([\d,]+) total parameters")
-OURS_PARAMS = re.compile(r"model \S+ \S+: ([\d,]+) params")
 
 
 def run_logged(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None) -> str:
@@ -49,11 +47,3 @@ def steady_tokens_per_s(per_log: dict[int, float], warmup: int) -> float:
     if not rates:
         raise ValueError(f"no throughput was logged after step {warmup}; logged steps: {sorted(per_log)}")
     return len(rates) / sum(1.0 / rate for rate in rates)
-
-
-def parse_params(log: str, pattern: re.Pattern[str], what: str) -> int:
-    """The parameter count a trainer logged; stops the comparison when there is none."""
-    match = pattern.search(ANSI.sub("", log))
-    if not match:
-        raise SystemExit(f"error: no parameter count found in the {what} log")
-    return int(match.group(1).replace(",", ""))

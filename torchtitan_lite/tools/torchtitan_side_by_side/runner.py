@@ -1,62 +1,69 @@
 """Train the same model with upstream torchtitan and with torchtitan_lite on this machine; print both
-trainers' steady tokens/s and their ratio.
+trainers' steady tokens/s and their ratio, for one config or for the whole matrix of cases.
 
-    python scripts/torchtitan_side_by_side.py                        # llama3_debug, 30 steps, first 10 excluded
-    python scripts/torchtitan_side_by_side.py --steps 60 --warmup 20 --log-freq 10 --repeats 2 \\
-        --out-md BENCHMARKS.md --append
+    python scripts/torchtitan_side_by_side.py                        # llama3_debug as configured (fp32, eager)
+    python scripts/torchtitan_side_by_side.py --matrix --repeats 2 --out-md BENCHMARKS.md --append
+    python scripts/torchtitan_side_by_side.py --cases bf16-compile,bf16-compile-fsdp2
+
+``--matrix`` runs every case of ``cases.MATRIX``: float32 and bfloat16, eager and compiled, one process
+and FSDP over 2 processes, and FP8 (rowwise, and tensorwise where the installed torchtitan still has it)
+with compile. Runs are interleaved (torchtitan then ours, case after case, ``--repeats`` times), and
+each trainer's fastest run per case is kept: other work on a shared machine only slows a run down.
 
 1. Environment: torchtitan is installed from the package registry into its own virtual environment
-   (``--venv``, default ``.cache/torchtitan_venv``, git-ignored) next to the same torch version as
-   ours (a pinned CPU wheel where that is what we run, so no CUDA build is pulled in) and triton,
-   which torchtitan 0.3.0 imports at start-up without declaring it. Nothing of torchtitan is vendored.
+   (``--venv``, default ``.cache/torchtitan_venv``, git-ignored) next to the same torch and torchao
+   versions as ours (a pinned CPU wheel where that is what we run, so no CUDA build is pulled in) and
+   triton, which torchtitan 0.3.0 imports at start-up without declaring it. Nothing of torchtitan is
+   vendored; the CPU shims it needs are applied at run time (scripts/_torchtitan_cpu.py lists each).
 2. Data: torchtitan reads the same documents (our embedded corpus's training shards, linked into
    the run folder and opened by its ``c4_test`` JSON loader through ``dataloader.dataset_path``). Its
    wheel ships no tokenizer, so a byte-level BPE with our tokenizer's vocabulary size is trained on
    the same shards with the ``tokenizers`` package. Token ids differ; tokens per step do not.
-3. Config: torchtitan 0.3.0 is configured by Python config functions plus command-line flags, so
-   ``<run>/ttl_side_by_side_config.py`` is generated with our resolved model arguments (dim, layers,
-   heads, KV heads, vocabulary, FFN width, RoPE, norm eps), sequence length, batch, optimizer and LR
-   schedule, clipping, GC interval, float32, no compile, no activation checkpointing, no validation,
-   no checkpoints; steps and the log interval are passed as flags. Attention is torchtitan's own
-   causal ``ScaledDotProductAttention`` (its default FlexAttention has no CPU backward), the same
-   kernel our model calls.
-4. Run: torchtitan under torchrun with the CPU shims of scripts/_torchtitan_cpu.py (which says
-   exactly what fails without them), then ``train.py`` with the matching flags. Each trainer's own
-   console throughput is parsed (torchtitan ``tps``, ours ``tok/s``; both count input tokens per
-   device over the interval since the previous log line), and the logs after ``--warmup`` steps are
-   combined into tokens / time. ``--repeats`` interleaves the runs and keeps each trainer's fastest.
-
-The model's parameter count is parsed from both logs and must agree, or the comparison stops.
+3. Config: for every case, ``<run>/ttl_sbs_<case>.py`` is generated from our config resolved with the
+   case's flags: model arguments (separate wq / wk / wv), sequence length, batch, optimizer, LR
+   schedule, clipping, GC interval, compute dtype (torchtitan's FSDP mixed-precision policy, which it
+   applies on every layout), compile components, float8 recipe and filter; no activation
+   checkpointing, validation or checkpoints. Attention is torchtitan's own causal
+   ``ScaledDotProductAttention`` (its default FlexAttention has no CPU backward), the kernel ours calls.
+4. Layout: the parameter count and every Linear's kind (float8 or not) and shape are read off our
+   model as the trainer builds it and printed by torchtitan's process; any difference stops the run.
+5. Run: torchtitan under torchrun (one process per rank), ours as ``train.py`` (under torchrun for 2+
+   ranks). Each trainer's own console throughput is parsed (torchtitan ``tps``, ours ``tok/s``; both
+   count input tokens per device over the interval since the previous log line), and the logs after
+   ``--warmup`` steps are combined into tokens / time.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import shlex
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchtitan_lite.config.registry import ConfigRegistry
 from torchtitan_lite.tools.benchmark.report import write_markdown
-from torchtitan_lite.tools.benchmark.run_info import cpu_description, git_commit, load_average
+from torchtitan_lite.tools.benchmark.run_info import load_average
 from torchtitan_lite.tools.repo import REPO_ROOT, SCRIPTS_DIR
-from torchtitan_lite.tools.torchtitan_side_by_side.environment import ensure_tokenizer, ensure_venv, link_training_shards
+from torchtitan_lite.tools.torchtitan_side_by_side.cases import MATRIX, Case, select_cases
+from torchtitan_lite.tools.torchtitan_side_by_side.environment import (
+    ensure_tokenizer,
+    ensure_venv,
+    link_training_shards,
+    torchtitan_float8_recipes,
+)
+from torchtitan_lite.tools.torchtitan_side_by_side.layout import layout_difference, normalise, our_layout
 from torchtitan_lite.tools.torchtitan_side_by_side.logs import (
-    OURS_PARAMS,
     OURS_STEP,
-    TORCHTITAN_PARAMS,
     TORCHTITAN_STEP,
-    parse_params,
     parse_throughput,
     run_logged,
     steady_tokens_per_s,
 )
+from torchtitan_lite.tools.torchtitan_side_by_side.report import CaseResult, report_text
 from torchtitan_lite.tools.torchtitan_side_by_side.torchtitan_config import (
     CONFIG_FUNCTION,
-    CONFIG_MODULE,
     Settings,
+    parse_layout,
     torchtitan_config_source,
 )
 
@@ -66,18 +73,22 @@ DEFAULT_TORCHTITAN = "0.3.0"
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Other --section.field VALUE flags override our config; the torchtitan side follows them where "
-               "the settings above cover them, and the run stops if they need anything else.")
+        epilog="Other --section.field VALUE flags override our config (before each case's own flags); the "
+               "torchtitan side follows them where the generated config covers them, and the run stops before "
+               "training if they need anything else.")
     parser.add_argument("--config", default="llama3_debug", help="our registry config (default llama3_debug)")
+    parser.add_argument("--matrix", action="store_true", help="run every case of the matrix (see --cases)")
+    parser.add_argument("--cases", metavar="A,B", help="run only these matrix cases: "
+                        + ", ".join(case.key for case in MATRIX))
     parser.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
     parser.add_argument("--warmup", type=int, default=10, help="first steps excluded (default 10)")
     parser.add_argument("--log-freq", type=int, default=10, help="both trainers' log interval (default 10)")
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs per trainer, fastest kept")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs per trainer and case, fastest kept")
     parser.add_argument("--torchtitan-version", default=DEFAULT_TORCHTITAN, help=f"default {DEFAULT_TORCHTITAN}")
     parser.add_argument("--venv", type=Path, default=REPO_ROOT / ".cache" / "torchtitan_venv",
                         help="torchtitan's virtual environment, created when missing")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / ".cache" / "torchtitan_side_by_side",
-                        help="generated config, tokenizer, data links and logs")
+                        help="generated configs, tokenizer, data links and logs")
     parser.add_argument("--torchtitan-arg", action="append", default=[], metavar="FLAG",
                         help="extra flag for torchtitan, repeatable, e.g. "
                              "--torchtitan-arg=--debug.no-enable_structured_logging")
@@ -93,97 +104,169 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--append needs --out-md")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.matrix and args.cases:
+        parser.error("--matrix runs every case; give --cases alone to run some of them")
+    try:
+        args.selected = select_cases(args.cases, matrix=args.matrix)
+    except ValueError as err:
+        parser.error(str(err))
     return args, overrides
 
 
+@dataclass
+class Plan:
+    """One case, resolved: what both trainers run and the layout they must share."""
+
+    case: Case
+    settings: Settings
+    layout: dict[str, Any]
+    ours_cmd: list[str]
+    theirs_cmd: list[str] = field(default_factory=list)
+    module: str = ""
+
+
 def main(argv: list[str], *, registry: ConfigRegistry) -> int:
-    """Run both trainers on the config ``argv`` names (from ``registry``) and print the comparison."""
+    """Run both trainers on the cases ``argv`` selects (configs from ``registry``) and print the comparison."""
     args, overrides = parse_args(argv)
-    config, settings, tokenizer_path = resolve(args.config, overrides, registry)
+    # Every case is resolved (and refused if torchtitan cannot copy it) before anything runs.
+    plans = [plan_case(case, args, overrides, registry) for case in args.selected]
     args.run_dir.mkdir(parents=True, exist_ok=True)
     venv_python, versions = ensure_venv(args.venv, args.torchtitan_version)
+    recipes = torchtitan_float8_recipes(venv_python)
+    skipped = {p.case.key: f"torchtitan {versions['torchtitan']}'s float8 converter has no "
+                           f"{p.case.float8_recipe!r} recipe (it offers {', '.join(recipes)})"
+               for p in plans if p.settings.float8_recipe is not None and p.settings.float8_recipe not in recipes}
+    runnable = [p for p in plans if p.case.key not in skipped]
     data_dir = link_training_shards(args.run_dir / "data")
-    tokenizer_dir = ensure_tokenizer(venv_python, args.run_dir / "tokenizer", settings.vocab_size, data_dir)
-    config_path = args.run_dir / f"{CONFIG_MODULE}.py"
-    config_path.write_text(torchtitan_config_source(settings, tokenizer_dir=tokenizer_dir, data_dir=data_dir))
-    print(f"torchtitan config generated: {config_path}")
+    tokenizer_dir = ensure_tokenizer(venv_python, args.run_dir / "tokenizer", runnable[0].settings.vocab_size
+                                     if runnable else plans[0].settings.vocab_size, data_dir)
+    for plan in runnable:
+        plan.module = f"ttl_sbs_{plan.case.key.replace('-', '_')}"
+        source = torchtitan_config_source(plan.settings, tokenizer_dir=tokenizer_dir, data_dir=data_dir)
+        (args.run_dir / f"{plan.module}.py").write_text(source)
+        plan.theirs_cmd = torchtitan_command(venv_python, args, plan)
 
-    ours_cmd = our_command(args, overrides)
-    theirs_cmd = torchtitan_command(venv_python, args)
-    load_before = load_average()
-    ours_runs, theirs_runs, params = [], [], {}
+    results = {p.case.key: CaseResult(p.case, p.settings, p.layout, p.ours_cmd, p.theirs_cmd) for p in runnable}
     for repeat in range(args.repeats):
-        log = run_logged(theirs_cmd, args.run_dir / f"torchtitan.{repeat}.log", "torchtitan",
-                         env={"PYTHONPATH": str(args.run_dir)})
-        theirs_runs.append(steady_tokens_per_s(parse_throughput(log, TORCHTITAN_STEP), args.warmup))
-        params["torchtitan"] = parse_params(log, TORCHTITAN_PARAMS, "torchtitan")
-        log = run_logged(ours_cmd, args.run_dir / f"ours.{repeat}.log", "torchtitan_lite")
-        ours_runs.append(steady_tokens_per_s(parse_throughput(log, OURS_STEP), args.warmup))
-        params["torchtitan_lite"] = parse_params(log, OURS_PARAMS, "torchtitan_lite")
-    if params["torchtitan"] != params["torchtitan_lite"]:
-        raise SystemExit(f"error: the models differ: torchtitan built {params['torchtitan']:,} parameters, "
-                         f"torchtitan_lite {params['torchtitan_lite']:,}; the comparison is void")
-
-    ours, theirs = max(ours_runs), max(theirs_runs)
-    load = f"host load average {load_before:.1f} at the start, {load_average():.1f} at the end" if load_before else ""
-    summary = summary_text(args, settings, versions, ours_runs, theirs_runs, params["torchtitan_lite"],
-                           ours_cmd, theirs_cmd, config_path, load)
-    print(summary)
-    print(f"\ntorchtitan {versions['torchtitan']}: {theirs:,.0f} tokens/s   torchtitan_lite: {ours:,.0f} tokens/s   "
-          f"ratio torchtitan_lite / torchtitan = {ours / theirs:.2f}x")
+        for plan in runnable:
+            run_case(plan, results[plan.case.key], repeat, args)
+    text = report_text(args, versions, [results[p.case.key] for p in runnable], skipped)
+    print(text)
     if args.out_md:
-        write_markdown(args.out_md, summary, append=args.append)
+        write_markdown(args.out_md, text, append=args.append)
         print(f"markdown {'appended to' if args.append else 'written to'} {args.out_md}")
     return 0
+
+
+def run_case(plan: Plan, result: CaseResult, repeat: int, args: argparse.Namespace) -> None:
+    """One torchtitan run and one of ours for ``plan``; their steady tokens/s and the load go into ``result``."""
+    tag = f"{plan.case.key}.{repeat}"
+    result.loads.append(load_average())
+    log = run_logged(plan.theirs_cmd, args.run_dir / f"torchtitan.{tag}.log", f"torchtitan {tag}",
+                     env={"PYTHONPATH": str(args.run_dir)})
+    theirs_layout = parse_layout(log)
+    if theirs_layout is None:
+        raise SystemExit(f"error: torchtitan's log for {tag} holds no layout line; the comparison is void")
+    difference = layout_difference(plan.layout, normalise(theirs_layout))
+    if difference:
+        raise SystemExit(f"error: the models differ in case {plan.case.key}: {difference}; the comparison is void")
+    result.theirs.append(steady_tokens_per_s(parse_throughput(log, TORCHTITAN_STEP), args.warmup))
+    log = run_logged(plan.ours_cmd, args.run_dir / f"ours.{tag}.log", f"torchtitan_lite {tag}")
+    result.ours.append(steady_tokens_per_s(parse_throughput(log, OURS_STEP), args.warmup))
+    print(f"  {tag}: torchtitan {result.theirs[-1]:,.0f} tokens/s, torchtitan_lite {result.ours[-1]:,.0f} tokens/s",
+          flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
 # Our side
 
 
-def resolve(name: str, overrides: list[str], registry: ConfigRegistry) -> tuple[Any, Settings, str]:
-    """Our resolved config, the settings torchtitan must copy, and our tokenizer's path."""
+def plan_case(case: Case, args: argparse.Namespace, overrides: list[str], registry: ConfigRegistry) -> Plan:
+    """Resolve our config with the case's flags; refuse what the generated torchtitan config cannot copy."""
+    from torchtitan_lite.config import ConfigError, parse_cli
+    from torchtitan_lite.resolved_run import resolve_run
+
+    flags = [*overrides, *case.overrides]
+    try:
+        cfg: Any = parse_cli(["--config", args.config, *flags], registry=registry).config
+    except ConfigError as err:
+        raise SystemExit(f"error: case {case.key}: {err}") from None
+    nproc = max(cfg.parallelism.dp_shard, 1)
+    tokenizer = cfg.tokenizer.build()
+    try:
+        run = resolve_run(cfg, world_size=nproc, device_type="cpu", vocab_size=tokenizer.vocab_size)
+        settings = settings_from_config(cfg, run)
+    except ValueError as err:
+        raise SystemExit(f"error: case {case.key} (--config {args.config} {' '.join(flags)}): {err}") from None
+    return Plan(case=case, settings=settings, layout=our_layout(run), ours_cmd=our_command(args, flags, nproc))
+
+
+def settings_from_config(cfg: Any, run: Any) -> Settings:
+    """What torchtitan must copy from our resolved config; ValueError naming anything it has no equivalent for."""
     import torch
 
-    from torchtitan_lite.config import ConfigError, parse_cli
-    from torchtitan_lite.protocols.model_spec import build_model_args, get_model_spec
-    from torchtitan_lite.tools.bare_loop import unsupported_reason
-
-    try:
-        cfg: Any = parse_cli(["--config", name, *overrides], registry=registry).config
-    except ConfigError as err:
-        raise SystemExit(f"error: {err}") from None
-    reason = unsupported_reason(cfg)
-    if reason is None and cfg.precision.param_dtype != "float32":
-        # torchtitan 0.3.0 applies mixed precision only through FSDP's policy; a single-device run
-        # would be full bfloat16 (training.dtype), a different thing from our autocast.
-        reason = f"precision.param_dtype={cfg.precision.param_dtype} (only float32 has a torchtitan equivalent here)"
+    reason = _unsupported(cfg, run)
     if reason is not None:
-        raise SystemExit(f"error: config '{name}' uses {reason}; the side-by-side covers single-device float32 "
-                         f"training without compile, AC or converters")
-    tokenizer = cfg.tokenizer.build()
-    spec = get_model_spec(cfg.model.name)
-    margs = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=tokenizer.vocab_size)
+        raise ValueError(f"it uses {reason}, which the generated torchtitan config does not reproduce")
+    margs = run.model_args
     if margs.rope_scaling is not None or margs.tie_word_embeddings:
-        raise SystemExit(f"error: flavor {cfg.model.flavor!r} uses RoPE scaling or tied embeddings, which the "
-                         f"generated torchtitan config does not map; use a flavor without them (e.g. debug)")
-    with torch.device("meta"):
-        model: Any = spec.model_cls(margs)
+        raise ValueError(f"flavor {cfg.model.flavor!r} uses RoPE scaling or tied embeddings, which the generated "
+                         f"torchtitan config does not map; use a flavor without them (e.g. debug)")
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[run.precision.param_dtype]
+    converters = cfg.model_converters.converters
+    float8 = converters[0] if converters else None
     o, s, t = cfg.optimizer, cfg.lr_scheduler, cfg.training
-    settings = Settings(
+    return Settings(
         dim=margs.dim, n_layers=margs.n_layers, n_heads=margs.n_heads, n_kv_heads=margs.n_kv_heads or margs.n_heads,
-        vocab_size=margs.vocab_size, ffn_hidden_dim=model.layers["0"].feed_forward.w1.out_features,
-        norm_eps=margs.norm_eps, rope_theta=margs.rope_theta, max_seq_len=margs.max_seq_len,
-        seq_len=t.seq_len, local_batch_size=t.local_batch_size, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+        vocab_size=margs.vocab_size, ffn_hidden_dim=margs.ffn_hidden_dim, norm_eps=margs.norm_eps,
+        rope_theta=margs.rope_theta, max_seq_len=margs.max_seq_len, seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
         weight_decay=o.weight_decay, warmup_steps=s.warmup_steps, decay_type=s.decay_type,
         decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor, max_norm=t.max_norm, gc_freq=t.gc_freq,
-        seed=t.seed,
+        seed=t.seed, param_dtype=dtype,
+        compile_components=tuple(cfg.compile.components) if cfg.compile.enable else (),
+        float8_recipe=None if float8 is None else float8.recipe_name,
+        float8_filter_fqns=() if float8 is None else tuple(float8.filter_fqns),
+        dp_shard=run.parallel_dims.dp_shard,
     )
-    return cfg, settings, tokenizer.path
 
 
-def our_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
-    return [sys.executable, str(REPO_ROOT / "train.py"), "--config", args.config, *overrides,
+def _unsupported(cfg: Any, run: Any) -> str | None:
+    import torch
+
+    from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
+
+    p, t = cfg.parallelism, cfg.training
+    if p.tp > 1 or p.dp_replicate > 1:
+        return "tensor parallelism or replicated data parallelism (the side by side covers FSDP only)"
+    if cfg.activation_checkpoint.mode != "none":
+        return "activation checkpointing"
+    if run.n_microbatches != 1 or t.global_batch_size not in (-1, t.local_batch_size * run.parallel_dims.dp_degree):
+        return "gradient accumulation"
+    if cfg.optimizer.low_bit is not None:
+        return "low-bit optimizer states"
+    if run.precision.param_dtype not in (torch.float32, torch.bfloat16) or run.precision.loss_scaling:
+        return f"precision.param_dtype={cfg.precision.param_dtype} (torchtitan trains in float32 or bfloat16 only)"
+    if cfg.compile.enable and (cfg.compile.backend != "inductor" or not cfg.compile.fullgraph):
+        return "a compile backend other than inductor or fullgraph=false (torchtitan compiles blocks fullgraph with inductor)"
+    converters = cfg.model_converters.converters
+    if len(converters) > 1 or (converters and not isinstance(converters[0], Float8LinearConverter.Config)):
+        return "model converters other than one float8 converter"
+    if converters:
+        f8 = converters[0]
+        if f8.enable_fsdp_float8_all_gather or f8.emulate or "auto_filter_small_kn" in f8.filter_fqns:
+            return ("float8 all-gather, emulation or auto_filter_small_kn (the float8 settings torchtitan copies "
+                    "are recipe_name and filter_fqns)")
+    return None
+
+
+def our_command(args: argparse.Namespace, flags: list[str], nproc: int) -> list[str]:
+    launcher = [sys.executable]
+    if nproc > 1:
+        # The same launcher as torchtitan's side (torchrun sets one OpenMP thread per process on both).
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                     "--local-ranks-filter", "0"]
+    return [*launcher, str(REPO_ROOT / "train.py"), "--config", args.config, *flags,
             "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
             "--validation.enable", "false", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false",
             "--job.dump_folder", str(args.run_dir / "ours_outputs")]
@@ -193,51 +276,8 @@ def our_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
 # torchtitan's side
 
 
-def torchtitan_command(python: Path, args: argparse.Namespace) -> list[str]:
-    return [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-            str(SCRIPTS_DIR / "_torchtitan_cpu.py"), "train", "--module", CONFIG_MODULE, "--config", CONFIG_FUNCTION,
-            "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
+def torchtitan_command(python: Path, args: argparse.Namespace, plan: Plan) -> list[str]:
+    return [str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.settings.dp_shard}",
+            "--local-ranks-filter", "0", str(SCRIPTS_DIR / "_torchtitan_cpu.py"), "train", "--module", plan.module,
+            "--config", CONFIG_FUNCTION, "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
             "--dump_folder", str(args.run_dir / "torchtitan_outputs"), *args.torchtitan_arg]
-
-
-# --------------------------------------------------------------------------------------------------
-# Summary
-
-
-def summary_text(args: argparse.Namespace, s: Settings, versions: dict[str, str], ours: list[float], theirs: list[float],
-                 n_params: int, ours_cmd: list[str], theirs_cmd: list[str], config_path: Path, load: str = "") -> str:
-    """The markdown section: device, versions, commands, model, and both trainers' steady tokens/s."""
-    import torch
-
-    def runs(values: list[float]) -> str:
-        return ", ".join(f"{v:,.0f}" for v in values)
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_description(torch.get_num_threads())
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    repeats = f", fastest of {args.repeats} interleaved runs" if args.repeats > 1 else ""
-    return "\n".join([
-        f"### torchtitan {versions['torchtitan']} vs torchtitan_lite: `{args.config}` side by side",
-        "",
-        f"- device: {device}; {load + '; ' if load else ''}{date}; torch {versions['torch']} in both environments; "
-        f"commit {git_commit()}",
-        f"- command: `{shlex.join(['python', 'scripts/torchtitan_side_by_side.py', *sys.argv[1:]])}`",
-        f"- model: {n_params:,} parameters in both logs (dim {s.dim}, {s.n_layers} layers, {s.n_heads} heads, "
-        f"{s.n_kv_heads} KV heads, FFN {s.ffn_hidden_dim}, vocabulary {s.vocab_size}); float32; seq {s.seq_len} x "
-        f"batch {s.local_batch_size}; no compile / AC / validation / checkpoints",
-        f"- {args.steps} steps per run, logged every {args.log_freq}; tokens/s over steps {args.warmup + 1}-"
-        f"{args.steps}{repeats}",
-        f"- torchtitan run: `{_display(theirs_cmd)}` with the generated `{_display([str(config_path)])}`",
-        f"- torchtitan_lite run: `{_display(ours_cmd)}`",
-        "",
-        "| trainer | tokens/s (steady) | each run |",
-        "|---|---|---|",
-        f"| torchtitan {versions['torchtitan']} | {max(theirs):,.0f} | {runs(theirs)} |",
-        f"| torchtitan_lite | {max(ours):,.0f} | {runs(ours)} |",
-        f"| **ratio torchtitan_lite / torchtitan** | **{max(ours) / max(theirs):.2f}x** | |",
-        "",
-    ])
-
-
-def _display(cmd: list[str]) -> str:
-    """A command with paths inside the repository shown relative to it."""
-    return shlex.join(arg.replace(str(REPO_ROOT) + os.sep, "") for arg in cmd)

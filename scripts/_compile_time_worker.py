@@ -1,0 +1,13 @@
+"""Measure our blocks' compile time in its own process (started by scripts/compile_time_bench.py); the logic
+is in torchtitan_lite.tools.compile_time.worker."""
+import sys
+from pathlib import Path
+
+# The repository root first: a script is started with only its own folder on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import models  # noqa: E402, F401  (registers the model families)
+from torchtitan_lite.tools.compile_time.worker import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,13 @@
+"""Cold and warm compile time of the transformer blocks at several depths, ours against torchtitan's; the
+logic is in torchtitan_lite.tools.compile_time.runner."""
+import sys
+from pathlib import Path
+
+# The repository root first: a script is started with only its own folder on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import models  # noqa: E402, F401  (registers the model families)
+from torchtitan_lite.tools.compile_time.runner import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,41 @@
+"""Per-block compile under FSDP2 and activation checkpointing still compiles one graph per block kind, at any
+depth: FSDP's per-block hooks stay outside the graphs and do not make dynamo recompile for each block."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from _harness import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+
+from models.llama3.model import Llama3ModelArgs, Transformer
+from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN
+from torchtitan_lite.config.sections import CompileConfig
+from torchtitan_lite.distributed.activation_checkpoint import apply_ac
+from torchtitan_lite.distributed.compile import apply_compile, compiled_graphs
+from torchtitan_lite.distributed.fsdp import apply_fsdp
+
+ARGS = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
+
+
+def _graphs_per_depth(rank: int, world_size: int) -> dict[int, int]:
+    from torch._dynamo.utils import counters
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    graphs = {}
+    for n_layers in (2, 5):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = Transformer(dataclasses.replace(ARGS, n_layers=n_layers))
+        apply_ac(model, "selective", "2")  # two block kinds: every second block checkpointed
+        apply_compile(model, CompileConfig(enable=True, backend="aot_eager"))
+        apply_fsdp(model, mesh, LLAMA3_PARALLEL_PLAN)
+        for _ in range(2):
+            model(torch.randint(0, 64, (2, 16))).float().sum().backward()
+        graphs[n_layers] = compiled_graphs()
+    return graphs
+
+
+def test_fsdp_checkpointed_compiled_blocks_compile_once_per_kind_at_any_depth():
+    assert run_ranks(_graphs_per_depth, 2, timeout_s=180) == [{2: 2, 5: 2}] * 2
