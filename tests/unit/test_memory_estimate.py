@@ -194,7 +194,7 @@ def test_block_saved_bytes_match_autograd_saved_tensors(n_kv_heads, precision):
         tokens=batch * seq, dim=args.dim, n_heads=args.n_heads, n_kv_heads=n_kv_heads, head_dim=args.head_dim,
         ffn_dim=args.ffn_hidden_dim, vocab_size=args.vocab_size, n_layers=1, tp=1, sequence_parallel=False,
         loss_parallel=False, compute_bytes=2 if low else 4, residual_bytes=2 if precision == "bf16-params" else 4,
-        autocast=precision == "bf16-autocast", fused_rms_norm=False, compiled_loss=False,
+        autocast=precision == "bf16-autocast", device_type="cpu", compiled_loss=False,
     )
     measured = _saved_bytes_of_block(block, x, rope, autocast=precision == "bf16-autocast")
     # Exact: the formula lists every saved storage; the block input counts since the first norm saves it.
@@ -216,7 +216,7 @@ def test_checkpointed_block_keeps_what_the_plan_says(mode, option):
         tokens=batch * seq, dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
         ffn_dim=args.ffn_hidden_dim, vocab_size=args.vocab_size, n_layers=1, tp=1, sequence_parallel=False,
         loss_parallel=False, compute_bytes=4, residual_bytes=4, autocast=False,
-        fused_rms_norm=False, compiled_loss=False,
+        device_type="cpu", compiled_loss=False,
     )
     kept, _ = block_plan(setup, mode, option)[0]
     # The block input was allocated before profiling, so what stays allocated is the output plus what the
@@ -323,7 +323,7 @@ def test_tp_with_sequence_parallel_halves_everything_but_the_gathered_norm_outpu
                       enable_sequence_parallel=sp)
         layout_setup = dict(tokens=1024, dim=256, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=768, vocab_size=2048,
                             n_layers=6, tp=tp, sequence_parallel=sp, loss_parallel=True, compute_bytes=2,
-                            residual_bytes=4, autocast=True, fused_rms_norm=True, compiled_loss=False)
+                            residual_bytes=4, autocast=True, device_type="cuda", compiled_loss=False)
         assert estimate_memory(cfg, world_size=tp, device_type="cuda")["activations"] == 6 * sum(
             block_saved_bytes(ActivationSetup(**layout_setup)).values())
         return block_saved_bytes(ActivationSetup(**layout_setup))

@@ -17,10 +17,14 @@ Saved for backward by one block without checkpointing (eager; verified tensor by
 - each norm output, read by the Linears after it (wq/wk/wv, w1/w3): one shared tensor of D x a; under
   autocast each Linear saves its own cast copy (autocast caches casts of leaf weights only); with
   float8 TP styles the gathered input is float8: D x 1;
-- q after rotary, and k, v repeated to Hq heads (`repeat_kv` copies; without GQA the projections
-  themselves): 3 x Hq x hd x a (rotary saves only slices of the float32 cos/sin table);
-- SDPA (flash / memory-efficient on CUDA, flash on CPU): output Hq x hd x a and float32 logsumexp Hq x 4;
-  wo reads the output as a view (float8 TP: plus a float8 copy, Hq x hd x 1);
+- SDPA's inputs: q after rotary, and on CUDA k, v repeated to Hq heads (`repeat_kv` copies; without
+  GQA the projections themselves): 3 x Hq x hd x a (rotary saves only the complex table, a buffer); on
+  a CPU, SDPA reads the shared heads itself (`enable_gqa`), so k, v keep Hkv heads, and reduced-precision
+  activations are attended in float32 (models/llama3/attention.py): (Hq + 2 Hkv) x hd x e, where e, the
+  attention's element size, is 4 on a CPU and a elsewhere;
+- SDPA (flash / memory-efficient on CUDA, flash on CPU): output Hq x hd x e and float32 logsumexp Hq x 4;
+  wo reads the output as a view, or when e != a its copy rounded to a, Hq x hd x a (float8 TP: a float8
+  copy, Hq x hd x 1, instead);
 - SwiGLU: w1 output (read by SiLU), SiLU output and w3 output (read by the product), the product
   (read by w2; float8 TP: its float8 copy): 4 x F x a.
 
@@ -29,7 +33,7 @@ Per AC mode (torchtitan_lite/distributed/activation_checkpoint.py):
 - full: the block input only, D x r per T/sp tokens; the block's saved set is rebuilt in backward;
 - selective 'op': the block input plus the outputs the policy keeps: matmuls 1, 3, 5, 7 of the block
   in forward order (wq: Hq x hd, wv: Hkv x hd, w1: F, w2: D x a; a row-parallel w2's matmul output is
-  the full-sequence partial sum), SDPA output + logsumexp, and with TP + SP the two reduce-scatter
+  the full-sequence partial sum), SDPA output (Hq x hd x e) + logsumexp, and with TP + SP the two reduce-scatter
   outputs (D / sp each); float8 amax scalars are negligible;
 - selective N: every Nth block (N-1, 2N-1, ...) full, the others none.
 
@@ -62,13 +66,28 @@ class ActivationSetup:
     compute_bytes: int
     residual_bytes: int
     autocast: bool
-    fused_rms_norm: bool
-    """CUDA: F.rms_norm runs the fused kernel; CPU: the composite."""
+    device_type: str
+    """'cuda': F.rms_norm runs the fused kernel; 'cpu': the composite, and attention in float32 over the
+    shared key / value heads."""
     compiled_loss: bool
     float8_tp_regions: frozenset[str] = frozenset()
     """TP communication regions that move float8 (names from the family's plan: 'attention input',
     'feed_forward input', 'attention.wo output', 'feed_forward.w2 output'); their activations are saved
     as float8 by torchao's float8 TP styles."""
+
+    @property
+    def fused_rms_norm(self) -> bool:
+        return self.device_type == "cuda"
+
+    @property
+    def attention_bytes(self) -> int:
+        """Element size of SDPA's inputs and output: CPUs attend reduced-precision activations in float32."""
+        return 4 if self.device_type == "cpu" else self.compute_bytes
+
+    @property
+    def sdpa_kv_heads(self) -> int:
+        """Key / value heads SDPA receives: CPUs read the shared heads (enable_gqa), CUDA gets them repeated."""
+        return self.hkv if self.device_type == "cpu" else self.hq
 
     @property
     def sp(self) -> int:
@@ -108,16 +127,24 @@ def norm_output_bytes(s: ActivationSetup, consumers: int, region: str | None = N
 
 def block_saved_bytes(s: ActivationSetup) -> dict[str, int]:
     """Saved tensors of one block without checkpointing, by part."""
-    t, a = s.tokens, s.compute_bytes
+    t, a, e = s.tokens, s.compute_bytes, s.attention_bytes
     attention = s.hq * s.head_dim
     return {
         "norms": 2 * norm_saved_bytes(s),
         "norm outputs": norm_output_bytes(s, 3, "attention input") + norm_output_bytes(s, 2, "feed_forward input"),
-        "q, k, v": 3 * t * attention * a,
-        "sdpa": t * attention * a + t * s.hq * 4 + (t * attention if "attention.wo output" in s.float8_tp_regions
-                                                     else 0),
+        "q, k, v": t * (s.hq + 2 * s.sdpa_kv_heads) * s.head_dim * e,
+        "sdpa": t * attention * e + t * s.hq * 4 + wo_input_bytes(s),
         "swiglu": 3 * t * s.ffn * a + t * s.ffn * (1 if "feed_forward.w2 output" in s.float8_tp_regions else a),
     }
+
+
+def wo_input_bytes(s: ActivationSetup) -> int:
+    """What wo saves beyond SDPA's own output: a float8 copy under float8 TP, the output rounded to the
+    compute dtype when attention ran wider, else nothing (a view)."""
+    attention = s.tokens * s.hq * s.head_dim
+    if "attention.wo output" in s.float8_tp_regions:
+        return attention
+    return attention * s.compute_bytes if s.attention_bytes != s.compute_bytes else 0
 
 
 def block_input_bytes(s: ActivationSetup) -> int:
@@ -128,7 +155,7 @@ def selective_op_bytes(s: ActivationSetup) -> int:
     """Block input plus the outputs the per-op policy saves."""
     t, a = s.tokens, s.compute_bytes
     matmuls = t * (s.hq * s.head_dim + s.hkv * s.head_dim + s.ffn + s.dim) * a
-    sdpa = t * s.hq * s.head_dim * a + t * s.hq * 4
+    sdpa = t * s.hq * s.head_dim * s.attention_bytes + t * s.hq * 4
     reduce_scatters = 2 * t // s.sp * s.dim * a if s.sp > 1 else 0
     return block_input_bytes(s) + matmuls + sdpa + reduce_scatters
 
@@ -137,14 +164,14 @@ def recompute_bytes(s: ActivationSetup, *, selective_op: bool) -> int:
     """What backward adds when it re-runs a checkpointed block: the block's saved set, minus the
     tensors the checkpoint already holds (its input, which the first norm saves as is when it is
     float32 or the norm is fused; under the op policy also the SDPA outputs, w1's output, and v when
-    it is not repeated)."""
+    SDPA reads wv's output itself: not repeated, not widened)."""
     none = sum(block_saved_bytes(s).values())
     kept_input = block_input_bytes(s) if s.fused_rms_norm or s.residual_bytes == 4 else 0
     if not selective_op:
         return none - kept_input
     t, a = s.tokens, s.compute_bytes
-    reused = t * s.hq * s.head_dim * a + t * s.hq * 4 + t * s.ffn * a
-    if s.hkv == s.hq:
+    reused = t * s.hq * s.head_dim * s.attention_bytes + t * s.hq * 4 + t * s.ffn * a
+    if s.sdpa_kv_heads == s.hkv and s.attention_bytes == a:
         reused += t * s.hkv * s.head_dim * a
     return none - kept_input - reused
 

@@ -221,7 +221,7 @@ def _activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
         # Without FSDP, low precision comes from autocast: parameters, embedding output and residual stay fp32.
         compute_bytes=param_bytes, residual_bytes=4 if precision.autocast else param_bytes,
         autocast=precision.autocast, float8_tp_regions=layout.float8_tp_regions,
-        fused_rms_norm=run.device_type == "cuda", compiled_loss=run.compile_loss,
+        device_type=run.device_type, compiled_loss=run.compile_loss,
     )
 
 
