@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+import torchtitan_lite.tools.script_start  # noqa: F401  (before torchao prints its notices)
+
+# isort: split
 import config_registry
 import models  # noqa: F401  (registers the model families)
 from torchtitan_lite.components.checkpoint.convert import checkpoint_vocab_size, dcp_to_hf, resolve_model

@@ -7,6 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models  # noqa: E402, F401  (registers the model families)
+import torchtitan_lite.tools.script_start  # noqa: E402, F401  (before torchao prints its notices)
 from config_registry import DEFAULT_REGISTRY  # noqa: E402
 from torchtitan_lite.tools.torchtitan_side_by_side.runner import main  # noqa: E402
 

@@ -26,3 +26,4 @@ def test_importing_torchao_after_silencing_prints_neither_notice():
     assert done.stdout.strip() == "imported"
     assert "is an Enum subclass" not in done.stderr
     assert "Failed to load" not in done.stderr  # no CUDA here, so torchao's kernel notices are hidden
+

@@ -42,3 +42,19 @@ def test_script_holds_no_logic(script):
     source = (REPO / "scripts" / f"{script}.py").read_text()
     assert "def " not in source and "class " not in source
     assert len(source.splitlines()) <= 15
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in (REPO / "scripts").glob("*.py")))
+def test_scripts_that_reach_torchao_silence_its_notices_first(script):
+    # torchao prints "Failed to load ..." for its CUDA kernels when first imported on a CPU-only machine;
+    # script_start filters that (and torch's pytree notice) before anything imports torchao.
+    source = (REPO / "scripts" / f"{script}.py").read_text()
+    reaches_torchao = any(name in source for name in ("import models", "import config_registry",
+                                                      "from config_registry"))
+    if not reaches_torchao:
+        return
+    start = source.find("import torchtitan_lite.tools.script_start")
+    assert start != -1, f"scripts/{script}.py must import torchtitan_lite.tools.script_start"
+    # models imports no torchao (the import sorter puts it first); config_registry and the tools' mains may.
+    later = [i for i in (source.find("config_registry"), source.find(" import main")) if i != -1]
+    assert later and start < min(later)
