@@ -169,7 +169,7 @@ def _dp_worker(rank: int, world_size: int, port: int, queue) -> None:
         model = Recorder()
         loss = _validator(dataloader=data, dp_group=dist.group.WORLD).validate([model], step=1)
         queue.put((rank, loss, len(model.seen)))
-        dist.barrier()  # leave together; see test_grad_scaler._two_rank_worker
+        dist.barrier()  # leave together (a rank tearing gloo down under its peer aborts the peer)
     finally:
         dist.destroy_process_group()
 
