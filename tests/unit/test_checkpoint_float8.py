@@ -30,15 +30,20 @@ def manager(dump, model, **cfg):
     return CheckpointManager.Config(**cfg).build(dump_folder=str(dump), states={"model": ModelWrapper(model)})
 
 
+def save_and_load_weights_only(tmp_path, model: nn.Module) -> dict:
+    """The model's checkpoint at step 1, converted to one torch.save file and loaded with weights_only=True."""
+    manager(tmp_path, model).save(1, force=True)
+    out = tmp_path / "plain.pt"
+    dcp_to_torch_save(os.path.join(tmp_path, "checkpoint", "step-1"), out)
+    return torch.load(out, weights_only=True)
+
+
 def test_float8_weights_save_as_plain_tensors_loadable_weights_only(tmp_path):
     model = fp8(tiny(0))
     assert type(model[0].weight) is WeightWithDynamicFloat8CastTensor  # the case under test
     state = ModelWrapper(model).state_dict()
     assert {type(v) for v in state.values()} == {torch.Tensor}
-    manager(tmp_path, model).save(1, force=True)
-    out = tmp_path / "plain.pt"
-    dcp_to_torch_save(os.path.join(tmp_path, "checkpoint", "step-1"), out)
-    loaded = torch.load(out, weights_only=True)
+    loaded = save_and_load_weights_only(tmp_path, model)
     assert {type(v) for v in loaded["model"].values()} == {torch.Tensor}
     assert torch.equal(loaded["model"]["0.weight"], model[0].weight._tensor)
 
@@ -82,10 +87,7 @@ def test_mx_weights_save_as_plain_tensors_loadable_weights_only(tmp_path):
     assert isinstance(model[0], MXLinear)  # the case under test
     with torch.no_grad():  # one MX forward, so the saved state is that of a model that has run
         model(torch.randn(2, 32, 64))
-    manager(tmp_path, model).save(1, force=True)
-    out = tmp_path / "plain.pt"
-    dcp_to_torch_save(os.path.join(tmp_path, "checkpoint", "step-1"), out)
-    loaded = torch.load(out, weights_only=True)
+    loaded = save_and_load_weights_only(tmp_path, model)
     assert {type(v) for v in loaded["model"].values()} == {torch.Tensor}
     assert set(loaded["model"]) == {"0.weight", "2.weight"}
     assert torch.equal(loaded["model"]["2.weight"], model[2].weight.detach())
