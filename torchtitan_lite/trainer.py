@@ -4,11 +4,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import os
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -47,13 +45,10 @@ from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.shutdown import PreemptionWatcher
 from torchtitan_lite.spike_guard import SpikeGuard, Verdict
+from torchtitan_lite.spike_response import SpikeResponse
 from torchtitan_lite.train_state import TrainState
 
 logger = logging.getLogger("torchtitan_lite")
-
-
-SPIKE_RECORD = "spike_rollbacks"
-"""<checkpoint folder>/spike_rollbacks.json: every rollback of the run, written the moment it happens."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -175,6 +170,9 @@ class Trainer(Configurable):
             num_flops_per_token=self.model_parts[0].flops_per_token(cfg.training.seq_len),
             dp_degree=self.parallel_dims.dp_degree, tp_degree=cfg.parallelism.tp,
         )
+        self.spikes = None if self.spike_guard is None else SpikeResponse(
+            self.spike_guard, checkpointer=self.checkpointer, metrics=self.metrics, health=self.health,
+            device=self.device)
         self.validator = self._build_validator()
         self.fp8_stats = self._build_fp8_stats()
         self.watcher = PreemptionWatcher(self.device)
@@ -251,9 +249,8 @@ class Trainer(Configurable):
             return
         self.checkpointer.check_storage()
         self.train_state.step = self.checkpointer.load()
-        if self.spike_guard is not None:
-            self.spike_guard.adopt_recorded(self.checkpointer.read_record(SPIKE_RECORD, []), self.train_state.step)
-            self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
+        if self.spikes is not None:
+            self.spikes.resume(self.train_state.step)
         first_step = self.train_state.step + 1
         data_iter = iter(self.dataloader)
         if cfg.training.gc_freq > 0:
@@ -271,7 +268,8 @@ class Trainer(Configurable):
                 t0 = time.perf_counter()
                 # Labelled so profiler traces show the data time per step (tokenisation is on demand).
                 with torch.profiler.record_function("data_loading"):
-                    self._skip_spike_data(step, data_iter)
+                    if self.spikes is not None:
+                        self.spikes.skip_data(step, data_iter, batches_per_step=self.n_microbatches)
                     batches = [next(data_iter) for _ in range(self.n_microbatches)]
                 data_s = time.perf_counter() - t0
                 loss, grad_norm = self.train_step(batches)
@@ -287,10 +285,12 @@ class Trainer(Configurable):
                 last = step == cfg.training.steps
                 self.metrics.maybe_log(step, loss=loss, grad_norm=grad_norm, lr=self.lr_schedulers.last_lr,
                                        extra=self._extra_metrics(), force=last)
-                if verdict is not None:
-                    self._report_spike(step, verdict, logged=last or self.metrics.should_log(step))
+                if self.spikes is not None and verdict is not None:
+                    self.spikes.report(step, verdict, logged=last or self.metrics.should_log(step))
                     if verdict.action == "rollback":
-                        data_iter = self._roll_back()
+                        # Every state, the step included, comes back from the checkpoint; the data restarts there.
+                        self.train_state.step = self.spikes.roll_back(total_steps=cfg.training.steps)
+                        data_iter = iter(self.dataloader)
                         profiler.step()
                         continue
                 self._maybe_validate(force=last)
@@ -329,7 +329,8 @@ class Trainer(Configurable):
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = float(clip_grad_norm_(params, self.config.training.max_norm))
         loss_value = self._sum_over_dp(loss_total)
-        verdict = self.last_verdict = self._judge_spike(loss_value, grad_norm, overflow)
+        verdict = self.last_verdict = (None if self.spikes is None else
+                                       self.spikes.judge(self.train_state.step, loss_value, grad_norm, overflow=overflow))
         applies = verdict is None or verdict.updates
         if self.grad_scaler is not None:
             if applies:
@@ -348,63 +349,6 @@ class Trainer(Configurable):
         if verdict is None:  # with the policy on, a non-finite loss or norm is a spike like any other
             self._check_finite(loss_value, grad_norm)
         return loss_value, grad_norm
-
-    # ----------------------------------------------------------------------------------------------
-    # Loss spikes
-
-    def _judge_spike(self, loss: float, grad_norm: float, overflow: bool) -> Verdict | None:
-        if self.spike_guard is None:
-            return None
-        # The loss and norm are already reduced over the ranks; one MAX all-reduce makes every rank judge
-        # bit-identical numbers all the same (non-finite values count as +inf, which MAX keeps).
-        agreed = torch.tensor([loss, grad_norm], dtype=torch.float64)
-        agreed = torch.where(torch.isfinite(agreed), agreed, torch.full_like(agreed, math.inf))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            agreed = agreed.to(self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        values = dict(zip(("loss", "grad_norm"), agreed.tolist(), strict=True))
-        return self.spike_guard.judge(self.train_state.step, values, overflow=overflow)
-
-    def _report_spike(self, step: int, verdict: Verdict, *, logged: bool) -> None:
-        """Console line for each spike, spike/ scalars on each spike and each logged step."""
-        assert self.spike_guard is not None
-        if verdict.action in ("skip", "rollback"):
-            logger.warning("loss spike at step %s: %s", step, verdict.reason)
-        if verdict.action != "rollback" and (logged or verdict.action == "skip"):  # a rollback logs its own
-            self.metrics.log_scalars(self.spike_guard.scalars(), step)
-
-    def _roll_back(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Back to the newest good checkpoint before the spike; returns the data iterator to go on with."""
-        guard = self.spike_guard
-        assert guard is not None
-        self.checkpointer.wait()
-        plan = guard.plan_rollback(self.checkpointer.rollback_candidates())
-        aside = f"rolled_back_{guard.rollbacks + 1}"
-        guard.roll_back(plan, lambda step: self.checkpointer.roll_back(step, set_aside_as=aside))
-        self.train_state.step = plan.to_step  # restored with the rest; stated for the reader
-        self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
-        records = self.checkpointer.read_record(SPIKE_RECORD, [])
-        records.append({"rollback": guard.rollbacks, "to_step": plan.to_step, "spike_steps": list(plan.spike_steps),
-                        "skip_data_of_steps": [plan.first_data_step, plan.last_data_step]})
-        self.checkpointer.write_record(SPIKE_RECORD, records)
-        logger.warning("rollback %d of %d: back to the checkpoint of step %d after the spike at steps %s; the "
-                       "batches of steps %d-%d (%d steps) are skipped when training reaches step %d again",
-                       guard.rollbacks, self.config.training.spike_policy.max_rollbacks, plan.to_step,
-                       list(plan.spike_steps), plan.first_data_step, plan.last_data_step, plan.data_steps,
-                       plan.first_data_step)
-        self.metrics.log_scalars(guard.scalars(), plan.spike_steps[-1])
-        self.metrics.begin(plan.to_step, self.config.training.steps)
-        return iter(self.dataloader)
-
-    def _skip_spike_data(self, step: int, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        window = None if self.spike_guard is None else self.spike_guard.data_to_skip(step)
-        if window is None:
-            return
-        first, last = window
-        for _ in range((last - first + 1) * self.n_microbatches):
-            next(data_iter)
-        logger.warning("skipped the batches of steps %d-%d of the rolled-back run (%d batches); step %d trains "
-                       "on the data that followed them", first, last, (last - first + 1) * self.n_microbatches, step)
 
     def _global_target_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
