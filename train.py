@@ -11,6 +11,8 @@ import signal
 import sys
 import warnings
 
+import torchtitan_lite.tools.project_python  # noqa: F401  (no torch in this Python: re-runs with the project's)
+
 
 def _setup_logging() -> None:
     # run_train.sh's torchrun (--tee --role rank) already starts every line with "[rankN]:".

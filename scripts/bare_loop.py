@@ -5,8 +5,11 @@ from pathlib import Path
 # The repository root first: a script is started with only its own folder on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models  # noqa: E402, F401  (registers the model families)
+import torchtitan_lite.tools.project_python  # noqa: E402, F401  (no torch in this Python: re-runs with the project's)
 import torchtitan_lite.tools.script_start  # noqa: E402, F401  (before torchao prints its notices)
+
+# isort: split
+import models  # noqa: E402, F401  (registers the model families)
 from config_registry import DEFAULT_REGISTRY  # noqa: E402
 from torchtitan_lite.tools.bare_loop import main  # noqa: E402
 

@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
+from pathlib import Path
 
-import torchtitan_lite.tools.script_start  # noqa: F401  (before torchao prints its notices)
+# The repository root first: a script is started with only its own folder on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torchtitan_lite.tools.project_python  # noqa: E402, F401  (no torch in this Python: re-runs with the project's)
+import torchtitan_lite.tools.script_start  # noqa: E402, F401  (before torchao prints its notices)
 
 # isort: split
 import config_registry

@@ -17,6 +17,10 @@ import argparse
 import sys
 from pathlib import Path
 
+# The repository root first: a script is started with only its own folder on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torchtitan_lite.tools.project_python  # noqa: E402, F401  (no torch in this Python: re-runs with the project's)
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.tokenizer_files import TokenizerError
 from torchtitan_lite.hf_assets import LLAMA3_TOKENIZER_REPO, HubAccessError, default_output, download

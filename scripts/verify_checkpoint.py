@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+# The repository root first: a script is started with only its own folder on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torchtitan_lite.tools.project_python  # noqa: E402, F401  (no torch in this Python: re-runs with the project's)
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,9 @@
 """Every command in README.md and docs/*.md either runs here, exactly as written, or is listed below as
 long-running with the reason. Quick commands (help, listings, plans, estimates, checks, dry runs) run
 in parallel subprocesses; the test fails on a command that is neither run nor listed, so new docs
-cannot slip in untested commands.
+cannot slip in untested commands. They run as a user types them: in a shell whose `python` has no
+torch (the project's interpreter is found by scripts/setup_env.sh, as after README command 1), and every
+script a `python scripts/...` line of README.md, docs/ or BENCHMARKS.md names shows its help there.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import venv
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SCRIPT_DOCS = [*DOCS, REPO / "BENCHMARKS.md"]
 
 QUICK_FLAGS = ("--help", "--list-configs", "--print-config", "--print-fp8-plan", "--estimate-memory",
                "--check-config", "--dry-run")
@@ -126,10 +130,23 @@ def is_quick(command: str) -> bool:
     return any(flag in words for flag in QUICK_FLAGS)
 
 
-def run(command: str) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> Path:
+    """The bin folder of a virtual environment without torch: its `python` and `python3` stand for the
+    interpreter a user's shell finds first on PATH."""
+    bin_dir = tmp_path_factory.mktemp("bare") / "venv"
+    venv.create(bin_dir, with_pip=False, symlinks=True)
+    bin_dir = bin_dir / "bin"
+    probe = subprocess.run([str(bin_dir / "python"), "-c", "import torch"], capture_output=True, text=True)
+    assert "No module named 'torch'" in probe.stderr  # the shell's python really lacks torch
+    return bin_dir
+
+
+def run(command: str, bare_python: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    # `python` and run_train.sh use this interpreter (run_train.sh would otherwise probe the venv first).
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{bare_python}{os.pathsep}{env.get('PATH', '')}"
+    # What scripts/setup_env.sh names (run_train.sh and the scripts ask it): this test's interpreter, the
+    # project's environment under test, instead of probing ./.venv (which a checkout may lack).
     env["TTL_PYTHON"] = sys.executable
     return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -143,16 +160,58 @@ def test_every_documented_command_is_run_or_listed():
     assert not stale, f"LONG_RUNNING lists commands the docs no longer have: {stale}"
 
 
-def test_quick_documented_commands_run_as_written():
+def test_quick_documented_commands_run_as_written(bare_python):
     quick = list(dict.fromkeys(cmd for _, cmd in doc_commands() if is_quick(cmd)))
     assert any(cmd.startswith("NGPU=8 ") for cmd in quick)  # environment prefixes are part of the command
     with ThreadPoolExecutor(max_workers=3) as pool:
-        results = dict(zip(quick, pool.map(run, quick)))
+        results = dict(zip(quick, pool.map(lambda cmd: run(cmd, bare_python), quick)))
     failed = [f"{cmd}\n  exit {r.returncode}: {(r.stderr or r.stdout).strip()[-600:]}" for cmd, r in results.items()
               if r.returncode != 0]
     assert not failed, "documented commands failed:\n" + "\n".join(failed)
     plan = results["NGPU=8 python train.py --config llama3_8b_fp8 --print-fp8-plan"].stdout.splitlines()
     assert documented_excerpt() and all(line in plan for line in documented_excerpt() if line != "...")
+
+
+def documented_python_scripts() -> list[str]:
+    """Every `python <file>.py` of README.md, docs/ and BENCHMARKS.md, in code blocks or prose (not
+    `.venv/bin/python ...`, which names its interpreter)."""
+    found: set[str] = set()
+    for path in SCRIPT_DOCS:
+        found.update(re.findall(r"(?<![\w/.-])python ((?:scripts/)?\w+\.py)\b", path.read_text()))
+    return sorted(found)
+
+
+def test_documented_python_scripts_hand_over_to_the_project_python(bare_python, tmp_path):
+    # The shell's python has no torch: each script must start again, with the same arguments, under the
+    # interpreter scripts/setup_env.sh names. A stand-in interpreter that prints what it was given shows
+    # that for every documented script without loading torch 20 times; the quick commands above run
+    # real ones end to end.
+    scripts = documented_python_scripts()
+    assert {"train.py", "scripts/generate.py", "scripts/convert_to_hf.py", "scripts/benchmark.py",
+            "scripts/verify_checkpoint.py", "scripts/checkpoint_hash_bench.py"} <= set(scripts)
+    stand_in = tmp_path / "project_python"
+    stand_in.write_text('#!/bin/sh\nprintf "%s\\n" "$0" "$@"\n')
+    stand_in.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bare_python}{os.pathsep}{os.environ.get('PATH', '')}", "TTL_PYTHON": str(stand_in)}
+    wrong = {}
+    for script in scripts:
+        result = subprocess.run(["bash", "-c", f"python -u {script} --help"], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=60)
+        if result.returncode != 0 or result.stdout.splitlines() != [str(stand_in), "-u", script, "--help"]:
+            wrong[script] = (result.returncode, result.stdout.strip(), result.stderr.strip()[-400:])
+    assert not wrong, f"scripts that do not start again under the project's interpreter: {wrong}"
+
+
+def test_an_interpreter_without_torch_named_by_setup_env_is_refused_with_the_fix(bare_python):
+    # TTL_PYTHON names the same torch-less python: one second start at most, then the fix.
+    env = {**os.environ, "PATH": f"{bare_python}{os.pathsep}{os.environ.get('PATH', '')}",
+           "TTL_PYTHON": str(bare_python / "python")}
+    result = subprocess.run(["bash", "-c", "python scripts/generate.py --help"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: {bare_python / 'python'}, the interpreter scripts/setup_env.sh names "
+                                    "(TTL_PYTHON when set, else ./.venv), has no torch")
+    assert "Point TTL_PYTHON at a Python with the project's dependencies" in result.stderr
 
 
 def documented_excerpt() -> list[str]:
