@@ -1,11 +1,15 @@
+import re
 import sys
 import textwrap
+import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 import config_registry
 from config_registry import ConfigRegistry
+from torchtitan_lite.config import list_configs_text
 from torchtitan_lite.config.errors import ConfigError
 
 
@@ -142,3 +146,111 @@ def test_module_level_functions_use_the_package_registry(monkeypatch):
     assert config_registry.describe() == [("llama3_8b", "Big model.")]
     config_registry.unregister("llama3_8b")
     assert config_registry.names() == []
+
+
+
+
+TOY_MODULE = textwrap.dedent("""
+    from dataclasses import dataclass
+    from {package} import REGISTRY
+
+    @dataclass
+    class C:
+        x: int = 0
+
+    @REGISTRY.register
+    def {name}() -> C:
+        \"\"\"{name} doc.\"\"\"
+        return C()
+""")
+
+
+@pytest.fixture
+def registry_with_broken_files(tmp_path, monkeypatch):
+    """A package of one good config file and three broken ones: a syntax error, a missing import and an
+    exception after one of its configs was registered."""
+    package = tmp_path / "ttl_broken_configs"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from config_registry import ConfigRegistry\nREGISTRY = ConfigRegistry(__name__)\n")
+    (package / "good.py").write_text(TOY_MODULE.format(package=package.name, name="alpha"))
+    (package / "syntax.py").write_text("def beta(:\n    pass\n")
+    (package / "missing.py").write_text("import ttl_no_such_module\n\n\ndef gamma():\n    pass\n")
+    (package / "raises.py").write_text(TOY_MODULE.format(package=package.name, name="delta")
+                                       + "\nraise ValueError('bad value in my config file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import ttl_broken_configs
+
+    yield ttl_broken_configs.REGISTRY, package
+    for name in [m for m in sys.modules if m.startswith("ttl_broken_configs")]:
+        del sys.modules[name]
+
+
+def test_a_broken_config_file_is_reported_and_the_others_still_work(registry_with_broken_files):
+    registry, package = registry_with_broken_files
+    assert registry.describe() == [("alpha", "alpha doc.")]  # delta, registered before its file raised, is dropped
+    assert [(b.path, b.error) for b in registry.broken_modules()] == [
+        (str(package / "missing.py"), "ModuleNotFoundError at line 1: No module named 'ttl_no_such_module'"),
+        (str(package / "raises.py"), "ValueError at line 14: bad value in my config file"),
+        (str(package / "syntax.py"), "SyntaxError at line 1: invalid syntax"),
+    ]
+    assert registry.get("alpha").x == 0
+    assert list_configs_text(registry).splitlines() == [
+        "alpha  alpha doc.",
+        f"warning: {package / 'missing.py'} fails to import, its configs are not available: "
+        "ModuleNotFoundError at line 1: No module named 'ttl_no_such_module'",
+        f"warning: {package / 'raises.py'} fails to import, its configs are not available: "
+        "ValueError at line 14: bad value in my config file",
+        f"warning: {package / 'syntax.py'} fails to import, its configs are not available: "
+        "SyntaxError at line 1: invalid syntax",
+    ]
+
+
+@pytest.mark.parametrize("name, file, error", [
+    ("beta", "syntax.py", "SyntaxError at line 1: invalid syntax"),
+    ("gamma", "missing.py", "ModuleNotFoundError at line 1: No module named 'ttl_no_such_module'"),
+    ("delta", "raises.py", "ValueError at line 14: bad value in my config file"),
+])
+def test_a_config_of_a_broken_file_is_an_error_naming_the_file_and_its_error(registry_with_broken_files, name,
+                                                                            file, error):
+    registry, package = registry_with_broken_files
+    with pytest.raises(ConfigError) as err:
+        registry.get(name)
+    assert str(err.value) == (f"config '{name}' is defined in {package / file}, which fails to import: {error}; "
+                              "fix that file (the configs of the other files still work)")
+
+
+def test_an_unknown_config_names_the_files_that_failed_to_import(registry_with_broken_files):
+    registry, package = registry_with_broken_files
+    with pytest.raises(ConfigError) as err:
+        registry.get("omega")
+    message = str(err.value)
+    assert message.startswith("unknown config 'omega' (known: alpha); run with --list-configs to see them all; ")
+    assert (f"; {package / 'syntax.py'} fails to import (SyntaxError at line 1: invalid syntax): a config there is "
+            "not available until it is fixed") in message
+
+
+def test_a_working_config_warns_once_about_the_broken_files(registry_with_broken_files, caplog):
+    registry, package = registry_with_broken_files
+    with caplog.at_level("WARNING", logger="torchtitan_lite.config.registry"):
+        registry.get("alpha")
+        registry.get("alpha")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{package / f} fails to import, its configs are not available: {e}" for f, e in [
+            ("missing.py", "ModuleNotFoundError at line 1: No module named 'ttl_no_such_module'"),
+            ("raises.py", "ValueError at line 14: bad value in my config file"),
+            ("syntax.py", "SyntaxError at line 1: invalid syntax")]]
+
+
+def test_the_readme_registry_example_runs_as_written():
+    # Saved as a file of config_registry/, the README's example registers a config that builds.
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "@register" in block]
+    module = types.ModuleType("config_registry.readme_example")
+    try:
+        exec(compile(example, "README.md", "exec"), module.__dict__)
+        config = config_registry.get("llama3_debug_fp8_rowwise_ac")
+    finally:
+        config_registry.DEFAULT_REGISTRY.unregister("llama3_debug_fp8_rowwise_ac")
+    assert config.activation_checkpoint.mode == "selective"
+    assert config.model_converters == config_registry.get("llama3_debug_fp8_rowwise").model_converters

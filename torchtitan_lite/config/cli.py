@@ -126,10 +126,11 @@ def main_help_text(root_cls: type, config: Any = None, config_name: str | None =
 def list_configs_text(registry: ConfigRegistry) -> str:
     """``name  first-docstring-line`` for every registered config, one per line."""
     entries = registry.describe()
+    warnings = [f"warning: {broken.summary()}" for broken in registry.broken_modules()]
     if not entries:
-        return "no configs are registered"
+        return "\n".join(["no configs are registered", *warnings])
     width = max(len(name) for name, _ in entries)
-    return "\n".join(f"{name.ljust(width)}  {doc}".rstrip() for name, doc in entries)
+    return "\n".join([*(f"{name.ljust(width)}  {doc}".rstrip() for name, doc in entries), *warnings])
 
 
 def _split_argv(argv: list[str]) -> _Argv:
