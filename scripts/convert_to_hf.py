@@ -4,8 +4,10 @@
     python scripts/convert_to_hf.py --checkpoint ckpt/step-1000 --config llama3_8b --dtype bfloat16 --output llama3_8b_hf
 
 The model and tokenizer come from the run's saved config.toml (<dump_folder>/config.toml, overrides
-included); --config NAME uses a registered config instead. The result loads with
-``transformers.LlamaForCausalLM.from_pretrained(output)`` and ``AutoTokenizer.from_pretrained(output)``.
+included); --config NAME uses a registered config instead. The weights are written in that config's
+checkpoint.export_dtype (float32 by default, as for checkpoint.last_save_in_hf) unless --dtype says
+otherwise. The result loads with ``transformers.LlamaForCausalLM.from_pretrained(output)`` and
+``AutoTokenizer.from_pretrained(output)``.
 Any saved layout works (FSDP, TP, 1 process); only the model weights are read.
 """
 from __future__ import annotations
@@ -32,14 +34,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="DCP checkpoint folder, e.g. <dump>/checkpoint/step-N")
     parser.add_argument("--config", help="registered config to use instead of the run's config.toml")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the exported weights")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                        help="dtype of the exported weights (default: the config's checkpoint.export_dtype, float32 "
+                             "unless the run set it)")
     parser.add_argument("--output", required=True, help="folder to write the Hugging Face model to")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = config_for_checkpoint(args.checkpoint, registry=config_registry.DEFAULT_REGISTRY, config_name=args.config)
     spec, model_args = resolve_model(cfg, vocab_size=checkpoint_vocab_size(args.checkpoint))
     run_config = None if args.config else find_run_config(args.checkpoint)
-    dcp_to_hf(args.checkpoint, spec, model_args, args.output, args.dtype, tokenizer=cfg.tokenizer.build(),
+    dcp_to_hf(args.checkpoint, spec, model_args, args.output, args.dtype or cfg.checkpoint.export_dtype,
+              tokenizer=cfg.tokenizer.build(),
               run_config=None if run_config is None else str(run_config))
 
 

@@ -36,15 +36,67 @@ def test_sentencepiece_to_tokenizer_json_encodes_and_decodes_alike():
         assert fast.decode(ours.encode(text, bos=False, eos=False)) == text
 
 
-def test_a_tokenizer_json_source_is_copied_with_bos_and_eos(tmp_path):
+def test_a_tokenizer_json_source_is_exported_with_bos_and_eos(tmp_path):
     pytest.importorskip("tokenizers")
     ours = Tokenizer.Config().build()
     sentencepiece_to_fast(ours.path, bos_id=ours.bos_id).save(str(tmp_path / "tokenizer.json"))
     out = tmp_path / "out"
     out.mkdir()
     export_tokenizer(tmp_path, str(out), bos_id=1, eos_id=2, model_max_length=128)  # a folder holding tokenizer.json
-    assert (out / "tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
     assert json.loads((out / "special_tokens_map.json").read_text()) == {"bos_token": "<s>", "eos_token": "</s>"}
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"], config["add_bos_token"]) == ("<s>", "</s>", True)
+
+
+def _sentencepiece_source(folder):
+    return Tokenizer.Config().build().path  # the project's default .model
+
+
+def _json_source(post_processor: str):
+    def write(folder):
+        from _hf_tokenizer import BOS, EOS, llama3_style_tokenizer, write_model_folder
+        from tokenizers import processors
+
+        tokenizer = llama3_style_tokenizer(vocab_size=600)
+        bos, eos = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
+        tokenizer.post_processor = {
+            "bos": tokenizer.post_processor,  # Llama 3's own: prepends BOS
+            "none": None,  # a plain tokenizer.json: the run still prepends BOS
+            "bos_eos": processors.TemplateProcessing(single=f"{BOS} $A {EOS}", special_tokens=[(BOS, bos), (EOS, eos)]),
+            "byte_level": processors.ByteLevel(trim_offsets=False),
+        }[post_processor]
+        return str(write_model_folder(folder, tokenizer))
+    return write
+
+
+@pytest.mark.parametrize("source", [_sentencepiece_source, _json_source("bos"), _json_source("none"),
+                                    _json_source("bos_eos"), _json_source("byte_level")],
+                         ids=["sentencepiece", "json_bos", "json_plain", "json_bos_eos", "json_byte_level"])
+def test_the_exported_tokenizer_encodes_exactly_as_the_run_did(tmp_path, source):
+    # AutoTokenizer on the export gives the ids of the run's tokenizer with BOS (training and generate.py).
+    transformers = pytest.importorskip("transformers")
+    path = source(tmp_path / "source")
+    ours = Tokenizer.Config(path=path).build()
+    out = tmp_path / "out"
+    out.mkdir()
+    export_tokenizer(path, str(out), bos_id=ours.bos_id, eos_id=ours.eos_id, model_max_length=128)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(out))
+    expected = [ours.encode(text, bos=True, eos=False) for text in TEXTS]
+    assert [theirs(text)["input_ids"] for text in TEXTS] == expected
+    assert theirs(TEXTS)["input_ids"] == expected
+    assert all(theirs.decode(ids[1:]) == text for ids, text in zip(expected, TEXTS))
+
+
+def test_convert_to_hf_writes_the_configs_export_dtype_unless_told_otherwise(tmp_path):
+    safetensors = pytest.importorskip("safetensors")
+    ckpt = save_run(tmp_path / "run", n_layers=1)
+    assert config_for_checkpoint(ckpt, registry=config_registry.DEFAULT_REGISTRY).checkpoint.export_dtype == "float32"
+    for argv, expected in (([], "F32"), (["--dtype", "bfloat16"], "BF16")):
+        out = tmp_path / f"hf{len(argv)}"
+        _script("convert_to_hf").main(["--checkpoint", ckpt, "--output", str(out), *argv])
+        with safetensors.safe_open(str(out / "model.safetensors"), framework="np") as f:
+            dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
+        assert dtypes == {expected}, argv
 
 
 def test_run_exports_with_only_the_checkpoint_and_transformers_generates_the_same(tmp_path):

@@ -3,10 +3,12 @@
 * SentencePiece ``.model`` (this project's default): rebuilt as a ``tokenizer.json`` with the
   ``tokenizers`` library (same BPE vocabulary and merges, byte fallback, whitespace as ``▁``), the
   ``.model`` copied beside it as ``tokenizer.model``.
-* A ``tokenizer.json`` file, or a folder holding one: copied.
+* A ``tokenizer.json`` file, or a folder holding one: copied, with its post-processor replaced by one
+  that prepends the run's BOS and nothing else (a user's file may add no BOS, another BOS, or an EOS).
 
 Either way ``tokenizer_config.json`` and ``special_tokens_map.json`` name BOS/EOS, and the fast
-tokenizer prepends BOS like our ``encode(text, bos=True, eos=False)``, so a prompt gives the same ids.
+tokenizer prepends BOS exactly like the run's ``encode(text, bos=True, eos=False)`` (training and
+generate.py), so ``AutoTokenizer`` gives a prompt the same ids.
 """
 from __future__ import annotations
 
@@ -44,8 +46,9 @@ def export_tokenizer(source: str | os.PathLike, out_dir: str, *, bos_id: int, eo
         tokenizer.save(str(out / TOKENIZER_JSON))
         shutil.copyfile(file, out / SP_MODEL)
     else:
-        shutil.copyfile(file, out / TOKENIZER_JSON)
-        tokenizer = _load_fast(out / TOKENIZER_JSON)
+        tokenizer = _load_fast(file)
+        tokenizer.post_processor = _bos_only(tokenizer, bos_id)
+        tokenizer.save(str(out / TOKENIZER_JSON))
     bos, eos = tokenizer.id_to_token(bos_id), tokenizer.id_to_token(eos_id)
     if bos is None or eos is None:
         raise ValueError(f"{file} has no token for bos_id={bos_id} or eos_id={eos_id}; the exported tokenizer "
@@ -54,7 +57,7 @@ def export_tokenizer(source: str | os.PathLike, out_dir: str, *, bos_id: int, eo
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **specials,
-        "add_bos_token": kind == "sentencepiece",
+        "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
@@ -97,10 +100,26 @@ def sentencepiece_to_fast(model_file: str | os.PathLike, *, bos_id: int) -> Any:
     user_defined = [p.piece for p in proto.pieces if p.type == 4]
     tok.add_special_tokens([tokenizers.AddedToken(piece, special=True, normalized=False) for piece in control])
     tok.add_tokens([tokenizers.AddedToken(piece, special=False, normalized=False) for piece in user_defined])
-    bos = proto.pieces[bos_id].piece
-    tok.post_processor = tokenizers.processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    tok.post_processor = _bos_only(tok, bos_id)
     return tok
+
+
+def _bos_only(tokenizer: Any, bos_id: int) -> Any:
+    """A post-processor that prepends ``bos_id``, as the project's ``encode(bos=True, eos=False)`` does on
+    top of the plain encoding. A byte-level offsets step of the file's own post-processor is kept (it changes
+    offsets, not ids); anything that adds tokens is dropped."""
+    processors = _tokenizers().processors
+    bos = tokenizer.id_to_token(bos_id)
+    if bos is None:
+        raise ValueError(f"the tokenizer has no token for bos_id={bos_id}; the exported tokenizer could not prepend it")
+    template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                             special_tokens=[(bos, bos_id)])
+    spec = json.loads(tokenizer.to_str()).get("post_processor") or {}
+    steps = spec.get("processors", []) if spec.get("type") == "Sequence" else [spec]
+    byte_level = [processors.ByteLevel(**{key: step[key] for key in ("add_prefix_space", "trim_offsets", "use_regex")
+                                          if key in step})
+                  for step in steps if step.get("type") == "ByteLevel"]
+    return processors.Sequence([*byte_level, template]) if byte_level else template
 
 
 def _load_fast(path: Path) -> Any:

@@ -104,7 +104,8 @@ class CheckpointManager(Configurable):
         last_save_in_hf: bool = False
         """Also write the final model as Hugging Face config.json + model.safetensors to <folder>/step-<N>-hf/."""
         export_dtype: Literal["float32", "bfloat16"] = "float32"
-        """Dtype of model-only checkpoints (seed, last_save_model_only) and of the Hugging Face export."""
+        """Dtype of model-only checkpoints (seed, last_save_model_only) and of the Hugging Face export
+        (last_save_in_hf, and scripts/convert_to_hf.py unless its --dtype says otherwise)."""
         initial_load_path: str | None = None
         """DCP checkpoint folder to initialise from when the run's folder has no complete checkpoint yet
         (a seed checkpoint, or the output of scripts/convert_from_hf.py)."""
