@@ -47,6 +47,7 @@ from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 
 from torchtitan_lite.components.data.chunked_encode import encode_large, is_large
+from torchtitan_lite.components.data.layout import reshard_refusal
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer, to_batch
 from torchtitan_lite.components.data.position import RankPosition, reshard
 from torchtitan_lite.components.data.records import bad_record_error, log_skipped
@@ -424,15 +425,6 @@ class TextDataLoader(Configurable):
             raise ValueError(f"data loader state was saved with data.shuffle={state['shuffle_seed'] is not None}, "
                              f"this loader has data.shuffle={self.seed is not None}; restore data.shuffle or "
                              f"exclude 'dataloader' from checkpoint loading")
-
-
-def reshard_refusal(saved_dp: int, dp: int) -> str:
-    """Why a streaming data position cannot move from ``saved_dp`` to ``dp`` data-parallel ranks."""
-    return (f"the checkpoint's data position was saved by {saved_dp} data-parallel rank(s) reading a streaming "
-            f"dataset (data.streaming=true), this run has {dp}: a stream's position is the state of each rank's own "
-            f"shard reader and does not reshard. Resume with a data-parallel degree of {saved_dp} (parallelism."
-            f"dp_shard x dp_replicate), read the data map-style (data.streaming=false) from the start, or start "
-            f"the data from the beginning with --checkpoint.exclude_from_loading dataloader")
 
 
 def _rank_position(state: dict[str, Any]) -> RankPosition:
