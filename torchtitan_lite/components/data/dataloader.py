@@ -402,10 +402,10 @@ class TextDataLoader(Configurable):
                 self._bad_records.update(state.get("bad_records", {}))
         self._live_iterator = None
         logger.info("data position resharded from %d to %d data-parallel rank(s): rank %d continues epoch %d with "
-                    "%d document(s) the old ranks had left below position %d, then every %d-th from %d on, and "
-                    "%d carried-over token(s)", saved_world, self.dp_world_size, self.dp_rank, position.epoch,
-                    len(position.pending), position.stride_start - self.dp_rank, position.stride,
-                    position.stride_start, len(position.buffer))
+                    "%d carried-over token(s), %d document(s) the old ranks had left below order position %d, then "
+                    "positions %d, %d + %d, ...", saved_world, self.dp_world_size, self.dp_rank, position.epoch,
+                    len(position.buffer), len(position.pending), position.stride_start - self.dp_rank,
+                    position.stride_start, position.stride_start, position.stride)
 
     def _check_compatible(self, state: dict[str, Any]) -> None:
         if state.get("format") != STATE_FORMAT and state.get("format") is not None:
