@@ -1,6 +1,7 @@
 """A run checkpointed on FSDP 2 (2 data-parallel ranks) resumes on TP 2 (1 data-parallel rank) with no flag:
 it trains on, keeps the global batch it was given with 2 micro-batches per step instead of 1, and reads
-exactly the data the resharded position names (the old ranks' leftovers, nothing they had trained on)."""
+exactly the data the resharded position names (the old ranks' leftovers, nothing they had trained on).
+Then one process (another world size, the same data-parallel degree) continues where TP 2 stopped."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import os
 import torch
 from _harness import run_ranks
 
-FIRST, LAST = 3, 5
+FIRST, LAST, SINGLE = 3, 5, 6
 GLOBAL = ["--training.global_batch_size", "4"]  # local 2 x dp 2 x 1, then local 2 x dp 1 x 2
 
 
@@ -32,7 +33,8 @@ def _train(rank: int, world_size: int, folder: str, steps: int, *layout: str) ->
 
 
 def _expected_after_reshard(result: dict) -> list[torch.Tensor]:
-    """The batches a 1-rank loader hands out after resharding where the two FSDP ranks stood at FIRST."""
+    """The batches a 1-rank loader hands out after resharding where the two FSDP ranks stood at FIRST, up
+    to step SINGLE (2 micro-batches per step)."""
     cfg = result["config"]
 
     def build(rank: int, world: int):
@@ -48,7 +50,7 @@ def _expected_after_reshard(result: dict) -> list[torch.Tensor]:
     resumed = build(0, 1)
     resumed.load_rank_states([loader.state_dict() for loader in old])
     it = iter(resumed)
-    return [next(it)[1] for _ in range((LAST - FIRST) * 2)]
+    return [next(it)[1] for _ in range((SINGLE - FIRST) * 2)]
 
 
 def test_fsdp2_checkpoint_resumes_on_tp2_with_the_resharded_data(tmp_path):
@@ -60,11 +62,17 @@ def test_fsdp2_checkpoint_resumes_on_tp2_with_the_resharded_data(tmp_path):
     assert [r["dp"] for r in after] == [1, 1] and [r["n_microbatches"] for r in after] == [2, 2]
     # Both TP ranks read the same batches: what the resharded position names, none the FSDP ranks trained on.
     expected = _expected_after_reshard(after[0])
+    tp_part = expected[:(LAST - FIRST) * 2]
     for result in after:
-        assert len(result["labels"]) == len(expected)
-        assert all(torch.equal(a, b) for a, b in zip(result["labels"], expected, strict=True))
+        assert len(result["labels"]) == len(tp_part)
+        assert all(torch.equal(a, b) for a, b in zip(result["labels"], tp_part, strict=True))
     trained_before = [b for r in before for batch in r["labels"] for b in batch]
     assert not any(torch.equal(a, b) for batch in expected for a in batch for b in trained_before)
     with open(os.path.join(folder, "checkpoint", f"step-{LAST}", ".complete")) as f:
         layout = json.load(f)["data_layout"]
     assert (layout["dp_degree"], layout["n_microbatches"], layout["local_batch_size"]) == (1, 2, 2)
+
+    # Two TP ranks saved the same position; one process reads on from it.
+    (single,) = run_ranks(_train, 1, folder, SINGLE)
+    assert single["step"] == SINGLE and single["n_microbatches"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(single["labels"], expected[len(tp_part):], strict=True))
