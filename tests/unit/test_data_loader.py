@@ -156,6 +156,12 @@ def test_resume_keeps_an_unseeded_shuffle_order(tmp_path):
     assert all(torch.equal(next(it)[0], b[0]) for b in _take(resumed, 20))
 
 
+def test_a_shuffle_over_several_ranks_needs_a_shared_seed(tmp_path):
+    pattern, _ = _write_shards(tmp_path)
+    with pytest.raises(ValueError, match=r"data.shuffle on 2 data-parallel ranks needs one seed shared by every rank"):
+        _build(TextDataLoader.Config(dataset=pattern), CharTokenizer(), rank=1, world=2, seed=None)
+
+
 def test_resume_a_finite_pass(tmp_path):
     pattern, _ = _write_shards(tmp_path)
     make = lambda: _build(TextDataLoader.Config(dataset=pattern, shuffle=False), CharTokenizer(),  # noqa: E731
@@ -191,8 +197,8 @@ def test_state_holds_plain_values_only(tokenizer):
 def test_state_from_another_layout_is_rejected(tmp_path, change, message):
     pattern, _ = _write_shards(tmp_path)
     cfg = TextDataLoader.Config(dataset=pattern)
-    saved = _build(cfg, CharTokenizer(), rank=0, world=2, seq_len=32).state_dict()
-    kwargs = dict(rank=0, world=2, seq_len=32) | change
+    saved = _build(cfg, CharTokenizer(), rank=0, world=2, seq_len=32, seed=0).state_dict()
+    kwargs = dict(rank=0, world=2, seq_len=32, seed=0) | change
     with pytest.raises(ValueError, match=message + ".*excluding 'dataloader' from checkpoint loading"):
         _build(cfg, CharTokenizer(), **kwargs).load_state_dict(saved)
 

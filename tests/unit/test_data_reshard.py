@@ -160,7 +160,7 @@ def test_loader_reshard_trains_every_document_token_once(tmp_path, monkeypatch, 
     old = [build(r, old_world) for r in range(old_world)]
     before = [next(it) for loader in old for it in [iter(loader)] for _ in range(9)]
     states = [_roundtrip(loader.state_dict()) for loader in old]
-    assert any(s["resume_char"] for s in states) or not shuffle  # a cut inside a large document
+    assert any(s["resume_char"] for s in states) or shuffle  # in file order the cut falls inside document 5
     new = [build(r, new_world) for r in range(new_world)]
     for loader in new:
         loader.load_rank_states(states)

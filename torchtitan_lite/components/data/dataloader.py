@@ -159,6 +159,10 @@ class TextDataLoader(Configurable):
         self._n_documents = len(documents) if isinstance(documents, Dataset) else None
         self._bad_records: Counter = Counter()  # skipped bad records per reason (data.on_bad_record=skip)
         self.shuffle = config.shuffle and split == "train"
+        if self.shuffle and seed is None and dp_world_size > 1:
+            raise ValueError(f"data.shuffle on {dp_world_size} data-parallel ranks needs one seed shared by every "
+                             f"rank (they read positions of one shuffled order); pass seed= (the trainer draws one "
+                             f"on rank 0 when training.seed is None)")
         # Without a seed the order is still random but recorded, so a resumed run continues it.
         self.seed = None if not self.shuffle else seed if seed is not None else int.from_bytes(os.urandom(4), "big")
         # Epoch and this rank's sequence of order positions in it (map-style); read/char/buffer live below.
