@@ -76,3 +76,14 @@ def test_fsdp2_checkpoint_resumes_on_tp2_with_the_resharded_data(tmp_path):
     (single,) = run_ranks(_train, 1, folder, SINGLE)
     assert single["step"] == SINGLE and single["n_microbatches"] == 2
     assert all(torch.equal(a, b) for a, b in zip(single["labels"], expected[len(tp_part):], strict=True))
+
+
+def _data_seed(rank: int, world_size: int, folder: str) -> int | None:
+    from _spike_runs import build_trainer
+
+    return build_trainer(folder, 1, "--parallelism.dp_shard", "2", "--training.seed", "none").dataloader.seed
+
+
+def test_without_training_seed_the_ranks_share_a_drawn_data_order(tmp_path):
+    seeds = run_ranks(_data_seed, 2, str(tmp_path))
+    assert seeds[0] is not None and seeds[0] == seeds[1]
