@@ -18,7 +18,7 @@ from torchtitan_lite.components.quantization import linear_quantizer
 from torchtitan_lite.config import CliResult, ConfigError, list_configs_text, main_help_text
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
-from torchtitan_lite.launch_check import check_devices, check_memory
+from torchtitan_lite.launch_check import check_devices, check_memory, check_resume
 from torchtitan_lite.memory.estimate import GIB
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
@@ -110,11 +110,16 @@ def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
     check_devices(ngpu=dist_utils.requested_gpus(), preflight=preflight)
     estimate = check_memory(run, processes_on_host=dist_utils.launch_world_size())
     cfg = cli.config
+    notes, warnings = check_resume(cfg, run)
+    resume = [f"note: {n}" for n in notes] + [f"warning: {w}" for w in warnings]
+    if preflight and resume:  # run_train.sh discards this check's stdout: what the resume changes goes to stderr
+        print("\n".join(resume), file=sys.stderr)
     problems = data_problems(cfg.data, cfg.tokenizer, validation=cfg.validation.enable)
     if problems and (preflight or os.environ.get(REQUIRE_DATA_ENV) == "1"):
         raise ValueError(not_ready_text(problems))
     verdict = (f"config '{cli.config_name}' is valid for {run.world_size} process(es) ({run.parallel_dims.describe()}); "
                f"estimated peak {estimate.total / GIB:.1f} GiB per rank")
+    verdict = "\n".join([verdict, *resume])
     return verdict if not problems else f"{verdict}\nbut a training launch would stop: {not_ready_text(problems)}"
 
 

@@ -3,16 +3,23 @@
 ``--check-config`` (which run_train.sh runs before every launch) resolves the run and then asks two
 questions the build itself would only answer by crashing: are the requested GPUs there, and does the
 estimated per-rank peak fit the memory each rank will have (GPU memory, or host RAM shared by the CPU
-processes of one node)?
+processes of one node)? And, for a run that resumes, what the resume changes in how data is fed, read
+from the checkpoint's marker.
 """
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
+from torchtitan_lite.components.checkpoint.layout import Marker, scan_steps, step_dir
+from torchtitan_lite.components.data.layout import DataLayout, resume_changes
 from torchtitan_lite.memory.estimate import GIB, MemoryEstimate, estimate_run_memory
 from torchtitan_lite.resolved_run import ResolvedRun
+
+if TYPE_CHECKING:
+    from torchtitan_lite.trainer import Trainer
 
 ASSUMED_GPU_MEMORY_GIB = 80.0
 """GPU memory assumed when the launch is sized from a host without the GPUs (an H100 SXM has 80 GiB)."""
@@ -61,6 +68,25 @@ def check_memory(run: ResolvedRun, *, processes_on_host: int) -> MemoryEstimate:
         f"{run.world_size}) exceeds {limit / GIB:.1f} GiB ({source}). Cheapest fixes: "
         + "; ".join(_fixes(run)) + ". See --estimate-memory for the breakdown"
     )
+
+
+def check_resume(config: Trainer.Config, run: ResolvedRun) -> tuple[list[str], list[str]]:
+    """(notes, warnings) about the checkpoint a launch would resume from (the newest complete one, or
+    checkpoint.load_step), from its marker alone; a ValueError when its data position cannot continue."""
+    ckpt = config.checkpoint
+    if not ckpt.enable or ckpt.create_seed_checkpoint:
+        return [], []
+    folder = os.path.join(config.job.dump_folder, ckpt.folder)
+    complete, _ = scan_steps(folder)
+    step = ckpt.load_step if ckpt.load_step >= 0 else complete[-1] if complete else None
+    if step is None or step not in complete:  # nothing to resume, or a load_step the manager reports
+        return [], []
+    marker = Marker.read(step_dir(folder, step))
+    if marker is None or marker.model_only:
+        return [], []
+    return resume_changes(DataLayout.from_record(marker.data_layout), run.data_layout(config.data), step=step,
+                          data_loaded="dataloader" in marker.states and "dataloader" not in ckpt.exclude_from_loading,
+                          global_batch_set=config.training.global_batch_size > 0)
 
 
 def _fixes(run: ResolvedRun) -> list[str]:

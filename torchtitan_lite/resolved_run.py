@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchtitan_lite.components.data.layout import DataLayout
 from torchtitan_lite.components.precision import ResolvedPrecision, resolve_precision
 from torchtitan_lite.config.sections import (
     ActivationCheckpointConfig,
@@ -27,6 +28,7 @@ from torchtitan_lite.protocols.model_spec import ModelSpec, build_model_args, ge
 
 if TYPE_CHECKING:
     from torchtitan_lite.components.checkpoint import CheckpointManager
+    from torchtitan_lite.components.data import TextDataLoader
     from torchtitan_lite.components.optimizer import OptimizersContainer
     from torchtitan_lite.components.tokenizer import Tokenizer
     from torchtitan_lite.components.validate import Validator
@@ -64,6 +66,12 @@ class ResolvedRun:
     @property
     def tokens_per_microbatch(self) -> int:
         return self.training.local_batch_size * self.training.seq_len
+
+    def data_layout(self, data: TextDataLoader.Config) -> DataLayout:
+        """How this run feeds ``data``: recorded in its checkpoints, compared on resume."""
+        return DataLayout(dp_degree=self.parallel_dims.dp_degree, local_batch_size=self.training.local_batch_size,
+                          n_microbatches=self.n_microbatches, seq_len=self.training.seq_len, dataset=data.dataset,
+                          streaming=data.streaming)
 
 
 def resolve_run(config: Trainer.Config, *, world_size: int, device_type: str, vocab_size: int | None = None,

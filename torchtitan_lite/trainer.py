@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torchtitan_lite.components.quantization  # noqa: F401  (registers the built-in converter kinds)
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
 from torchtitan_lite.components.data import TextDataLoader
+from torchtitan_lite.components.data.layout import resume_changes
 from torchtitan_lite.components.data.readiness import require_data
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
@@ -140,7 +141,7 @@ class Trainer(Configurable):
         self.dataloader = cfg.data.build(
             tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank, dp_world_size=self.parallel_dims.dp_degree,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="train",
-            infinite=True, seed=cfg.training.seed,
+            infinite=True, seed=self._data_order_seed(),
         )
         self.loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss,
                                           backend=cfg.compile.backend)
@@ -163,7 +164,7 @@ class Trainer(Configurable):
             states["spike_guard"] = self.spike_guard
         self.checkpointer = cfg.checkpoint.build(
             dump_folder=cfg.job.dump_folder, states=states, model_args=self.model_args,
-            model_spec=self.run.model_spec,
+            model_spec=self.run.model_spec, data_layout=self.run.data_layout(cfg.data),
         )
         self.metrics = cfg.metrics.build(
             dump_folder=cfg.job.dump_folder, device=self.device,
@@ -190,6 +191,29 @@ class Trainer(Configurable):
             torch.use_deterministic_algorithms(True)
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.autograd.set_detect_anomaly(self.config.debug.detect_anomaly)
+
+    def _data_order_seed(self) -> int | None:
+        """training.seed, or without one a random seed drawn by rank 0: the ranks read one shared order."""
+        seed = self.config.training.seed
+        if seed is not None or not dist.is_initialized():
+            return seed
+        drawn = [int.from_bytes(os.urandom(4), "big")]
+        dist.broadcast_object_list(drawn, src=0)
+        return drawn[0]
+
+    def _report_resumed_layout(self) -> None:
+        """What resuming changed in how data is fed (--check-config said so before launch, too)."""
+        cfg, saved = self.config, self.checkpointer.loaded_data_layout
+        if saved is None:
+            return
+        notes, warnings = resume_changes(
+            saved, self.run.data_layout(cfg.data), step=self.train_state.step,
+            data_loaded="dataloader" not in cfg.checkpoint.exclude_from_loading,
+            global_batch_set=cfg.training.global_batch_size > 0)
+        for note in notes:
+            logger.info("%s", note)
+        for warning in warnings:
+            logger.warning("%s", warning)
 
     def _build_model(self) -> BaseModel:
         cfg, spec = self.config, self.run.model_spec
@@ -249,6 +273,7 @@ class Trainer(Configurable):
             return
         self.checkpointer.check_storage()
         self.train_state.step = self.checkpointer.load()
+        self._report_resumed_layout()
         if self.spikes is not None:
             self.spikes.resume(self.train_state.step)
         first_step = self.train_state.step + 1

@@ -42,6 +42,8 @@ LONG_RUNNING = {
     "./run_train.sh --tokenizer.path tok.model --data.dataset 'data/*.jsonl'": "trains; needs the user's data",
     "./run_train.sh --checkpoint.enable true --checkpoint.interval 100 --checkpoint.keep_latest_k 3": "trains",
     "./run_train.sh --checkpoint.enable true --checkpoint.create_seed_checkpoint true": "builds a checkpoint",
+    "NPROC=2 ./run_train.sh --parallelism.dp_shard 2 --checkpoint.enable true --training.steps 20":
+        "trains on 2 processes (tests/distributed/test_data_reshard_resume.py resumes such a run on TP 2)",
     "./run_train.sh --checkpoint.enable true --checkpoint.interval 100 --training.spike_policy.enable true "
     "--training.spike_policy.signals loss,grad_norm": "trains (tests/integration/test_spike_policy.py trains with the policy)",
     "python scripts/generate.py --checkpoint outputs/checkpoint/step-200 --prompt \"def main(\" --max-new-tokens 64":

@@ -80,11 +80,13 @@ def test_two_ranks_see_disjoint_documents_that_cover_the_data(tmp_path, streamin
     assert min(len(s) for s in seen) >= 15
 
 
-def test_embedded_corpus_is_split_into_contiguous_chunks(tokenizer):
-    loaders = [_build(TextDataLoader.Config(), tokenizer, rank=r, world=2) for r in range(2)]
-    whole = list(_build(TextDataLoader.Config(), tokenizer).documents["text"])
-    halves = [list(loader.documents["text"]) for loader in loaders]
-    assert halves[0] + halves[1] == whole and abs(len(halves[0]) - len(halves[1])) <= 1
+def test_ranks_read_interleaved_positions_of_one_shared_order(tokenizer):
+    # One rank's first group is order positions 0..15; rank r of 2 reads r, r + 2, ..., so its first 8
+    # documents are every other one of those (the shuffle seed, hence the order, is shared).
+    one = next(_build(TextDataLoader.Config(), tokenizer, seed=4)._document_groups()).texts
+    loaders = [_build(TextDataLoader.Config(), tokenizer, rank=r, world=2, seed=4) for r in range(2)]
+    halves = [next(loader._document_groups()).texts[:8] for loader in loaders]
+    assert halves[0] == one[0::2] and halves[1] == one[1::2] and len(set(one)) == 16
     first = [next(iter(loader)) for loader in loaders]
     assert not torch.equal(first[0][0], first[1][0])
 
@@ -154,6 +156,12 @@ def test_resume_keeps_an_unseeded_shuffle_order(tmp_path):
     assert all(torch.equal(next(it)[0], b[0]) for b in _take(resumed, 20))
 
 
+def test_a_shuffle_over_several_ranks_needs_a_shared_seed(tmp_path):
+    pattern, _ = _write_shards(tmp_path)
+    with pytest.raises(ValueError, match=r"data.shuffle on 2 data-parallel ranks needs one seed shared by every rank"):
+        _build(TextDataLoader.Config(dataset=pattern), CharTokenizer(), rank=1, world=2, seed=None)
+
+
 def test_resume_a_finite_pass(tmp_path):
     pattern, _ = _write_shards(tmp_path)
     make = lambda: _build(TextDataLoader.Config(dataset=pattern, shuffle=False), CharTokenizer(),  # noqa: E731
@@ -173,9 +181,10 @@ def test_state_holds_plain_values_only(tokenizer):
     _take(loader, 2)
     state = loader.state_dict()
     assert {k: v for k, v in state.items() if k != "buffer"} == {
-        "format": 1, "dataset": "embedded", "split": "train", "streaming": False, "dp_rank": 0,
-        "dp_world_size": 1, "seq_len": 32, "vocab_size": 2048, "shuffle_seed": 3, "epoch": 0,
-        "position": 16, "stream_state": None, "bad_records": {}, "resume_doc": 0, "resume_char": 0,
+        "format": 2, "dataset": "embedded", "split": "train", "streaming": False, "n_documents": len(loader.documents),
+        "dp_rank": 0, "dp_world_size": 1, "seq_len": 32, "vocab_size": 2048, "shuffle_seed": 3, "epoch": 0,
+        "pending": [], "stride_start": 0, "stride": 1, "position": 16, "stream_state": None, "bad_records": {},
+        "resume_doc": 0, "resume_char": 0,
     }
     assert state["buffer"].dtype == torch.int32 and state["buffer"].dim() == 1
 
@@ -188,8 +197,8 @@ def test_state_holds_plain_values_only(tokenizer):
 def test_state_from_another_layout_is_rejected(tmp_path, change, message):
     pattern, _ = _write_shards(tmp_path)
     cfg = TextDataLoader.Config(dataset=pattern)
-    saved = _build(cfg, CharTokenizer(), rank=0, world=2, seq_len=32).state_dict()
-    kwargs = dict(rank=0, world=2, seq_len=32) | change
+    saved = _build(cfg, CharTokenizer(), rank=0, world=2, seq_len=32, seed=0).state_dict()
+    kwargs = dict(rank=0, world=2, seq_len=32, seed=0) | change
     with pytest.raises(ValueError, match=message + ".*excluding 'dataloader' from checkpoint loading"):
         _build(cfg, CharTokenizer(), **kwargs).load_state_dict(saved)
 

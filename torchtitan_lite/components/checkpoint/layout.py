@@ -35,6 +35,9 @@ class Marker:
     checksums: dict[str, Any] | None = None
     """File name (relative to the step folder) -> content digest, see checksums.py; None in checkpoints
     written before checksums existed, which are then checked for completeness only."""
+    data_layout: dict[str, Any] | None = None
+    """How the run fed its data (components/data/layout.py DataLayout); None in model-only checkpoints,
+    runs without one and checkpoints written before it was recorded."""
 
     @staticmethod
     def read(checkpoint_dir: str) -> Marker | None:
@@ -73,8 +76,10 @@ def read_json(path: str, default: Any) -> Any:
         raise ValueError(f"{path} is unreadable ({e}); restore or delete it") from e
 
 
-def new_marker(step: int, world_size: int, states: list[str], model_only: bool) -> Marker:
-    return Marker(step=step, world_size=world_size, states=sorted(states), model_only=model_only, time=time.time())
+def new_marker(step: int, world_size: int, states: list[str], model_only: bool,
+               data_layout: dict[str, Any] | None = None) -> Marker:
+    return Marker(step=step, world_size=world_size, states=sorted(states), model_only=model_only, time=time.time(),
+                  data_layout=data_layout)
 
 
 def step_dir(folder: str, step: int) -> str:

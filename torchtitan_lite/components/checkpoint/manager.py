@@ -15,7 +15,10 @@ on every rank, its partial folder is removed, and the run stops or warns (``on_s
 
 Model and optimizer state are sharded tensors that DCP reshards on load (save on FSDP 2, load on
 1 process or FSDP x TP). Per-rank state that is not a sharded tensor (``dataloader``,
-``train_state`` with its RNGs) is stored under rank-unique keys ``<name>.rank<r>``.
+``train_state`` with its RNGs) is stored under rank-unique keys ``<name>.rank<r>``. A state with
+``load_rank_states`` (the data loader) reshards itself: when the data-parallel degree or the world size
+changed since the save, every rank reads all saved ranks' copies and hands them over. The marker records
+the run's data layout (``components/data/layout.py``), readable before launch.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ from torchtitan_lite.components.checkpoint.verify import (
     saved_tensor_shape,
     verify_together,
 )
+from torchtitan_lite.components.data.layout import DataLayout
 from torchtitan_lite.config import Configurable
 from torchtitan_lite.distributed import utils as dist_utils
 
@@ -144,8 +148,12 @@ class CheckpointManager(Configurable):
     config: CheckpointManager.Config
 
     def __init__(self, config: CheckpointManager.Config, *, dump_folder: str, states: dict[str, Stateful],
-                 model_args: Any = None, model_spec: Any = None) -> None:
+                 model_args: Any = None, model_spec: Any = None, data_layout: DataLayout | None = None) -> None:
         self.config = config
+        self.data_layout = data_layout
+        """How this run feeds its data, recorded in each checkpoint's marker."""
+        self.loaded_data_layout: DataLayout | None = None
+        """The data layout of the checkpoint ``load`` resumed from (None: none, or not recorded)."""
         self.folder = os.path.join(dump_folder, config.folder)
         self.states = dict(states)
         self.rank, self.world_size = dist_utils.rank(), dist_utils.world_size()
@@ -219,7 +227,9 @@ class CheckpointManager(Configurable):
             log = logger.info if step == 0 else logger.warning
             log("%s holds only %s; %s start fresh", path, marker.states, absent)
         start = time.perf_counter()
-        self._load_from(path, read_metadata(path), [n for n in wanted if n in marker.states], marker.world_size)
+        self.loaded_data_layout = DataLayout.from_record(marker.data_layout)
+        self._load_from(path, read_metadata(path), [n for n in wanted if n in marker.states], marker.world_size,
+                        self.loaded_data_layout)
         self._loaded_step = step
         logger.info("resumed from %s in %.1fs", path, time.perf_counter() - start)
         return step
@@ -239,29 +249,33 @@ class CheckpointManager(Configurable):
                                   f"(its top-level names are {sorted(saved)}); write it with this project's "
                                   f"checkpointing or scripts/convert_from_hf.py")
         saved_world = marker.world_size if marker else _count_rank_keys(metadata)
-        restored = self._load_from(path, metadata, names, saved_world)
+        restored = self._load_from(path, metadata, names, saved_world,
+                                   DataLayout.from_record(marker.data_layout) if marker else None)
         logger.info("initialised %s from %s", names, path)
         if "train_state" in restored:
             return int(restored["train_state"]["step"])
         return 0
 
-    def _load_from(self, path: str, metadata: Metadata, names: list[str], saved_world_size: int | None) -> dict[str, Any]:
+    def _load_from(self, path: str, metadata: Metadata, names: list[str], saved_world_size: int | None,
+                   saved_layout: DataLayout | None = None) -> dict[str, Any]:
         """DCP-load ``names`` from ``path`` after checking the folder; returns decoded per-rank states."""
         target: dict[str, Any] = {}
-        per_rank_keys: dict[str, str] = {}
+        per_rank_keys: dict[str, list[str]] = {}
         for name in names:
             if name not in PER_RANK_STATES:
                 target[name] = _without_absent_optional_keys(name, self.states[name], metadata)
                 continue
-            key = self._per_rank_source(path, metadata, name, saved_world_size)
-            if key is None:
+            keys = self._per_rank_sources(path, metadata, name, saved_world_size, saved_layout)
+            if not keys:
                 continue
-            shape = saved_tensor_shape(metadata, f"{name}.{key}")
-            if shape is None:
-                raise CheckpointError(f"checkpoint {path} has no {name!r} state for {key} (it holds "
-                                      f"{sorted(saved_state_names(metadata))})")
-            target[name] = {key: torch.empty(shape, dtype=torch.uint8)}
-            per_rank_keys[name] = key
+            target[name] = {}
+            for key in keys:
+                shape = saved_tensor_shape(metadata, f"{name}.{key}")
+                if shape is None:
+                    raise CheckpointError(f"checkpoint {path} has no {name!r} state for {key} (it holds "
+                                          f"{sorted(saved_state_names(metadata))})")
+                target[name][key] = torch.empty(shape, dtype=torch.uint8)
+            per_rank_keys[name] = keys
         check_compatible(path, metadata, target, exact_prefixes=("model.",) if "model" in target else ())
         try:
             dcp.load(target, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=not dist.is_initialized())
@@ -269,24 +283,34 @@ class CheckpointManager(Configurable):
             raise CheckpointError(f"loading checkpoint {path} failed: {describe_failure(e)}") from e
         restored = {}
         for name, value in target.items():
-            if name in per_rank_keys:
-                restored[name] = decode(value[per_rank_keys[name]])
+            if name in per_rank_keys and hasattr(self.states[name], "load_rank_states"):
+                self.states[name].load_rank_states([decode(value[key]) for key in per_rank_keys[name]])  # type: ignore[attr-defined]
+            elif name in per_rank_keys:
+                restored[name] = decode(value[per_rank_keys[name][0]])
                 self.states[name].load_state_dict(restored[name])
             else:
                 self.states[name].load_state_dict(value)
         return restored
 
-    def _per_rank_source(self, path: str, metadata: Metadata, name: str, saved_world_size: int | None) -> str | None:
+    def _per_rank_sources(self, path: str, metadata: Metadata, name: str, saved_world_size: int | None,
+                          saved_layout: DataLayout | None) -> list[str]:
+        """The saved copies of per-rank state ``name`` this rank reads."""
         own = f"rank{self.rank}"
-        if saved_world_size == self.world_size:
-            return own
-        if name == "dataloader":
-            logger.warning("%s was saved by %s rank(s), this run has %s: data loader positions do not "
-                           "reshard, so the data loader starts from the beginning of its shard",
-                           path, saved_world_size, self.world_size)
-            return None
+        same_world = saved_world_size == self.world_size
+        if hasattr(self.states[name], "load_rank_states"):
+            same_dp = saved_layout is None or self.data_layout is None or \
+                saved_layout.dp_degree == self.data_layout.dp_degree
+            if same_world and same_dp:
+                return [own]
+            saved_ranks = saved_world_size if saved_world_size is not None else _count_rank_keys(metadata)
+            if saved_ranks is None:
+                logger.warning("%s does not say how many ranks saved it: %s starts from the beginning", path, name)
+                return []
+            return [f"rank{r}" for r in range(saved_ranks)]
+        if same_world:
+            return [own]
         # The step is the same on every rank; RNG streams come from rank 0 where this rank has none.
-        return own if saved_tensor_shape(metadata, f"{name}.{own}") is not None else "rank0"
+        return [own if saved_tensor_shape(metadata, f"{name}.{own}") is not None else "rank0"]
 
     def _agreed_scan(self) -> tuple[list[int], list[int]]:
         found: list[Any] = [scan_steps(self.folder) if self.rank == 0 else None]
@@ -308,7 +332,8 @@ class CheckpointManager(Configurable):
         complete, incomplete = self._agreed_scan()
         newer = sorted(s for s in complete + incomplete if s > step)
         start = time.perf_counter()
-        self._load_from(path, read_metadata(path), [n for n in self.states if n in marker.states], marker.world_size)
+        self._load_from(path, read_metadata(path), [n for n in self.states if n in marker.states], marker.world_size,
+                        DataLayout.from_record(marker.data_layout))
         self._loaded_step, self._last_saved_step = step, None
         if self.rank == 0 and newer:
             set_aside(self.folder, newer, set_aside_as)
@@ -373,7 +398,8 @@ class CheckpointManager(Configurable):
         state = self._state_to_save(model_only)
         path = step_dir(self.folder, step)
         self._prepare_folder(path)
-        marker = new_marker(step, self.world_size, list(state), model_only)
+        layout = None if model_only or self.data_layout is None else self.data_layout.to_record()
+        marker = new_marker(step, self.world_size, list(state), model_only, layout)
         no_dist = not dist.is_initialized()
         writer = ChecksummingWriter(path)
         if cfg.async_mode == "async":

@@ -1,0 +1,94 @@
+"""How a run feeds its data, recorded in every checkpoint and compared when a run resumes from one.
+
+Every checkpoint's marker holds the ``DataLayout`` it was trained with (JSON, readable without loading
+anything else), so ``--check-config`` can tell before launch what a resume changes: a new data-parallel
+degree reshards the data position (``position.py``; map-style data only), and a new global batch changes
+the optimisation. ``resume_changes`` is the one place that judges it, for the check and for the trainer.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    dp_degree: int
+    local_batch_size: int
+    n_microbatches: int
+    seq_len: int
+    dataset: str
+    streaming: bool
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step."""
+        return self.local_batch_size * self.dp_degree * self.n_microbatches
+
+    def describe(self) -> str:
+        return (f"{self.global_batch_size} = local {self.local_batch_size} x data-parallel {self.dp_degree} x "
+                f"{self.n_microbatches} micro-batch(es)")
+
+    def to_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_record(record: dict[str, Any] | None) -> DataLayout | None:
+        return None if record is None else DataLayout(**record)
+
+
+def resume_changes(saved: DataLayout | None, now: DataLayout, *, step: int, data_loaded: bool,
+                   global_batch_set: bool) -> tuple[list[str], list[str]]:
+    """(notes, warnings) about resuming the checkpoint of ``step``, saved with ``saved``, as ``now``; a
+    ValueError when its data position cannot continue in this run. ``data_loaded``: the checkpoint holds a
+    data position and this run restores it. ``saved`` None: written before layouts were recorded."""
+    notes: list[str] = []
+    warnings: list[str] = []
+    if saved is None:
+        if data_loaded:
+            raise ValueError(
+                f"the data position of the checkpoint of step {step} was written by an earlier version of the data "
+                f"loader (its positions name other documents now); resume with --checkpoint.exclude_from_loading "
+                f"dataloader to start the data from the beginning")
+        return notes, warnings
+    if data_loaded:
+        _check_position_applies(saved, now, step)
+        if saved.dp_degree != now.dp_degree:
+            notes.append(
+                f"the data position of step {step} reshards from {saved.dp_degree} to {now.dp_degree} data-parallel "
+                f"rank(s): every document of the current epoch not yet read is read once, none twice (README, "
+                f"'Resuming with another layout')")
+    if saved.global_batch_size != now.global_batch_size:
+        keep = "" if global_batch_set else (
+            f"; set --training.global_batch_size {saved.global_batch_size} to keep it (the micro-batches per step "
+            f"adjust to the data-parallel degree)")
+        warnings.append(f"the global batch changes on resume from step {step}: saved {saved.describe()}, now "
+                        f"{now.describe()}{keep}")
+    elif saved.n_microbatches != now.n_microbatches or saved.dp_degree != now.dp_degree:
+        notes.append(f"global batch {now.global_batch_size} kept from step {step}: was {saved.describe()}, now "
+                     f"{now.describe()}")
+    return notes, warnings
+
+
+def reshard_refusal(saved_dp: int, dp: int) -> str:
+    """Why a streaming data position cannot move from ``saved_dp`` to ``dp`` data-parallel ranks."""
+    return (f"the checkpoint's data position was saved by {saved_dp} data-parallel rank(s) reading a streaming "
+            f"dataset (data.streaming=true), this run has {dp}: a stream's position is the state of each rank's own "
+            f"shard reader and does not reshard. Resume with a data-parallel degree of {saved_dp} (parallelism."
+            f"dp_shard x dp_replicate), read the data map-style (data.streaming=false) from the start, or start "
+            f"the data from the beginning with --checkpoint.exclude_from_loading dataloader")
+
+
+_OPTIONS = {"dataset": "data.dataset", "seq_len": "training.seq_len", "streaming": "data.streaming"}
+
+
+def _check_position_applies(saved: DataLayout, now: DataLayout, step: int) -> None:
+    """The refusals the data loader would make after the model build, made from the layouts alone."""
+    for key, option in _OPTIONS.items():
+        if getattr(saved, key) != getattr(now, key):
+            raise ValueError(f"the data position of the checkpoint of step {step} was saved with {option}="
+                             f"{getattr(saved, key)!r}, this run has {getattr(now, key)!r}: a position is only valid "
+                             f"for the same data and seq_len; restore it, or start the data from the beginning with "
+                             f"--checkpoint.exclude_from_loading dataloader")
+    if saved.streaming and saved.dp_degree != now.dp_degree:
+        raise ValueError(f"step {step}: {reshard_refusal(saved.dp_degree, now.dp_degree)}")
