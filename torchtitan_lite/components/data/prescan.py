@@ -3,7 +3,7 @@
 run_train.sh's check before torchrun (``--check-config``) scans the run's local data files for bad records
 (``records.scan``), so that a bad record stops the launch before any process starts. When the files it
 scanned are clean, it hands the workers their fingerprint in ``TORCHTITAN_LITE_CLEAN_RECORDS``: each file's
-absolute path, size and modification time (ns), the reader and the text field. A worker skips the scan only
+absolute path, inode, size and modification time (ns), the reader and the text field. A worker skips the scan only
 for files that match a fingerprint exactly; changed files, or a launch without run_train.sh (torchrun or
 train.py directly, which sets no fingerprint), are scanned as before.
 """
@@ -25,8 +25,14 @@ CLEAN_RECORDS_OUT_ENV = "TORCHTITAN_LITE_CLEAN_RECORDS_OUT"
 
 
 def fingerprint(files: list[str], builder: str, text_field: str) -> str:
-    stamps = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    stamps = [(os.path.abspath(f), *_stamp(os.stat(f))) for f in files]
     return hashlib.sha256(json.dumps([builder, text_field, stamps]).encode()).hexdigest()[:32]
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    # The inode changes when a file is replaced (written elsewhere and renamed over it), size and mtime
+    # when it is written in place.
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def scan(files: list[str], builder: str, text_field: str, policy: records.BadRecordPolicy,
