@@ -12,6 +12,7 @@ from config_registry import DEFAULT_REGISTRY
 from torchtitan_lite.actions import run_action
 from torchtitan_lite.components.data import prescan
 from torchtitan_lite.components.data.readiness import data_problems
+from torchtitan_lite.components.data.sources import load_split
 from torchtitan_lite.config import parse_cli
 from torchtitan_lite.hf_assets import SMOKE_OVERRIDE
 
@@ -194,6 +195,14 @@ def test_the_smoke_recipe_needs_no_second_flag_on_published_configs(name):
     cfg = parse_cli(["--config", name, *SMOKE_OVERRIDE.split()], registry=DEFAULT_REGISTRY).config
     assert cfg.data.dataset == "embedded" and cfg.data.dataset_config is None
     assert data_problems(cfg.data, cfg.tokenizer, validation=cfg.validation.enable) == []
+
+
+def test_the_smoke_recipe_loads_its_data_on_llama3_8b():
+    """What the run used to fail on after building the 8B model: loading the embedded corpus with the
+    config's hub configuration name."""
+    cfg = parse_cli(["--config", "llama3_8b", *SMOKE_OVERRIDE.split()], registry=DEFAULT_REGISTRY).config
+    for role in ("train", "validation"):
+        assert isinstance(next(iter(load_split(cfg.data, role)))["text"], str)
 
 
 def test_the_readme_smoke_recipe_checks_on_llama3_8b(check):
