@@ -17,8 +17,16 @@ for a in "$@"; do
       exec "$py" "$root/train.py" "${extra[@]}" "$@";;
   esac
 done
-# Validate names, keys, types and parallel degrees before any process group exists.
-TORCHTITAN_LITE_PREFLIGHT=1 WORLD_SIZE="$nproc" "$py" "$root/train.py" "${extra[@]}" "$@" --check-config >/dev/null
+# Validate names, keys, types, parallel degrees and the data (local records included) before any process
+# group exists. Local files it found clean are handed to the workers by fingerprint, so they skip the scan.
+clean_records="$(mktemp)"
+trap 'rm -f "$clean_records"' EXIT
+TORCHTITAN_LITE_PREFLIGHT=1 TORCHTITAN_LITE_CLEAN_RECORDS_OUT="$clean_records" WORLD_SIZE="$nproc" \
+  "$py" "$root/train.py" "${extra[@]}" "$@" --check-config >/dev/null
+TORCHTITAN_LITE_CLEAN_RECORDS="$(cat "$clean_records")"
+export TORCHTITAN_LITE_CLEAN_RECORDS
+rm -f "$clean_records"
+trap - EXIT
 # SIGTERM / SIGUSR1 to this script (or its process group) make the workers save and exit 0.
 TORCHTITAN_LITE_LAUNCHER_PREFIXES_RANK=1 exec "$root/scripts/torchrun_graceful.sh" "$py" --standalone --nproc_per_node="$nproc" \
   --local-ranks-filter "$log_rank" --role rank --tee 3 \

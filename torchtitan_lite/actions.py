@@ -18,7 +18,7 @@ from torchtitan_lite.components.quantization import linear_quantizer
 from torchtitan_lite.config import CliResult, ConfigError, list_configs_text, main_help_text
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
-from torchtitan_lite.launch_check import check_devices, check_memory, check_resume
+from torchtitan_lite.launch_check import check_devices, check_memory, check_resume, unchecked_here
 from torchtitan_lite.memory.estimate import GIB
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
@@ -33,11 +33,18 @@ if TYPE_CHECKING:
     from torchtitan_lite.trainer import Trainer
 
 
+class LaunchWouldStop(Exception):
+    """The config is valid, but a training launch would stop (its data or tokenizer is not ready): exit 1."""
+
+
 def run_action(cli: CliResult, *, registry: ConfigRegistry) -> int:
     """Print the action's text; a ValueError (bad degrees, flavor, combination, ...) is a config error:
-    exit 2."""
+    exit 2; a valid config that a launch could not train with (LaunchWouldStop) exits 1."""
     try:
         text = _ACTIONS[cli.action](cli, registry)
+    except LaunchWouldStop as stop:
+        print(stop)
+        return 1
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -97,17 +104,21 @@ def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
     """What run_train.sh runs before torchrun: every rule the build would apply, before any process starts.
 
     Everything that can be built on meta is (run resolution, converters); then the devices and the memory
-    estimate are held against the host (GPU memory per rank, or host RAM shared by the CPU processes).
-    Last, the tokenizer and the data source: missing or unreachable ones are listed after the verdict, and
-    are an error right before a launch.
+    estimate are held against the host (GPU memory per rank, or host RAM shared by the CPU processes), and
+    what this host cannot show (GPUs it lacks) is named. Last, the tokenizer and the data: missing or
+    unreachable sources, options the source has no use for, a validation split it lacks and bad local
+    records. Any of them is an error right before a launch (exit 2); otherwise they are listed after the
+    verdict and the exit status is 1, since a launch would stop.
     """
-    from torchtitan_lite.components.data.readiness import data_problems, not_ready_text
+    from torchtitan_lite.components.data import prescan
+    from torchtitan_lite.components.data.readiness import data_problems, not_ready_text, scan_local_records
 
     run = launch_run(cli.config, nnodes=cli.nnodes)
     with torch.device("meta"), _quiet():
         run.converters.convert(run.model_spec.model_cls(run.model_args))
     preflight = os.environ.get(PREFLIGHT_ENV) == "1"
-    check_devices(ngpu=dist_utils.requested_gpus(), preflight=preflight)
+    ngpu = dist_utils.requested_gpus()
+    check_devices(ngpu=ngpu, preflight=preflight)
     estimate = check_memory(run, processes_on_host=dist_utils.launch_world_size())
     cfg = cli.config
     notes, warnings = check_resume(cfg, run)
@@ -115,12 +126,20 @@ def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
     if preflight and resume:  # run_train.sh discards this check's stdout: what the resume changes goes to stderr
         print("\n".join(resume), file=sys.stderr)
     problems = data_problems(cfg.data, cfg.tokenizer, validation=cfg.validation.enable)
+    record_problems, clean = scan_local_records(cfg.data, validation=cfg.validation.enable)
+    problems += [p for p in record_problems if p not in problems]
     if problems and (preflight or os.environ.get(REQUIRE_DATA_ENV) == "1"):
         raise ValueError(not_ready_text(problems))
+    prescan.hand_over(clean)
     verdict = (f"config '{cli.config_name}' is valid for {run.world_size} process(es) ({run.parallel_dims.describe()}); "
                f"estimated peak {estimate.total / GIB:.1f} GiB per rank")
     verdict = "\n".join([verdict, *resume])
-    return verdict if not problems else f"{verdict}\nbut a training launch would stop: {not_ready_text(problems)}"
+    unchecked = unchecked_here(run, ngpu=ngpu, preflight=preflight)
+    if unchecked:
+        verdict += "\nnot checked on this host:" + "".join(f"\n  - {note}" for note in unchecked)
+    if problems:
+        raise LaunchWouldStop(f"{verdict}\nbut a training launch would stop: {not_ready_text(problems)}")
+    return verdict
 
 
 def _dry_run(cli: CliResult, registry: ConfigRegistry) -> str:

@@ -43,13 +43,30 @@ def check_devices(*, ngpu: int | None, preflight: bool) -> None:
                          f"processes per node")
 
 
+def unchecked_here(run: ResolvedRun, *, ngpu: int | None, preflight: bool) -> list[str]:
+    """What a launch needs that this host cannot show: sizing a GPU job from a host without its GPUs checks
+    neither that the devices exist nor how much memory they have."""
+    notes = []
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ngpu is not None and not preflight and available < ngpu:
+        notes.append(f"the devices: NGPU={ngpu} needs {ngpu} CUDA device(s) per node; this host has "
+                     f"{available or 'none'}")
+    if run.device_type == "cuda" and available == 0:
+        _, source = memory_limit(run, processes_on_host=1)
+        notes.append(f"the GPU memory: the estimate was held against {source}")
+    return notes
+
+
 def memory_limit(run: ResolvedRun, *, processes_on_host: int) -> tuple[int, str]:
     """Bytes one rank may use, and where that figure comes from."""
     if run.device_type == "cuda":
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
             return props.total_memory, f"{props.name} memory"
-        gib = float(os.environ.get(GPU_MEMORY_ENV, ASSUMED_GPU_MEMORY_GIB))
+        if GPU_MEMORY_ENV in os.environ:
+            gib = float(os.environ[GPU_MEMORY_ENV])
+            return int(gib * GIB), f"{gib:g} GiB per GPU (from {GPU_MEMORY_ENV}: this host has no GPU to ask)"
+        gib = ASSUMED_GPU_MEMORY_GIB
         return int(gib * GIB), (f"{gib:g} GiB per GPU (assumed: this host has no GPU to ask; set "
                                 f"{GPU_MEMORY_ENV} for other GPUs)")
     total = _host_memory_bytes()

@@ -2,6 +2,47 @@
 the launch against the host's devices and memory, before any process starts."""
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from config_registry import DEFAULT_REGISTRY
+from torchtitan_lite.actions import run_action
+from torchtitan_lite.components.data import prescan
+from torchtitan_lite.components.data.readiness import data_problems
+from torchtitan_lite.components.data.sources import load_split
+from torchtitan_lite.config import parse_cli
+from torchtitan_lite.hf_assets import SMOKE_OVERRIDE
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH_ENV = ("WORLD_SIZE", "NGPU", "NPROC", "TTL_GPU_MEMORY_GIB", "TORCHTITAN_LITE_PREFLIGHT",
+              "TORCHTITAN_LITE_REQUIRE_DATA", prescan.CLEAN_RECORDS_OUT_ENV)
+
+
+@pytest.fixture
+def check(monkeypatch, capsys):
+    """--check-config in this process (as train.py runs it) under the given launch environment:
+    (exit status, stdout, stderr)."""
+    def run(args: list[str], **env: str) -> tuple[int, str, str]:
+        for name in LAUNCH_ENV:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        status = run_action(parse_cli([*args, "--check-config"], registry=DEFAULT_REGISTRY), registry=DEFAULT_REGISTRY)
+        out, err = capsys.readouterr()
+        return status, out, err
+    return run
+
+
+@pytest.fixture
+def bad_records(tmp_path) -> Path:
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": "def f():\n    return 1\n"}) + "\n" + json.dumps({"text": 3}) + "\n")
+    return path
+
 
 def test_rowwise_float8_with_float16_is_rejected_by_the_converter_rule(cli):
     result = cli(["--config", "llama3_debug_fp8_rowwise", "--precision.param_dtype", "float16", "--check-config"])
@@ -24,17 +65,18 @@ def test_8b_on_one_gpu_does_not_fit_and_the_error_names_estimate_limit_and_fixes
     assert "more GPUs" in err and "--activation_checkpoint.mode full" in err
 
 
-def test_8b_on_8_gpus_fits(cli):
-    result = cli(["--config", "llama3_8b_fp8", "--check-config"], NGPU="8", TTL_GPU_MEMORY_GIB="80")
-    assert result.returncode == 0, result.stderr
-    assert "config 'llama3_8b_fp8' is valid for 8 process(es) (FSDP 8); estimated peak" in result.stdout
+def test_8b_on_8_gpus_fits(check):
+    """With the smoke recipe, since this host has neither the Llama 3 tokenizer nor the hub (a launch would stop)."""
+    status, out, _ = check(["--config", "llama3_8b_fp8", *SMOKE_OVERRIDE.split()], NGPU="8", TTL_GPU_MEMORY_GIB="80")
+    assert status == 0, out
+    assert "config 'llama3_8b_fp8' is valid for 8 process(es) (FSDP 8); estimated peak" in out
 
 
-def test_8b_mxfp8_on_8_gpus_fits_and_a_native_kernel_request_is_left_to_the_gpu(cli):
-    result = cli(["--config", "llama3_8b_mxfp8", "--model_converters.converters.0.kernel", "native", "--check-config"],
-                 NGPU="8", TTL_GPU_MEMORY_GIB="80")
-    assert result.returncode == 0, result.stderr
-    assert "config 'llama3_8b_mxfp8' is valid for 8 process(es) (FSDP 8); estimated peak" in result.stdout
+def test_8b_mxfp8_on_8_gpus_fits_and_a_native_kernel_request_is_left_to_the_gpu(check):
+    status, out, _ = check(["--config", "llama3_8b_mxfp8", "--model_converters.converters.0.kernel", "native",
+                            *SMOKE_OVERRIDE.split()], NGPU="8", TTL_GPU_MEMORY_GIB="80")
+    assert status == 0, out
+    assert "config 'llama3_8b_mxfp8' is valid for 8 process(es) (FSDP 8); estimated peak" in out
 
 
 def test_a_gpu_launch_on_a_host_without_gpus_stops_before_torchrun(cli):
@@ -45,11 +87,12 @@ def test_a_gpu_launch_on_a_host_without_gpus_stops_before_torchrun(cli):
 
 
 def test_without_the_tokenizer_and_dataset_the_config_is_valid_but_a_launch_would_stop(cli, tmp_path):
-    """Planning needs neither (the published vocabulary is used); --check-config says what a launch lacks."""
+    """Planning needs neither (the published vocabulary is used); --check-config says what a launch lacks, and
+    exits 1: the config is valid (2 would say it is not), but a launch would stop."""
     tokenizer = tmp_path / "assets" / "hf" / "Llama-3.1-8B"
     result = cli(["--config", "llama3_8b_fp8", "--tokenizer.path", str(tokenizer), "--check-config"], NGPU="8",
                  TTL_GPU_MEMORY_GIB="80")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr
     out = result.stdout
     assert "config 'llama3_8b_fp8' is valid for 8 process(es) (FSDP 8)" in out
     assert "planning with the 8B flavor's vocabulary of 128256" in out
@@ -77,3 +120,101 @@ def test_the_slurm_submit_check_requires_the_data(cli, tmp_path):
                  launcher="train.py", TORCHTITAN_LITE_REQUIRE_DATA="1")
     assert result.returncode == 2
     assert f"error: the run's data is not ready:\n  - tokenizer.path='{tmp_path / 'tok'}' does not exist" in result.stderr
+
+
+def test_a_glob_without_validation_files_is_refused_with_both_fixes(check, tmp_path):
+    """llama3_debug validates by default; a file source has no validation split (the README's own example)."""
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1"}) + "\n")
+    glob = str(tmp_path / "*.jsonl")
+    status, out, _ = check(["--tokenizer.path", "none", "--data.dataset", glob])
+    assert status == 1
+    assert "config 'llama3_debug' is valid for 1 process(es)" in out
+    assert (f"but a training launch would stop: the run's data is not ready:\n  - data.dataset='{glob}' is a file or "
+            f"glob, which has no validation split (validation.enable is on); set --data.validation_files FILE to "
+            f"held-out documents (a file or glob, e.g. 'data/val-*.jsonl'), or --validation.enable false") in out
+    status, _, err = check(["--tokenizer.path", "none", "--data.dataset", glob], TORCHTITAN_LITE_PREFLIGHT="1")
+    assert status == 2 and "error: the run's data is not ready:\n  - data.dataset=" in err
+    assert check(["--tokenizer.path", "none", "--data.dataset", glob, "--validation.enable", "false"])[0] == 0
+    assert check(["--tokenizer.path", "none", "--data.dataset", glob, "--data.validation_files", glob])[0] == 0
+
+
+def test_bad_local_records_are_refused_by_the_check(check, bad_records):
+    args = ["--tokenizer.path", "none", "--data.dataset", str(bad_records), "--validation.enable", "false"]
+    status, out, _ = check(args)
+    assert status == 1
+    assert (f"  - {bad_records}:2: text=3 is a int, not a string (data.dataset='{bad_records}'); fix the record, or "
+            f"point data.text_field at the field that holds the text, or set data.on_bad_record=skip") in out
+    # Validation files are scanned too, and skipping bad records is no problem (the loader leaves them out).
+    status, out, _ = check([*args[:4], "--data.validation_files", str(bad_records)])
+    assert status == 1 and f"(data.validation_files='{bad_records}')" in out
+    assert check([*args, "--data.on_bad_record", "skip"])[0] == 0
+
+
+def test_bad_local_records_stop_the_launch_before_torchrun(cli, bad_records):
+    """End to end: run_train.sh's check refuses the file; no worker (rank) ever starts."""
+    result = cli(["--tokenizer.path", "none", "--data.dataset", str(bad_records), "--validation.enable", "false",
+                  "--training.steps", "1", "--job.dump_folder", str(bad_records.parent / "out")])
+    assert result.returncode == 2
+    assert f"error: the run's data is not ready:\n  - {bad_records}:2: text=3 is a int, not a string" in result.stderr
+    assert "rank0" not in result.stdout + result.stderr
+    assert not (bad_records.parent / "out").exists()
+
+
+def test_files_found_clean_are_handed_to_the_workers_by_fingerprint(check, tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": "x = 1"}) + "\n")
+    out_file = tmp_path / "clean"
+    args = ["--tokenizer.path", "none", "--data.dataset", str(docs), "--validation.enable", "false"]
+    assert check(args, TORCHTITAN_LITE_PREFLIGHT="1", **{prescan.CLEAN_RECORDS_OUT_ENV: str(out_file)})[0] == 0
+    assert out_file.read_text() == prescan.fingerprint([str(docs)], "json", "text")
+
+
+def test_a_gpu_launch_sized_from_a_host_without_gpus_names_what_it_could_not_check(check):
+    status, out, _ = check(["--config", "llama3_debug"], NGPU="8")
+    assert status == 0
+    assert out.splitlines()[1:] == [
+        "not checked on this host:",
+        "  - the devices: NGPU=8 needs 8 CUDA device(s) per node; this host has none",
+        "  - the GPU memory: the estimate was held against 80 GiB per GPU (assumed: this host has no GPU to ask; set "
+        "TTL_GPU_MEMORY_GIB for other GPUs)",
+    ]
+    status, out, _ = check(["--config", "llama3_debug"], NGPU="8", TTL_GPU_MEMORY_GIB="141")
+    assert status == 0
+    assert out.splitlines()[-1] == ("  - the GPU memory: the estimate was held against 141 GiB per GPU (from "
+                                    "TTL_GPU_MEMORY_GIB: this host has no GPU to ask)")
+    assert check(["--config", "llama3_debug"], NPROC="2")[1].count("\n") == 1  # a CPU launch: all checked here
+
+
+PUBLISHED = [name for name in DEFAULT_REGISTRY.names() if re.fullmatch(r"llama3_\d+b.*", name)]
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_the_smoke_recipe_needs_no_second_flag_on_published_configs(name):
+    """The configs stream a hub dataset with a configuration ('sample-10BT'); the embedded corpus has none, and
+    replacing the dataset drops it, so the smoke recipe is ready as printed."""
+    cfg = parse_cli(["--config", name, *SMOKE_OVERRIDE.split()], registry=DEFAULT_REGISTRY).config
+    assert cfg.data.dataset == "embedded" and cfg.data.dataset_config is None
+    assert data_problems(cfg.data, cfg.tokenizer, validation=cfg.validation.enable) == []
+
+
+def test_the_smoke_recipe_loads_its_data_on_llama3_8b():
+    """What the run used to fail on after building the 8B model: loading the embedded corpus with the
+    config's hub configuration name."""
+    cfg = parse_cli(["--config", "llama3_8b", *SMOKE_OVERRIDE.split()], registry=DEFAULT_REGISTRY).config
+    for role in ("train", "validation"):
+        assert isinstance(next(iter(load_split(cfg.data, role)))["text"], str)
+
+
+def test_the_readme_smoke_recipe_checks_on_llama3_8b(check):
+    assert f"A smoke run that needs no download: `{SMOKE_OVERRIDE}`" in (ROOT / "README.md").read_text()
+    status, out, _ = check(["--config", "llama3_8b", *SMOKE_OVERRIDE.split()], NGPU="8")
+    assert status == 0, out
+    assert out.startswith("config 'llama3_8b' is valid for 8 process(es) (FSDP 8)")
+
+
+def test_a_configuration_for_the_embedded_corpus_is_still_refused_before_launch(check):
+    """Set explicitly beside it, a hub configuration name contradicts the embedded corpus."""
+    status, out, _ = check(["--config", "llama3_8b", *SMOKE_OVERRIDE.split(), "--data.dataset_config", "en"], NGPU="8")
+    assert status == 1
+    assert ("  - data.dataset_config='en' selects a configuration of a hub dataset or dataset folder; the embedded "
+            "corpus has none, so leave it unset") in out

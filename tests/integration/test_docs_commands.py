@@ -39,7 +39,8 @@ LONG_RUNNING = {
         "trains; downloads a hub data set",
     "python scripts/train_tokenizer.py --input 'data/*.jsonl' --vocab-size 32000 --output tok.model":
         "needs the user's data",
-    "./run_train.sh --tokenizer.path tok.model --data.dataset 'data/*.jsonl'": "trains; needs the user's data",
+    "./run_train.sh --tokenizer.path tok.model --data.dataset 'data/*.jsonl' --validation.enable false":
+        "trains; needs the user's data",
     "./run_train.sh --checkpoint.enable true --checkpoint.interval 100 --checkpoint.keep_latest_k 3": "trains",
     "./run_train.sh --checkpoint.enable true --checkpoint.create_seed_checkpoint true": "builds a checkpoint",
     "NPROC=2 ./run_train.sh --parallelism.dp_shard 2 --checkpoint.enable true --training.steps 20":
@@ -94,6 +95,13 @@ LONG_RUNNING = {
     "--out loss.png": "a template (<bf16> ...)",
     "python scripts/fp8_sqnr.py --config <cfg> --min-fwd-sqnr 20": "a template (<cfg>)",
 }
+
+
+ONLY_THE_USERS_MACHINE_HAS = ("`python scripts/download_hf_assets.py --repo meta-llama/Llama-3.1-8B",
+                              "but HF_HUB_OFFLINE", "data.dataset='/data/")
+"""--check-config exits 1 (the config is valid, a launch would stop) when the data is not ready; here that
+may only be for what the suite's host cannot have: the fetched Llama 3 tokenizer, the hub (the suite runs
+offline), the user's data under /data."""
 
 
 def doc_commands() -> list[tuple[str, str]]:
@@ -168,7 +176,7 @@ def test_quick_documented_commands_run_as_written(bare_python):
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = dict(zip(quick, pool.map(lambda cmd: run(cmd, bare_python), quick)))
     failed = [f"{cmd}\n  exit {r.returncode}: {(r.stderr or r.stdout).strip()[-600:]}" for cmd, r in results.items()
-              if r.returncode != 0]
+              if r.returncode != 0 and not stops_only_for_the_users_assets(r)]
     assert not failed, "documented commands failed:\n" + "\n".join(failed)
     plan = results["NGPU=8 python train.py --config llama3_8b_fp8 --print-fp8-plan"].stdout.splitlines()
     assert documented_excerpt() and all(line in plan for line in documented_excerpt() if line != "...")
@@ -214,6 +222,14 @@ def test_an_interpreter_without_torch_named_by_setup_env_is_refused_with_the_fix
     assert result.stderr.startswith(f"error: {bare_python / 'python'}, the interpreter scripts/setup_env.sh names "
                                     "(TTL_PYTHON when set, else ./.venv), has no torch")
     assert "Point TTL_PYTHON at a Python with the project's dependencies" in result.stderr
+
+
+def stops_only_for_the_users_assets(result: subprocess.CompletedProcess) -> bool:
+    marker = "but a training launch would stop: the run's data is not ready:\n"
+    if result.returncode != 1 or marker not in result.stdout:
+        return False
+    problems = [line for line in result.stdout.split(marker, 1)[1].splitlines() if line.startswith("  - ")]
+    return bool(problems) and all(any(m in p for m in ONLY_THE_USERS_MACHINE_HAS) for p in problems)
 
 
 def documented_excerpt() -> list[str]:

@@ -1,6 +1,9 @@
+import dataclasses
+
 import pytest
 from test_config_toys import QuantConfig, ScaleConfig, ToyTrainer, Training
 
+from torchtitan_lite.components.data.dataloader import TextDataLoader
 from torchtitan_lite.config.errors import ConfigError
 from torchtitan_lite.config.overrides import Override, apply_overrides, overrides_from_dict
 
@@ -231,3 +234,28 @@ def test_toml_section_given_a_value():
     with pytest.raises(ConfigError) as err:
         apply_toml({"training": 3})
     assert str(err.value) == "training (in over.toml) is a section, not a value; set its fields, in a [training] table"
+
+
+@dataclasses.dataclass
+class _DataRoot:
+    data: TextDataLoader.Config = dataclasses.field(default_factory=lambda: TextDataLoader.Config(
+        dataset="HuggingFaceFW/fineweb-edu", dataset_config="sample-10BT", streaming=True, shuffle=False))
+
+
+@pytest.mark.parametrize("overrides, dataset_config", [
+    # Replacing the dataset drops the base's configuration name: it described the base's dataset.
+    ([Override("data.dataset", "embedded")], None),
+    ([Override("data.dataset", "embedded", "run.toml")], None),
+    # Set along with the dataset (in either order) or later, it is kept.
+    ([Override("data.dataset", "allenai/c4"), Override("data.dataset_config", "en")], "en"),
+    ([Override("data.dataset_config", "en"), Override("data.dataset", "allenai/c4")], "en"),
+    ([Override("data.dataset", "allenai/c4", "run.toml"), Override("data.dataset_config", "en")], "en"),
+    # A later origin that replaces the dataset alone resets what an earlier one set.
+    ([Override("data.dataset", "allenai/c4", "run.toml"), Override("data.dataset_config", "en", "run.toml"),
+      Override("data.dataset", "embedded")], None),
+    # The same dataset restated is no replacement.
+    ([Override("data.dataset", "HuggingFaceFW/fineweb-edu")], "sample-10BT"),
+    ([Override("data.streaming", "false"), Override("data.shuffle", "true")], "sample-10BT"),
+])
+def test_a_field_that_belongs_to_another_is_reset_when_its_owner_is_replaced_alone(overrides, dataset_config):
+    assert apply_overrides(_DataRoot(), overrides).data.dataset_config == dataset_config

@@ -168,9 +168,17 @@ def test_missing_validation_files(tmp_path):
 
 def test_file_dataset_without_validation_files(tmp_path):
     train = _write(tmp_path / "train.jsonl", DOCS, "jsonl")
-    with pytest.raises(DataSourceError, match="is a file or glob, which has no validation split; set "
-                                              "data.validation_files"):
+    with pytest.raises(DataSourceError, match=r"is a file or glob, which has no validation split \(validation.enable "
+                                              r"is on\); set --data.validation_files FILE .* or --validation.enable "
+                                              r"false"):
         load_split(_cfg(dataset=str(train)), "validation")
+
+
+def test_validation_files_beside_a_hub_dataset_with_a_configuration(tmp_path):
+    """data.dataset_config selects a configuration of data.dataset; held-out files need no second flag."""
+    val = _write(tmp_path / "val.jsonl", DOCS, "jsonl")
+    cfg = _cfg(dataset="HuggingFaceFW/fineweb-edu", dataset_config="sample-10BT", validation_files=str(val))
+    assert load_split(cfg, "validation")["text"] == DOCS
 
 
 @pytest.mark.parametrize("streaming", [False, True])

@@ -29,7 +29,8 @@ ACTION_FLAGS = {
     "--print-fp8-plan": ("print_fp8_plan", "explain which Linear layers get which float8 recipe, and why; exit"),
     "--estimate-memory": ("estimate_memory", "estimate per-device memory for the resolved config and exit"),
     "--check-config": ("check_config", "apply every rule the build applies (degrees, precision, converters, plan) "
-                                       "for the launch (WORLD_SIZE, or NGPU / NPROC x --nnodes), then exit"),
+                                       "for the launch (WORLD_SIZE, or NGPU / NPROC x --nnodes) and check its data, "
+                                       "then exit: 0 ready, 1 valid but a launch would stop, 2 invalid"),
     "--dry-run": ("dry_run", "build and parallelize rank 0 of NGPU (x --nnodes) ranks on meta over a fake process "
                              "group; print per-rank bytes, the fp8 plan and the memory estimate; exit"),
 }

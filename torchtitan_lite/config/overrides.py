@@ -5,6 +5,11 @@ Keys walk sections (``section.field``, ``a.b.c``) and typed-config lists by inde
 (``float8,other`` on the command line; ``["float8"]`` or ``[[...]]`` tables with ``kind = ...`` in
 TOML). After all overrides are applied, every config's ``__post_init__`` runs again so value
 checks see the final values; its ValueError becomes a ConfigError naming the keys that were set.
+
+A config class may declare fields that belong to another one (``belongs_to = {"dataset_config":
+"dataset"}``): such a field describes the value of its owner, so an override that replaces the owner
+without also setting the field (in the same file or command line, or later) returns it to its
+default rather than carrying the base config's value over to something it does not describe.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ T = TypeVar("T")
 # id(config object) -> (the object, labels of the overrides that changed it or something below it).
 # The object is kept so its id cannot be reused by a new object while overrides are applied.
 _Touched = dict[int, tuple[Any, list[str]]]
+# (config object, field name, origin, whether the value changed) of every field an override wrote, in order.
+_Writes = list[tuple[Any, str, str, bool]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +79,15 @@ def apply_overrides(config: T, overrides: Iterable[Override], *, base_label: str
     """
     result = copy.deepcopy(config)
     touched: _Touched = {}
+    writes: _Writes = []
     for override in overrides:
-        _apply(result, override, touched)
+        _apply(result, override, touched, writes)
+    _reset_orphaned_fields(writes)
     _validate(result, touched, base_label)
     return result
 
 
-def _apply(root: Any, override: Override, touched: _Touched) -> None:
+def _apply(root: Any, override: Override, touched: _Touched, writes: _Writes) -> None:
     owner, name, chain = _resolve(root, override)
     tp = field_type(type(owner), name)
     base = typed_list_base(tp)
@@ -87,13 +96,31 @@ def _apply(root: Any, override: Override, touched: _Touched) -> None:
         value = _leaf_value(tp, override)
     else:
         value, entry_fields = _typed_entries(base, override)
+    changed = getattr(owner, name) != value
     setattr(owner, name, value)
+    writes.append((owner, name, override.origin, changed))
     for obj in chain:
         touched.setdefault(id(obj), (obj, []))[1].append(override.label)
     # Fields written in [[list]] tables go through the same path as any key: same checks, same messages.
     for index, fields in entry_fields:
         for sub in overrides_from_dict(fields, override.origin):
-            _apply(root, Override(f"{override.key}.{index}.{sub.key}", sub.value, override.origin), touched)
+            _apply(root, Override(f"{override.key}.{index}.{sub.key}", sub.value, override.origin), touched, writes)
+
+
+def _reset_orphaned_fields(writes: _Writes) -> None:
+    """A field that belongs to another (``belongs_to``) goes back to its default when its owner was changed
+    and the field was not set along with it: by the same origin, or by a later override."""
+    for i, (obj, name, origin, changed) in enumerate(writes):
+        for dependent, owner in getattr(type(obj), "belongs_to", {}).items():
+            set_along = any(o is obj and n == dependent and (org == origin or j > i)
+                            for j, (o, n, org, _) in enumerate(writes))
+            if owner == name and changed and not set_along:
+                setattr(obj, dependent, _default(type(obj), dependent))
+
+
+def _default(cls: type, name: str) -> Any:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _resolve(root: Any, override: Override) -> tuple[Any, str, list[Any]]:

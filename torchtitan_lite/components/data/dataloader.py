@@ -39,7 +39,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -89,7 +89,11 @@ class TextDataLoader(Configurable):
         file or glob (data/*.jsonl, **/*.parquet); a local dataset folder (splits named by file, like a
         hub repository, or written by save_to_disk); or a Hugging Face hub dataset name."""
         dataset_config: str | None = None
-        """Configuration (subset) name of a hub dataset or dataset folder; None for the default."""
+        """Configuration (subset) name of a hub dataset or dataset folder; None for the default. It belongs
+        to the dataset it is set with: overriding data.dataset without it resets it to None."""
+        belongs_to: ClassVar[dict[str, str]] = {"dataset_config": "dataset"}
+        # Read by the overrides: a config's 'sample-10BT' describes its hub dataset and must not follow
+        # --data.dataset embedded (or a local file) into a run where it cannot apply.
         data_format: DataFormat = "auto"
         """Format of local files: json / jsonl (one JSON record per line or a JSON array), parquet,
         text (one document per line), csv; 'auto' infers it from the file extension."""

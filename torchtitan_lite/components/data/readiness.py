@@ -1,16 +1,25 @@
-"""Is what a training run reads there? The tokenizer and the data source, checked without reading the data.
+"""Is what a training run reads there, and usable? The tokenizer and the data source, checked before launch.
 
 ``--check-config`` lists the problems (and run_train.sh's check before torchrun makes them errors); the
-trainer checks again before its process group starts, for launches that bypass run_train.sh. Local
-paths are checked for existence; a hub dataset is asked for its metadata with a short timeout, never
-downloaded. Each problem names the command that fetches the missing piece or the override for a smoke run.
+trainer checks again before its process group starts, for launches that bypass run_train.sh. Options
+the source has no use for (``check_options``) and local paths are checked; a hub dataset is asked for its
+metadata with a short timeout, never downloaded. ``--check-config`` also scans local files for bad
+records (``scan_local_records``), which the trainer leaves to its data loader. Each problem names the
+command that fetches the missing piece, the option that fixes it, or the override for a smoke run.
 """
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING
 
-from torchtitan_lite.components.data.sources import DataSourceError, resolve_files, source_kind
+from torchtitan_lite.components.data import prescan, records
+from torchtitan_lite.components.data.sources import (
+    DataSourceError,
+    check_options,
+    local_files,
+    resolve_files,
+    source_kind,
+)
 from torchtitan_lite.components.tokenizer_files import TokenizerError, locate_tokenizer
 from torchtitan_lite.hf_assets import (
     DATASET_CHECK_TIMEOUT_S,
@@ -39,6 +48,10 @@ def data_problems(data: TextDataLoader.Config, tokenizer: Tokenizer.Config, *, v
         except TokenizerError as error:
             problems.append(str(error))
     try:
+        check_options(data, validation=validation)
+    except DataSourceError as error:
+        problems.append(str(error))
+    try:
         _check_source(data, timeout=timeout)
         if validation and data.validation_files is not None:
             resolve_files(data.validation_files, f"data.validation_files={data.validation_files!r}")
@@ -55,6 +68,28 @@ def require_data(data: TextDataLoader.Config, tokenizer: Tokenizer.Config, *, va
     problems = data_problems(data, tokenizer, validation=validation)
     if problems:
         raise DataNotReadyError(not_ready_text(problems))
+
+
+def scan_local_records(data: TextDataLoader.Config, *, validation: bool) -> tuple[list[str], list[str]]:
+    """Scan the run's local data files for bad records as the workers would: (problems, fingerprints of the
+    clean sources). A bad record is a problem under data.on_bad_record=error; under 'skip' it is logged
+    and its source gets no fingerprint, so the workers scan it again to leave the bad records out."""
+    sources = []
+    if source_kind(data.dataset) == "files":
+        sources.append((data.dataset, f"data.dataset={data.dataset!r}"))
+    if validation and data.validation_files is not None:
+        sources.append((data.validation_files, f"data.validation_files={data.validation_files!r}"))
+    problems, clean = [], []
+    for pattern, where in sources:
+        try:
+            files, builder, field = local_files(pattern, data, where)
+            bad = records.scan(files, builder, field, data.on_bad_record, where)
+        except DataSourceError as error:
+            problems.append(str(error))
+            continue
+        if not bad.count:
+            clean.append(prescan.fingerprint(files, builder, field))
+    return problems, clean
 
 
 def not_ready_text(problems: list[str]) -> str:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import datasets
 from datasets import Dataset, DatasetDict, IterableDataset
 
-from torchtitan_lite.components.data import records
+from torchtitan_lite.components.data import prescan, records
 from torchtitan_lite.components.data.corpus import embedded_corpus
 from torchtitan_lite.components.data.record_formats import MissingCodec, check_codec
 
@@ -52,42 +52,48 @@ def load_split(cfg: TextDataLoader.Config, role: Role) -> Dataset | IterableData
     """The documents of ``role`` as a dataset holding only ``cfg.text_field``, checked for usability."""
     split = cfg.train_split if role == "train" else cfg.validation_split
     kind = source_kind(cfg.dataset)
+    check_options(cfg, validation=role == "validation")
     if role == "validation" and cfg.validation_files is not None:
+        # data.dataset_config selects a configuration of data.dataset; it says nothing about these files.
         where = f"data.validation_files={cfg.validation_files!r}"
-        _reject_dataset_config(cfg, where)
         ds = _load_files(cfg.validation_files, cfg, split, where)
-    elif kind == "embedded":
-        where = "the embedded corpus"
-        _reject_dataset_config(cfg, where)
-        if cfg.data_format != "auto":
-            raise DataSourceError(f"data.data_format={cfg.data_format!r} does not apply to the embedded corpus "
-                                  f"(it is JSON lines); leave data.data_format='auto'")
-        files = embedded_corpus().data_files(role)
-        ds = _load_builder("json", {split: files}, cfg, split, where)
-    elif kind == "directory":
-        where = f"data.dataset={cfg.dataset!r}"
-        ds = _load_directory(cfg, split, where)
-    elif kind == "files":
-        where = f"data.dataset={cfg.dataset!r}"
-        _reject_dataset_config(cfg, where)
-        if role == "validation":
-            raise DataSourceError(
-                f"{where} is a file or glob, which has no validation split; set data.validation_files "
-                f"to held-out files (e.g. 'data/val-*.jsonl') or disable validation"
-            )
-        ds = _load_files(cfg.dataset, cfg, split, where)
     else:
-        where = f"hub dataset data.dataset={cfg.dataset!r}"
-        if cfg.data_format != "auto":
-            raise DataSourceError(f"data.data_format={cfg.data_format!r} applies to local files; {where} "
-                                  f"declares its own format, so leave data.data_format='auto'")
-        ds = _call_datasets(
-            lambda: datasets.load_dataset(cfg.dataset, name=cfg.dataset_config, split=split,
-                                          streaming=cfg.streaming),
-            where, split, hint="check the name, data.dataset_config and the split names; without network "
-                               "access (HF_HUB_OFFLINE=1) a dataset must already be in the Hugging Face cache and "
-                               "cannot stream; for a smoke run use --data.dataset embedded")
+        where = _where(cfg.dataset)
+        if kind == "embedded":
+            ds = _load_builder("json", {split: embedded_corpus().data_files(role)}, cfg, split, where)
+        elif kind == "directory":
+            ds = _load_directory(cfg, split, where)
+        elif kind == "files":
+            ds = _load_files(cfg.dataset, cfg, split, where)
+        else:
+            ds = _call_datasets(
+                lambda: datasets.load_dataset(cfg.dataset, name=cfg.dataset_config, split=split,
+                                              streaming=cfg.streaming),
+                where, split, hint="check the name, data.dataset_config and the split names; without network "
+                                   "access (HF_HUB_OFFLINE=1) a dataset must already be in the Hugging Face cache "
+                                   "and cannot stream; for a smoke run use --data.dataset embedded")
     return _text_column(ds, cfg.text_field, where, split)
+
+
+def check_options(cfg: TextDataLoader.Config, *, validation: bool) -> None:
+    """What ``load_split`` refuses from the options alone, before any file is read: an option the source's
+    kind has no use for, and validation of a file source without data.validation_files."""
+    kind = source_kind(cfg.dataset)
+    where = _where(cfg.dataset)
+    if kind in ("embedded", "files"):
+        _reject_dataset_config(cfg, where)
+    if kind == "embedded" and cfg.data_format != "auto":
+        raise DataSourceError(f"data.data_format={cfg.data_format!r} does not apply to the embedded corpus "
+                              f"(it is JSON lines); leave data.data_format='auto'")
+    if kind == "hub" and cfg.data_format != "auto":
+        raise DataSourceError(f"data.data_format={cfg.data_format!r} applies to local files; {where} "
+                              f"declares its own format, so leave data.data_format='auto'")
+    if validation and kind == "files" and cfg.validation_files is None:
+        raise DataSourceError(
+            f"{where} is a file or glob, which has no validation split (validation.enable is on); set "
+            f"--data.validation_files FILE to held-out documents (a file or glob, e.g. 'data/val-*.jsonl'), "
+            f"or --validation.enable false"
+        )
 
 
 def source_kind(dataset: str) -> SourceKind:
@@ -134,7 +140,8 @@ def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
 # Source kinds
 
 
-def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str) -> Any:
+def local_files(pattern: str, cfg: TextDataLoader.Config, where: str) -> tuple[list[str], str, str]:
+    """The files ``pattern`` names, the ``datasets`` builder that reads them and the field holding the text."""
     files = resolve_files(pattern, where)
     builder = infer_format(files, cfg.data_format, where)
     for file in files:
@@ -142,8 +149,12 @@ def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str
             check_codec(file)
         except MissingCodec as error:
             raise DataSourceError(f"{error} ({where})") from None
-    field = "text" if builder == "text" else cfg.text_field
-    bad = records.scan(files, builder, field, cfg.on_bad_record, where)
+    return files, builder, "text" if builder == "text" else cfg.text_field
+
+
+def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str) -> Any:
+    files, builder, field = local_files(pattern, cfg, where)
+    bad = prescan.scan(files, builder, field, cfg.on_bad_record, where)
     if bad.count:
         kwargs = {"files": files, "builder": builder, "text_field": field, "stamps": records.file_stamps(files)}
         make = IterableDataset.from_generator if cfg.streaming else Dataset.from_generator
@@ -252,6 +263,13 @@ def _call_datasets(load: Callable[[], Any], where: str, split: str, *, hint: str
                                   f"data.dataset at a non-empty source") from error
         raise DataSourceError(f"could not load {where} (split {split!r}): {type(error).__name__}: {error}. "
                               f"{hint}") from error
+
+
+def _where(dataset: str) -> str:
+    kind = source_kind(dataset)
+    if kind == "embedded":
+        return "the embedded corpus"
+    return f"data.dataset={dataset!r}" if kind != "hub" else f"hub dataset data.dataset={dataset!r}"
 
 
 def _reject_dataset_config(cfg: TextDataLoader.Config, where: str) -> None:
