@@ -201,7 +201,7 @@ class Trainer(Configurable):
             model = spec.model_cls(self.model_args)
         self.converters.convert(model)
         start = time.perf_counter()
-        model = spec.parallelize_fn(model, self.run, mp_policy=self.precision.mp_policy())
+        model = spec.parallelize_fn(model, self.run.parallelize_context(mp_policy=self.precision.mp_policy()))
         init_device = "cpu" if cfg.parallelism.fsdp_cpu_offload else self.device
         model.to_empty(device=init_device)
         with torch.no_grad():
