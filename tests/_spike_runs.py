@@ -74,7 +74,7 @@ def record_steps(trainer: Trainer, snapshot: tuple[int, ...] = ()) -> list[StepR
         lr = trainer.lr_schedulers.last_lr
         loss, grad_norm = original(batches)
         verdict = trainer.last_verdict
-        record = StepRecord(trainer.train_state.step, batches[0][1].clone(), loss,
+        record = StepRecord(trainer.train_state.step, batches[0][1].clone(), float(loss),
                             None if verdict is None else verdict.action, lr, before, adam_before=adam_before)
         if copy:
             record.params_after, record.adam_after = params_of(trainer), adam_of(trainer)

@@ -36,16 +36,19 @@ class SpikeResponse:
         self.guard.adopt_recorded(self.checkpointer.read_record(SPIKE_RECORD, []), step)
         self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
 
-    def judge(self, step: int, loss: float, grad_norm: float, *, overflow: bool) -> Verdict:
+    def judge(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *,
+              overflow: bool) -> tuple[Verdict, tuple[float, float]]:
+        """The verdict on step ``step`` and this rank's (loss, grad norm) as floats, from one device read."""
         # The loss and norm are already reduced over the ranks; one MAX all-reduce makes every rank judge
         # bit-identical numbers all the same (non-finite values count as +inf, which MAX keeps).
-        agreed = torch.tensor([loss, grad_norm], dtype=torch.float64)
-        agreed = torch.where(torch.isfinite(agreed), agreed, torch.full_like(agreed, math.inf))
+        local = torch.stack([loss.detach(), grad_norm.detach().to(loss.device)]).double()
+        agreed = torch.where(torch.isfinite(local), local, torch.full_like(local, math.inf))
         if dist.is_initialized() and dist.get_world_size() > 1:
             agreed = agreed.to(self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        values = dict(zip(("loss", "grad_norm"), agreed.tolist(), strict=True))
-        return self.guard.judge(step, values, overflow=overflow)
+        loss_value, norm_value, *agreed_values = torch.cat([local.to(agreed.device), agreed]).tolist()
+        values = dict(zip(("loss", "grad_norm"), agreed_values, strict=True))
+        return self.guard.judge(step, values, overflow=overflow), (loss_value, norm_value)
 
     def report(self, step: int, verdict: Verdict, *, logged: bool) -> None:
         """Console line for each spike, spike/ scalars on each spike and each logged step."""

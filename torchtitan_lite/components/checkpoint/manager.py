@@ -381,6 +381,12 @@ class CheckpointManager(Configurable):
     # ----------------------------------------------------------------------------------------------
     # Saving
 
+    def due(self, step: int, *, last_step: bool = False, force: bool = False) -> bool:
+        """Whether ``save`` with these arguments writes a checkpoint."""
+        if not self.config.enable or step == self._last_saved_step:
+            return False
+        return force or last_step or step % self.config.interval == 0
+
     def save(self, step: int, *, last_step: bool = False, force: bool = False, model_only: bool = False) -> bool:
         """Save when ``step`` is a multiple of ``interval``, or ``last_step`` / ``force``; collective.
 
@@ -388,9 +394,7 @@ class CheckpointManager(Configurable):
         (the seed checkpoint); ``last_save_model_only`` applies it to the last step.
         """
         cfg = self.config
-        if not cfg.enable or step == self._last_saved_step:
-            return False
-        if not (force or last_step or step % cfg.interval == 0):
+        if not self.due(step, last_step=last_step, force=force):
             return False
         model_only = model_only or (last_step and cfg.last_save_model_only)
         self.wait()

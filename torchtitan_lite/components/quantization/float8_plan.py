@@ -156,6 +156,15 @@ def check_edge_fields(config: PlannedConverterConfig, field: str) -> None:
                              f"in high precision); use 0 to convert every block")
 
 
+def check_filter_fqns(config: PlannedConverterConfig, field: str) -> None:
+    """Every ``filter_fqns`` entry of a converter config is a non-empty string (``field`` names the converter
+    entry in errors): an empty one would match, and keep in high precision, every module."""
+    for entry in config.filter_fqns:
+        if not isinstance(entry, str) or not entry:
+            raise ValueError(f"{field}.filter_fqns entry {entry!r} would match every module; "
+                             f"use non-empty FQN substrings such as 'output'")
+
+
 def _edge_reason(fqn: str, edges: dict[str, str]) -> str:
     for prefix, reason in edges.items():
         if fqn == prefix or fqn.startswith(prefix + "."):
