@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 MARKER_NAME = ".complete"
 DCP_METADATA_NAME = ".metadata"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+NOTHING_YET, NORMAL, ABNORMAL = "nothing", "normal", "abnormal"
+"""Values of ``Marker.followed_by``."""
 
 
 @dataclass
@@ -35,6 +37,11 @@ class Marker:
     checksums: dict[str, Any] | None = None
     """File name (relative to the step folder) -> content digest, see checksums.py; None in checkpoints
     written before checksums existed, which are then checked for completeness only."""
+    followed_by: str | None = None
+    """What the loss of the step trained from this state was, as far as any run saw it: 'nothing' (no step
+    has trained from it yet), 'normal' (one did, to a finite loss within the spike bounds) or 'abnormal'
+    (only non-finite or spiking losses so far). Rewritten in place as runs learn it, so a resume in a new
+    process knows; None in checkpoints written before this was recorded."""
 
     @staticmethod
     def read(checkpoint_dir: str) -> Marker | None:
@@ -54,9 +61,14 @@ class Marker:
 
 def write_json_atomically(path: str, obj: Any) -> None:
     """``obj`` as JSON at ``path``: a temporary file, flushed to disk, then renamed over it."""
+    write_text_atomically(path, json.dumps(obj, indent=1))
+
+
+def write_text_atomically(path: str, text: str) -> None:
+    """``text`` at ``path``: a temporary file, flushed to disk, then renamed over it."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -74,7 +86,8 @@ def read_json(path: str, default: Any) -> Any:
 
 
 def new_marker(step: int, world_size: int, states: list[str], model_only: bool) -> Marker:
-    return Marker(step=step, world_size=world_size, states=sorted(states), model_only=model_only, time=time.time())
+    return Marker(step=step, world_size=world_size, states=sorted(states), model_only=model_only, time=time.time(),
+                  followed_by=NOTHING_YET)
 
 
 def step_dir(folder: str, step: int) -> str:
