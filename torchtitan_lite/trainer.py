@@ -230,6 +230,12 @@ class Trainer(Configurable):
         """Measure the FP8 casts of this micro-batch (the first of a stats step), or do nothing."""
         return self.fp8_stats.capture() if on and self.fp8_stats is not None else contextlib.nullcontext()
 
+    def _save_config(self) -> None:
+        # Called once every refusal has passed (storage, the resume): a refused run leaves the file that
+        # describes the folder as it was.
+        if dist_utils.is_rank0() and self.config.job.save_config:
+            _save_resolved_config(self.config)
+
     def _dp_group(self) -> dist.ProcessGroup | None:
         mesh = self.parallel_dims.dp_mesh
         return None if mesh is None else mesh.get_group()
@@ -241,6 +247,7 @@ class Trainer(Configurable):
         cfg = self.config
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save(0, force=True, model_only=True)
+            self._save_config()
             logger.info("seed checkpoint written to %s", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
             self.close()
             return
@@ -248,9 +255,7 @@ class Trainer(Configurable):
         self.train_state.step = self.checkpointer.load()
         if self.spikes is not None:
             self.spikes.resume(self.train_state.step)
-        # Only now, with every refusal passed (the resume included), may the run describe the folder.
-        if dist_utils.is_rank0() and cfg.job.save_config:
-            _save_resolved_config(cfg)
+        self._save_config()
         first_step = self.train_state.step + 1
         data_iter = iter(self.dataloader)
         if cfg.training.gc_freq > 0:

@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -50,13 +50,18 @@ class Marker:
             return None
         try:
             with open(path) as f:
-                return Marker(**json.load(f))
-        except (OSError, ValueError, TypeError) as e:
+                saved = json.load(f)
+            # Fields a later release added are ignored, so this one still reads its checkpoints.
+            return Marker(**{k: v for k, v in saved.items() if k in _MARKER_FIELDS})
+        except (OSError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"checkpoint marker {path} is unreadable ({e}); delete it to treat "
                              f"{checkpoint_dir} as incomplete") from e
 
     def write(self, checkpoint_dir: str) -> None:
         write_json_atomically(os.path.join(checkpoint_dir, MARKER_NAME), asdict(self))
+
+
+_MARKER_FIELDS = {f.name for f in fields(Marker)}
 
 
 def write_json_atomically(path: str, obj: Any) -> None:
