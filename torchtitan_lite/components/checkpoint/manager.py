@@ -265,7 +265,6 @@ class CheckpointManager(Configurable):
         marker = Marker.read(path)
         if marker is None:  # scan_steps counts a step complete only when its marker exists
             raise CheckpointError(f"{path} lost its completion marker while loading; {describe_steps(self.folder)}")
-        self._warn_unless_followed_by_a_normal_loss(path, marker, complete)
         wanted = [n for n in self.states if n not in cfg.exclude_from_loading]
         absent = [n for n in wanted if n not in marker.states]
         if absent:
@@ -277,6 +276,7 @@ class CheckpointManager(Configurable):
         self._loaded_step = step
         self._adopt(path, step, marker)
         logger.info("resumed from %s in %.1fs", path, time.perf_counter() - start)
+        self._warn_unless_followed_by_a_normal_loss(path, marker, complete)
         return step
 
     def _adopt(self, path: str, step: int, marker: Marker | None) -> None:
