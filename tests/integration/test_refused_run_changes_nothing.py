@@ -76,7 +76,10 @@ def test_an_unknown_state_to_exclude(dump, caplog):
     assert "checkpoint.exclude_from_loading has unknown state(s) ['nosuch']" in error
 
 
-def test_a_full_disk(dump, caplog, monkeypatch):
+@pytest.mark.parametrize("checkpoints", ["saved", "none yet"])
+def test_a_full_disk(dump, caplog, monkeypatch, checkpoints):
+    if checkpoints == "none yet":  # the storage check must not leave the checkpoint folder it created
+        shutil.rmtree(dump / "checkpoint")
     usage = shutil.disk_usage(dump)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=1000))
     assert "less than one checkpoint of this run" in refuse(dump, caplog)
