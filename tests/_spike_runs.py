@@ -55,6 +55,8 @@ class StepRecord:
     loss: float
     action: str | None
     lr: float
+    z_score: float | None = None
+    """The policy's largest z-score for the step (None with the policy off or not armed yet)."""
     params_before: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     params_after: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     adam_before: dict[str, torch.Tensor] | None = field(default=None, repr=False)
@@ -75,7 +77,8 @@ def record_steps(trainer: Trainer, snapshot: tuple[int, ...] = ()) -> list[StepR
         loss, grad_norm = original(batches)
         verdict = trainer.last_verdict
         record = StepRecord(trainer.train_state.step, batches[0][1].clone(), float(loss),
-                            None if verdict is None else verdict.action, lr, before, adam_before=adam_before)
+                            None if verdict is None else verdict.action, lr, None if verdict is None else verdict.z_score,
+                            before, adam_before=adam_before)
         if copy:
             record.params_after, record.adam_after = params_of(trainer), adam_of(trainer)
         records.append(record)

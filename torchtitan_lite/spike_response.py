@@ -54,12 +54,14 @@ class SpikeResponse:
         """Console line for each spike, spike/ scalars on each spike and each logged step."""
         if verdict.action in ("skip", "rollback"):
             logger.warning("loss spike at step %s: %s", step, verdict.reason)
+            self.checkpointer.note_abnormal_loss(step)
         if verdict.action != "rollback" and (logged or verdict.action == "skip"):  # a rollback logs its own
             self.metrics.log_scalars(self.guard.scalars(), step)
 
     def roll_back(self, *, total_steps: int) -> int:
         """Every state back to the newest good checkpoint before the spike (collective); returns its step."""
         guard = self.guard
+        spike_z = guard.last_z  # restoring the checkpoint brings back the detector's z-score of that time
         self.checkpointer.wait()
         plan = guard.plan_rollback(self.checkpointer.rollback_candidates())
         aside = f"rolled_back_{guard.rollbacks + 1}"
@@ -73,7 +75,7 @@ class SpikeResponse:
                        "batches of steps %d-%d (%d steps) are skipped when training reaches step %d again",
                        guard.rollbacks, guard.config.max_rollbacks, plan.to_step, list(plan.spike_steps),
                        plan.first_data_step, plan.last_data_step, plan.data_steps, plan.first_data_step)
-        self.metrics.log_scalars(guard.scalars(), plan.spike_steps[-1])
+        self.metrics.log_scalars(guard.scalars(z_score=spike_z), plan.spike_steps[-1])
         self.metrics.begin(plan.to_step, total_steps)
         return plan.to_step
 

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 import torchtitan_lite.components.quantization  # noqa: F401  (registers the built-in converter kinds)
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
+from torchtitan_lite.components.checkpoint.layout import write_text_atomically
+from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
 from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.data.layout import resume_changes
 from torchtitan_lite.components.data.readiness import require_data
@@ -27,7 +29,7 @@ from torchtitan_lite.components.profiler import Profiler
 from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
-from torchtitan_lite.config import Configurable
+from torchtitan_lite.config import Configurable, config_to_toml
 from torchtitan_lite.config.sections import (
     ActivationCheckpointConfig,
     CompileConfig,
@@ -42,6 +44,7 @@ from torchtitan_lite.distributed.compile import compile_seconds, compiled_graphs
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
+from torchtitan_lite.nonfinite import NonFiniteLossError, explain_nonfinite
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.resolved_run import resolve_run
@@ -52,10 +55,6 @@ from torchtitan_lite.step_values import PendingSteps, StepValues
 from torchtitan_lite.train_state import TrainState
 
 logger = logging.getLogger("torchtitan_lite")
-
-
-class NonFiniteLossError(RuntimeError):
-    """Raised when the loss or the gradient norm stops being finite."""
 
 
 class Trainer(Configurable):
@@ -125,8 +124,6 @@ class Trainer(Configurable):
         self.device = dist_utils.init_distributed()
         self.parallel_dims.build_mesh(self.device.type)
         self._set_determinism()
-        if dist_utils.is_rank0() and cfg.job.save_config:
-            _save_resolved_config(cfg)
         logger.info("precision: %s (%s); model converters: %s",
                     self.run.precision.describe(init_scale=cfg.precision.init_scale), self.run.precision.reason,
                     _describe_converters(cfg.model_converters.converters))
@@ -169,6 +166,7 @@ class Trainer(Configurable):
         self.checkpointer = cfg.checkpoint.build(
             dump_folder=cfg.job.dump_folder, states=states, model_args=self.model_args,
             model_spec=self.run.model_spec, data_layout=self.run.data_layout(cfg.data),
+            run_config=config_to_toml(cfg),
         )
         self.metrics = cfg.metrics.build(
             dump_folder=cfg.job.dump_folder, device=self.device,
@@ -261,6 +259,12 @@ class Trainer(Configurable):
         """Measure the FP8 casts of this micro-batch (the first of a stats step), or do nothing."""
         return self.fp8_stats.capture() if on and self.fp8_stats is not None else contextlib.nullcontext()
 
+    def _save_config(self) -> None:
+        # Called once every refusal has passed (storage, the resume): a refused run leaves the file that
+        # describes the folder as it was.
+        if dist_utils.is_rank0() and self.config.job.save_config:
+            _save_resolved_config(self.config)
+
     def _dp_group(self) -> dist.ProcessGroup | None:
         mesh = self.parallel_dims.dp_mesh
         return None if mesh is None else mesh.get_group()
@@ -272,6 +276,7 @@ class Trainer(Configurable):
         cfg = self.config
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save(0, force=True, model_only=True)
+            self._save_config()
             logger.info("seed checkpoint written to %s", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
             self.close()
             return
@@ -280,6 +285,7 @@ class Trainer(Configurable):
         self._report_resumed_layout()
         if self.spikes is not None:
             self.spikes.resume(self.train_state.step)
+        self._save_config()
         first_step = self.train_state.step + 1
         data_iter = iter(self.dataloader)
         if cfg.training.gc_freq > 0:
@@ -435,20 +441,17 @@ class Trainer(Configurable):
             return
         # A background save still writing holds the last good state: finish it before naming it.
         self.checkpointer.wait()
+        # The checkpoint this step trained from records it, so that a resume from it later says so.
+        self.checkpointer.note_abnormal_loss(step)
         complete = self.checkpointer.complete_steps()
-        last_good = self.health.last_good(complete)
-        if last_good is not None:
-            kept = f"the last good checkpoint is step {last_good}"
-        elif complete:
-            # Checkpoint N is good once step N+1 trained to a normal loss; none of these has been seen to.
-            kept = f"no checkpoint is known good (none of steps {complete} was followed by a normal loss in this run)"
-        else:
-            kept = "no checkpoint was saved"
-        raise NonFiniteLossError(
-            f"non-finite {'loss' if not torch.isfinite(torch.tensor(loss)) else 'gradient norm'} at step {step} "
-            f"(loss={loss}, grad_norm={grad_norm}); stopping without saving, {kept}. Lower optimizer.lr, "
-            f"enable clipping (training.max_norm) or use precision.param_dtype=bfloat16 instead of float16."
-        )
+        # Good as this run saw it, or as the checkpoints' markers recorded it in earlier runs.
+        good = sorted({s for s in complete if s in self.health.good_checkpoints}
+                      | set(self.checkpointer.followed_by_normal_loss(complete)))
+        loaded = self.checkpointer.loaded
+        raise NonFiniteLossError(explain_nonfinite(
+            step=step, loss=loss, grad_norm=grad_norm, complete=complete, good=good,
+            resumed_from=loaded if loaded is not None and step == loaded.step + 1 else None,
+            clipping=self.config.training.max_norm > 0, fp16=self.precision.param_dtype == torch.float16))
 
     def _extra_metrics(self) -> dict[str, float]:
         extra = {}
@@ -484,10 +487,7 @@ def _describe_converters(converters: list) -> str:
 
 
 def _save_resolved_config(cfg: Trainer.Config) -> None:
-    from torchtitan_lite.config import config_to_toml
-
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
-    path = os.path.join(cfg.job.dump_folder, "config.toml")
-    with open(path, "w") as f:
-        f.write(config_to_toml(cfg))
+    path = os.path.join(cfg.job.dump_folder, RUN_CONFIG_NAME)
+    write_text_atomically(path, config_to_toml(cfg))
     logger.info("resolved config saved to %s", path)

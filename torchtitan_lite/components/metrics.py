@@ -153,17 +153,11 @@ class MetricsProcessor(Configurable):
         cfg = self.config
         if not cfg.enable_tensorboard or (cfg.rank_0_only and self.rank != 0):
             return None
-        from torch.utils.tensorboard import SummaryWriter
-
         folder = os.path.join(dump_folder, cfg.save_tb_folder)
         if not cfg.rank_0_only:
             folder = os.path.join(folder, f"rank_{self.rank}")
         logger.info("TensorBoard scalars go to %s", folder)
-        try:
-            return SummaryWriter(log_dir=folder)
-        except OSError as e:
-            self._tensorboard_failed(e)
-            return None
+        return _FirstWriteSummaryWriter(folder)
 
     def _tensorboard_failed(self, error: OSError) -> None:
         # A full or read-only disk must not end the run here, before it could resume or save.
@@ -378,6 +372,31 @@ class MetricsProcessor(Configurable):
         if eta_s is not None:
             parts.append(f"eta {format_duration(eta_s)}")
         return "  ".join(parts)
+
+
+class _FirstWriteSummaryWriter:
+    """A ``SummaryWriter`` created at the first scalar: a run refused before it trained (a resume that
+    does not fit, a full disk) leaves no event file in the dump folder. Opening errors (OSError) surface
+    from ``add_scalar``, where the caller turns TensorBoard off."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.writer: Any = None
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=self.folder)
+        self.writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def format_duration(seconds: float) -> str:
