@@ -98,7 +98,11 @@ def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
 def adam_of(trainer: Trainer) -> dict[str, torch.Tensor]:
     state = {}
     for i, opt in enumerate(trainer.optimizers):
-        for j, p in enumerate(opt.param_groups[0]["params"]):
+        # Every group: weight-decayed matrices and the undecayed norms / biases sit in separate groups.
+        params = [p for group in opt.param_groups for p in group["params"]]
+        # Before the first step no parameter has state; after it every one must (a missed one is not compared).
+        assert not opt.state or all(p in opt.state for p in params), "a parameter without AdamW state"
+        for j, p in enumerate(params):
             for key, value in opt.state.get(p, {}).items():
                 v = value.to_local() if hasattr(value, "to_local") else value
                 state[f"{i}.{j}.{key}"] = v.detach().clone()
