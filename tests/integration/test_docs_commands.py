@@ -51,6 +51,8 @@ LONG_RUNNING = {
     "pip install -e .[wandb]": "installs packages",
     "python scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 llama3_debug_fp8_rowwise "
     "--last 20 --tolerance 0.05 --out loss.png --table loss_gap.md": "trains three configs",
+    "python scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 --seeds 3 --last 20":
+        "trains two configs over three seeds",
     "python scripts/loss_compare.py --configs llama3_debug llama3_debug_fp8 --steps 50 "
     "-- --precision.param_dtype float32 --model.n_layers 2": "trains two configs",
     "python scripts/loss_compare.py --runs outputs/bf16 outputs/fp8 --last 50": "needs finished runs",
