@@ -215,7 +215,7 @@ def test_seeds_train_each_config_per_seed_into_its_own_folder(tmp_path, monkeypa
     # bf16's three seeds differ by 0.1; fp8 is 0.3 above bf16 on every seed.
     offsets = {"bf16": 0.0, "fp8": 0.3}
     monkeypatch.setattr(lc, "run_config", fake_run)
-    monkeypatch.setattr(lc, "read_losses", lambda dump: {s: 3.0 + offsets[dump.parent.name] +
+    monkeypatch.setattr(lc, "read_losses", lambda dump, tag: {s: 3.0 + offsets[dump.parent.name] +
                                                          0.1 * int(dump.name.removeprefix("seed-")) for s in range(1, 6)})
     rc = _main(["--configs", "bf16", "fp8", "--seeds", "3", "--dump-root", tmp_path, "--out", tmp_path / "l.png"])
     assert rc == 1
@@ -271,3 +271,11 @@ def test_seed_runs_need_seeds_in_common(seed_runs, runs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         _main(["--runs", seed_runs["bf16"], seed_runs["noisy"], "--seeds", "3"])
     assert "with --runs give folders that hold seed-<s> runs instead" in capsys.readouterr().err
+
+
+def test_another_scalar_can_be_compared(runs, tmp_path, capsys):
+    # The fake runs log train/lr = 1e-3 on every step: no gap at all on that tag.
+    assert _main(["--runs", runs["base"], runs["far"], "--tag", "train/lr", "--last", "1", "--out", tmp_path / "l.png"]) == 0
+    assert f"{runs['far']}: mean |gap| 0.0000" in capsys.readouterr().out
+    assert _main(["--runs", runs["base"], runs["far"], "--tag", "val/loss", "--out", tmp_path / "l.png"]) == 2
+    assert "has no 'val/loss' scalar" in capsys.readouterr().err

@@ -103,12 +103,12 @@ def _seed_order(name: str) -> tuple[int, str]:
     return (int(seed), "") if seed.isdigit() else (sys.maxsize, seed)
 
 
-def read_run(run: Path) -> SeedCurves:
+def read_run(run: Path, tag: str = LOSS_TAG) -> SeedCurves:
     """seed -> losses of every ``seed-<s>`` folder of ``run``, or ``{"": losses}`` for a single run."""
     folders = seed_folders(run)
     if not folders:
-        return {"": read_losses(run)}
-    return {seed: read_losses(folder) for seed, folder in folders.items()}
+        return {"": read_losses(run, tag)}
+    return {seed: read_losses(folder, tag) for seed, folder in folders.items()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def _write_step_rows(lines: list[str], curves: dict[str, dict[int, float]], path
 
 
 def write_plot(runs: dict[str, SeedCurves], path: Path, *, window: list[int], smooth: float,
-               band: float | None = None) -> None:
+               band: float | None = None, tag: str = LOSS_TAG) -> None:
     """Top: each config's raw loss (thin; the mean over its seeds) under its moving average (bold), with the
     range of its seeds' averages shaded; bottom: the raw and averaged gap to the baseline, the statistics
     window shaded and, over seeds, the baseline's seed band around zero."""
@@ -232,7 +232,7 @@ def write_plot(runs: dict[str, SeedCurves], path: Path, *, window: list[int], sm
             smoothed = [ema_curve({s: curve[s] for s in xs}, smooth) for curve in seeds.values()]
             ax_loss.fill_between(xs, [min(c[s] for c in smoothed) for s in xs], [max(c[s] for c in smoothed) for s in xs],
                                  color=color, alpha=0.15, linewidth=0)
-    ax_loss.set_ylabel(f"{LOSS_TAG} (thin: raw, bold: EMA {smooth:g})")
+    ax_loss.set_ylabel(f"{tag} (thin: raw, bold: EMA {smooth:g})")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
     steps = common_steps(means)
@@ -356,6 +356,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seeds", type=int, default=1,
                         help="train each config with training.seed 0..N-1 and judge each gap against the baseline's "
                              "seed-to-seed spread (default 1: the config's own seed, judged against --tolerance)")
+    parser.add_argument("--tag", default=LOSS_TAG,
+                        help="TensorBoard scalar to compare (e.g. val/loss, logged at validation steps only)")
     parser.add_argument("--last", type=int, default=20, help="number of final common steps the gap is averaged over")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="largest acceptable mean |loss gap| (nats) with one seed")
@@ -402,7 +404,7 @@ def collect_runs(args: argparse.Namespace, overrides: list[str]) -> dict[str, Se
     """label -> seed -> step -> loss of every run: read from ``--runs``, or trained from ``--configs`` first
     (seed by seed, so that a cut-off comparison leaves whole seeds)."""
     if args.runs:
-        return {str(run): read_run(run) for run in args.runs}
+        return {str(run): read_run(run, args.tag) for run in args.runs}
     check_passthrough(overrides, steps=args.steps, seeds=args.seeds)
     seeds: list[int | None] = list(range(args.seeds)) if args.seeds > 1 else [None]
     total = len(seeds) * len(args.configs)
@@ -414,7 +416,7 @@ def collect_runs(args: argparse.Namespace, overrides: list[str]) -> dict[str, Se
             label = f"run {number}/{total} {config}" + ("" if seed is None else f" seed {seed}")
             run_config(config, dump, steps=args.steps, overrides=overrides, nproc=args.nproc, seed=seed, label=label,
                        progress_every=args.progress_every)
-            runs[config]["" if seed is None else str(seed)] = read_losses(dump)
+            runs[config]["" if seed is None else str(seed)] = read_losses(dump, args.tag)
     return runs
 
 
@@ -437,7 +439,7 @@ def report_single(runs: dict[str, SeedCurves], args: argparse.Namespace) -> int:
     curves = {label: next(iter(seeds.values())) for label, seeds in runs.items()}
     summaries = summarize_gaps(curves, args.last)
     window = summaries[0].steps
-    write_plot(runs, args.out, window=window, smooth=args.smooth)
+    write_plot(runs, args.out, window=window, smooth=args.smooth, tag=args.tag)
     write_table(curves, summaries, args.table, tolerance=args.tolerance)
     baseline = next(iter(curves))
     print(f"baseline {baseline}; mean over the last {len(window)} common steps ({window[0]}..{window[-1]}):")
@@ -463,7 +465,7 @@ def report_seeds(runs: dict[str, SeedCurves], args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CompareError(str(err)) from None
     band = verdicts[0].band
-    write_plot(runs, args.out, window=window, smooth=args.smooth, band=band)
+    write_plot(runs, args.out, window=window, smooth=args.smooth, band=band, tag=args.tag)
     write_seed_table(runs, window, verdicts, args.table)
     baseline = next(iter(runs))
     print(f"baseline {baseline} over {len(runs[baseline])} seeds; window: the last {len(window)} common steps "
