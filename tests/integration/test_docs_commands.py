@@ -89,6 +89,12 @@ LONG_RUNNING = {
     "python scripts/loss_compare.py --runs <bf16> <fp8> <fp8_rowwise> <mxfp8> --last 20 --tolerance 0.05 "
     "--out loss.png": "a template (<bf16> ...)",
     "python scripts/fp8_sqnr.py --config <cfg> --min-fwd-sqnr 20": "a template (<cfg>)",
+    "OMP_NUM_THREADS=1 python train.py --config <cfg> --training.seed <s> --training.steps 200 "
+    "--checkpoint.enable false --metrics.cpu_peak_tflops 1 --job.dump_folder /tmp/ttl_seeds/<cfg>/seed-<s> "
+    "--metrics.log_freq 1 --metrics.enable_tensorboard true --metrics.save_tb_folder tb --metrics.rank_0_only true":
+        "a template (<cfg>, <s>)",
+    "python scripts/loss_compare.py --runs /tmp/ttl_seeds/<bf16> /tmp/ttl_seeds/<fp8> /tmp/ttl_seeds/<fp8_rowwise> "
+    "/tmp/ttl_seeds/<mxfp8> --last 20": "a template (<bf16> ...)",
 }
 
 
