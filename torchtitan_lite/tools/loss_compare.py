@@ -233,7 +233,7 @@ def write_plot(runs: dict[str, SeedCurves], path: Path, *, window: list[int], sm
             ax_loss.fill_between(xs, [min(c[s] for c in smoothed) for s in xs], [max(c[s] for c in smoothed) for s in xs],
                                  color=color, alpha=0.15, linewidth=0)
     ax_loss.set_ylabel(f"{tag} (thin: raw, bold: EMA {smooth:g})")
-    ax_loss.legend()
+    ax_loss.legend(fontsize="small")
     ax_loss.grid(alpha=0.3)
     steps = common_steps(means)
     for i, label in enumerate(labels[1:], start=1):
@@ -247,7 +247,7 @@ def write_plot(runs: dict[str, SeedCurves], path: Path, *, window: list[int], sm
     ax_gap.axvspan(window[0], window[-1], color="grey", alpha=0.15, label=f"last {len(window)} steps")
     ax_gap.set_xlabel("step")
     ax_gap.set_ylabel("loss gap")
-    ax_gap.legend()
+    ax_gap.legend(fontsize="small", framealpha=0.6)
     ax_gap.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
