@@ -36,8 +36,6 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
-from datasets import Dataset, IterableDataset
-from datasets.distributed import split_dataset_by_node
 
 from torchtitan_lite.components.data.chunked_encode import encode_large, is_large
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer, to_batch
@@ -129,6 +127,10 @@ class TextDataLoader(Configurable):
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.split, self.infinite = split, infinite
+        # datasets is imported when a loader is built, never by inspection commands (--help, --list-configs).
+        from datasets import Dataset
+        from datasets.distributed import split_dataset_by_node
+
         documents = load_split(config, split)
         if isinstance(documents, Dataset) and len(documents) < dp_world_size:
             raise DataSourceError(
@@ -212,6 +214,8 @@ class TextDataLoader(Configurable):
     def _document_groups(self) -> Iterator[_Group]:
         """Groups of documents from the saved position on; the consumer commits each group's end
         position once its documents are tokenised, before asking for the next."""
+        from datasets import IterableDataset
+
         stream = self._stream_groups if isinstance(self.documents, IterableDataset) else self._indexed_groups
         while True:
             produced = False
@@ -303,6 +307,8 @@ class TextDataLoader(Configurable):
     # Checkpointing
 
     def state_dict(self) -> dict[str, Any]:
+        from datasets import IterableDataset
+
         return {
             "format": STATE_FORMAT,
             "dataset": self.config.dataset,

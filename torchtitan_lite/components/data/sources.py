@@ -23,15 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import datasets
-from datasets import Dataset, DatasetDict, IterableDataset
-
 from torchtitan_lite.components.data import records
 from torchtitan_lite.components.data.corpus import embedded_corpus
 from torchtitan_lite.components.data.record_formats import MissingCodec, check_codec
 
 if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+
     from torchtitan_lite.components.data.dataloader import TextDataLoader
+
+# ``datasets`` (~1 s to import) is imported inside the functions that read a source, so that inspection
+# commands (--help, --list-configs, --print-config) never load it.
 
 Role = Literal["train", "validation"]
 DataFormat = Literal["auto", "json", "jsonl", "parquet", "text", "csv"]
@@ -50,6 +52,8 @@ class DataSourceError(ValueError):
 
 def load_split(cfg: TextDataLoader.Config, role: Role) -> Dataset | IterableDataset:
     """The documents of ``role`` as a dataset holding only ``cfg.text_field``, checked for usability."""
+    import datasets
+
     split = cfg.train_split if role == "train" else cfg.validation_split
     kind = source_kind(cfg.dataset)
     if role == "validation" and cfg.validation_files is not None:
@@ -135,6 +139,8 @@ def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
 
 
 def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str) -> Any:
+    from datasets import Dataset, IterableDataset
+
     files = resolve_files(pattern, where)
     builder = infer_format(files, cfg.data_format, where)
     for file in files:
@@ -154,6 +160,8 @@ def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str
 
 def _reader_options(builder: str, field: str) -> dict[str, Any]:
     """Read only the text column; every CSV cell of it as text (no type guessing, 'NA' is a document)."""
+    import datasets
+
     if builder == "parquet":
         return {"columns": [field]}
     if builder == "csv":
@@ -164,6 +172,8 @@ def _reader_options(builder: str, field: str) -> dict[str, Any]:
 
 def _load_builder(builder: str, data_files: dict[str, list[str]], cfg: TextDataLoader.Config, split: str, where: str,
                   **options: Any) -> Any:
+    import datasets
+
     return _call_datasets(
         lambda: datasets.load_dataset(builder, data_files=data_files, split=split, streaming=cfg.streaming, **options),
         where, split, hint=f"the files must be valid {builder} with one document per "
@@ -171,6 +181,8 @@ def _load_builder(builder: str, data_files: dict[str, list[str]], cfg: TextDataL
 
 
 def _load_directory(cfg: TextDataLoader.Config, split: str, where: str) -> Any:
+    import datasets
+
     path = os.path.expanduser(cfg.dataset)
     if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
         return _load_saved(path, cfg, split, where)
@@ -186,10 +198,12 @@ def _load_directory(cfg: TextDataLoader.Config, split: str, where: str) -> Any:
 
 def _load_saved(path: str, cfg: TextDataLoader.Config, split: str, where: str) -> Any:
     """A folder written by ``save_to_disk``: a DatasetDict is indexed by split name."""
+    import datasets
+
     _reject_dataset_config(cfg, where)
     saved = _call_datasets(lambda: datasets.load_from_disk(path), where, split, hint="the folder must be "
                            "written by Dataset.save_to_disk or DatasetDict.save_to_disk")
-    if isinstance(saved, DatasetDict):
+    if isinstance(saved, datasets.DatasetDict):
         if split not in saved:
             raise DataSourceError(f"{where} has splits {sorted(saved)}, not {split!r}; set "
                                   f"data.train_split / data.validation_split to one of them")
@@ -206,6 +220,8 @@ def _load_saved(path: str, cfg: TextDataLoader.Config, split: str, where: str) -
 
 
 def _text_column(ds: Any, field: str, where: str, split: str) -> Any:
+    from datasets import Dataset, IterableDataset
+
     columns = ds.column_names
     if columns is None:  # a streaming source whose schema is only known from its records
         first = _first_record(ds, where, split)

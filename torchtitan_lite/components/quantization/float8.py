@@ -20,7 +20,6 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn as nn
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
 from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.quantization.float8_plan import (
@@ -122,6 +121,9 @@ class Float8LinearConverter(ModelConverter):
         self._check_precision()
         self._check_compile()
         self._check_hardware()
+        # torchao is imported when a converter is built, never by inspection commands (--help, --list-configs).
+        from torchao.float8 import Float8LinearConfig
+
         # A fresh torchao config; our own config object is never modified.
         self.float8_config = dataclasses.replace(
             Float8LinearConfig.from_recipe_name(config.recipe_name),
@@ -158,6 +160,10 @@ class Float8LinearConverter(ModelConverter):
             )
 
     def _check_compile(self) -> None:
+        # The advice is about speed on FP8 tensor cores. On a CPU (no FP8 matrix units) or emulated, FP8 checks
+        # numerics and is slower than BF16 with or without compile, so the warning would not be true there.
+        if self.context.device_type != "cuda" or self.config.emulate:
+            return
         if not self.context.compile_model:
             logger.warning(
                 "FP8 training without torch.compile of the model is usually slower than BF16: the float8 "
@@ -193,6 +199,8 @@ class Float8LinearConverter(ModelConverter):
         """Swap the planned Linears of ``model`` (in place) for ``Float8Linear``."""
         if isinstance(model, nn.Linear):
             raise ValueError("the float8 converter swaps Linears inside a model in place; pass the parent module")
+        from torchao.float8 import convert_to_float8_training
+
         self.plan = float8_plan(model, self.config, output_module=self.context.output_module)
         planned = {row.fqn for row in self.plan if row.recipe is not None}
         convert_to_float8_training(model, config=self.float8_config,
@@ -204,6 +212,8 @@ class Float8LinearConverter(ModelConverter):
         """Refresh the float8 scales of FSDP-sharded weights (one batched amax all-reduce per part)."""
         if not self.precompute_scales:
             return
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
         for part in model_parts:
             precompute_float8_dynamic_scale_for_fsdp(part)
 
