@@ -22,6 +22,7 @@ from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.profiler import Profiler
+from torchtitan_lite.components.quantization import fp8_plan_summary
 from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
@@ -196,6 +197,9 @@ class Trainer(Configurable):
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
         self.converters.convert(model)
+        plan = fp8_plan_summary(self.converters.converters, model)
+        if plan is not None and dist_utils.is_rank0():
+            logger.info("%s", plan)
         start = time.perf_counter()
         model = spec.parallelize_fn(model, self.run, mp_policy=self.precision.mp_policy())
         init_device = "cpu" if cfg.parallelism.fsdp_cpu_offload else self.device

@@ -30,7 +30,6 @@ from torchtitan_lite.components.quantization.float8_plan import (
     float8_shape_reason,
     format_float8_plan,
 )
-from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
 
 logger = logging.getLogger(__name__)
@@ -205,8 +204,6 @@ class Float8LinearConverter(ModelConverter):
         planned = {row.fqn for row in self.plan if row.recipe is not None}
         convert_to_float8_training(model, config=self.float8_config,
                                    module_filter_fn=lambda _module, fqn: fqn in planned)
-        if dist_utils.is_rank0():
-            logger.info("%s", self.explain(model))
 
     def post_optimizer_hook(self, model_parts: Sequence[nn.Module]) -> None:
         """Refresh the float8 scales of FSDP-sharded weights (one batched amax all-reduce per part)."""

@@ -36,7 +36,6 @@ from torchtitan_lite.components.quantization.float8_plan import (
     float8_plan,
     format_float8_plan,
 )
-from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
 
 logger = logging.getLogger(__name__)
@@ -181,8 +180,6 @@ class MXLinearConverter(ModelConverter):
             parent_fqn, _, name = fqn.rpartition(".")
             parent = model.get_submodule(parent_fqn)
             setattr(parent, name, self.mx_linear(getattr(parent, name)))
-        if dist_utils.is_rank0():
-            logger.info("%s", self.explain(model))
 
     def mx_linear(self, linear: nn.Linear) -> nn.Linear:
         """An MX Linear holding ``linear``'s own parameters (shared, not copied)."""
