@@ -37,7 +37,7 @@ from torchtitan_lite.config.sections import (
     TrainingConfig,
 )
 from torchtitan_lite.distributed import utils as dist_utils
-from torchtitan_lite.distributed.compile import compile_seconds, compiled_graphs, maybe_compile_loss
+from torchtitan_lite.distributed.compile import compile_label, compile_stats, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
@@ -282,8 +282,7 @@ class Trainer(Configurable):
                 if (verdict is None or verdict.updates) and self.health.observe(step, loss):
                     self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
                 if step == first_step:
-                    compiled = (f", {compile_seconds():.1f}s cold compile of {compiled_graphs()} graph(s)"
-                                if cfg.compile.enable else "")
+                    compiled = f", {compile_label(compile_stats())}" if cfg.compile.enable else ""
                     logger.info("first step took %.1fs (%.1fs loading data%s)", time.perf_counter() - t0,
                                 data_s, compiled)
                 last = step == cfg.training.steps

@@ -236,11 +236,30 @@ def test_console_line_shows_the_time_left(tmp_path, caplog):
     clock = FakeClock()
     processor = _build(tmp_path, clock)
     processor.begin(100, 400)  # resumed at step 100 of 400
-    clock.now += 50.0  # 10 steps in 50 s -> 290 steps left take 1450 s
+    clock.now += 60.0  # the first step compiles: not part of the estimate
+    processor.maybe_log(101, loss=1.0, grad_norm=1.0, lr=1.0)
     with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
-        processor.log(110, loss=1.0, grad_norm=1.0, lr=1.0)
+        for step in range(102, 111):
+            clock.now += 5.0  # 9 steps in 45 s after the first -> 290 steps left take 1450 s
+            processor.maybe_log(step, loss=1.0, grad_norm=1.0, lr=1.0)
     assert caplog.text.rstrip().endswith("eta 24m10s")
     assert [metrics.format_duration(s) for s in (9.6, 65, 7260)] == ["10s", "1m05s", "2h01m"]
+
+
+def test_the_first_step_compile_does_not_count_in_the_time_left(tmp_path, caplog):
+    clock = FakeClock()
+    processor = _build(tmp_path, clock)
+    processor.begin(0, 200)
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        clock.now += 73.0  # a cold compile
+        processor.maybe_log(1, loss=1.0, grad_norm=1.0, lr=1.0)
+        first_line = caplog.text
+        for step in range(2, 11):
+            clock.now += 1.0
+            processor.maybe_log(step, loss=1.0, grad_norm=1.0, lr=1.0)
+    assert "step      1" in first_line and "eta" not in first_line  # no steady step measured yet
+    # 9 steps in 9 s after the first -> 190 steps left take 190 s (counting the compile: 82 s / 10 * 190 = 26 min).
+    assert caplog.text.rstrip().endswith("eta 3m10s")
 
 
 def test_unknown_device_peak_warns_and_omits_mfu(tmp_path, caplog):

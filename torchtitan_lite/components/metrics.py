@@ -147,6 +147,8 @@ class MetricsProcessor(Configurable):
         self._excluded_s = 0.0
         self._interval_start = clock()
         self._eta_origin: tuple[int, float] | None = None
+        """(step, time) the ETA counts from: the end of the first step after ``begin``."""
+        self._eta_first_step: int | None = None
         self._fp8_warned: dict[tuple[str, str, str], float] = {}
         self._total_steps: int | None = None
 
@@ -241,9 +243,12 @@ class MetricsProcessor(Configurable):
             self._excluded_s += self.clock() - start
 
     def begin(self, step: int, total_steps: int) -> None:
-        """Training goes from after ``step`` to ``total_steps``: each console line then shows the time
-        left at the average wall time per step since here (validation and checkpoints included)."""
-        self._eta_origin = (step, self.clock())
+        """Training goes from after ``step`` to ``total_steps``: each console line after the first step then
+        shows the time left at the average wall time per step since the first step ended (validation and
+        checkpoints included). The first step is not counted: it pays compilation and warm-up, which can
+        take longer than the rest of a short run and would inflate the estimate by that much per step."""
+        self._eta_origin = None
+        self._eta_first_step = step + 1
         self._total_steps = total_steps
 
     def _eta_seconds(self, step: int, now: float) -> float | None:
@@ -260,9 +265,11 @@ class MetricsProcessor(Configurable):
         extra: dict[str, float] | None = None, force: bool = False,
     ) -> dict[str, float] | None:
         """``log`` on logging steps (step 1, every log_freq steps) or when forced (the last step)."""
-        if not (force or self.should_log(step)):
-            return None
-        return self.log(step, loss=loss, grad_norm=grad_norm, lr=lr, extra=extra)
+        logged = self.log(step, loss=loss, grad_norm=grad_norm, lr=lr, extra=extra) \
+            if force or self.should_log(step) else None
+        if self._eta_origin is None and self._eta_first_step is not None and step >= self._eta_first_step:
+            self._eta_origin = (step, self.clock())
+        return logged
 
     def log(
         self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None

@@ -9,12 +9,15 @@ built-in modules this way; its ``inline_inbuilt_nn_modules`` switch is deprecate
 compile time is thus
 that of one block (plus one per distinct kind, e.g. checkpointed and plain blocks under selective
 every-Nth checkpointing), whatever the depth. Compilation is lazy: the cost lands in the first forward /
-backward, which `compile_seconds()` reports.
+backward, which `compile_seconds()` reports, and `compile_label()` says whether it was cold or served
+by inductor's on-disk caches (FX graph and AOT-autograd caches, under $TORCHINDUCTOR_CACHE_DIR): a
+second run of the same shapes still traces with dynamo but loads the compiled graphs.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -57,3 +60,42 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    seconds: float
+    graphs: int
+    cache_hits: int
+    """Graphs loaded from inductor's FX graph cache or the AOT-autograd cache."""
+    cache_misses: int
+    """Graphs compiled from scratch (looked up and missed, or not cacheable)."""
+
+
+def compile_stats() -> CompileStats:
+    """What this process has compiled so far, and how much of it came from the on-disk caches."""
+    from torch._dynamo.utils import counters
+
+    def total(group: str, *names: str) -> int:
+        return sum(int(counters[group][name]) for name in names)
+
+    return CompileStats(
+        seconds=compile_seconds(), graphs=compiled_graphs(),
+        cache_hits=total("inductor", "fxgraph_cache_hit") + total("aot_autograd", "autograd_cache_hit"),
+        cache_misses=(total("inductor", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+                      + total("aot_autograd", "autograd_cache_miss", "autograd_cache_bypass")),
+    )
+
+
+def compile_label(stats: CompileStats) -> str:
+    """'12.3s cold compile of 2 graph(s)', or what the caches served: a warm run still traces (dynamo) and
+    loads, so its seconds are not a compile's."""
+    what = f"compile of {stats.graphs} graph(s)"
+    if stats.cache_hits and not stats.cache_misses:
+        return f"{stats.seconds:.1f}s cached {what} (every lookup hit inductor's cache: traced and loaded, not compiled)"
+    if stats.cache_hits:
+        lookups = stats.cache_hits + stats.cache_misses
+        return f"{stats.seconds:.1f}s partly cached {what} ({stats.cache_hits} of {lookups} cache lookups hit)"
+    if stats.cache_misses:
+        return f"{stats.seconds:.1f}s cold {what} (nothing in inductor's cache)"
+    return f"{stats.seconds:.1f}s {what} (no inductor cache involved)"
