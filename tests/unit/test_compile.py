@@ -127,24 +127,23 @@ def test_shared_block_graph_trains_bitwise_like_one_graph_per_block():
 
 @pytest.mark.parametrize("hits, misses, label", [
     (0, 4, "73.0s cold compile of 2 graph(s) (nothing in inductor's cache)"),
-    (4, 0, "73.0s cached compile of 2 graph(s) (every lookup hit inductor's cache: traced and loaded, not compiled)"),
-    (3, 1, "73.0s partly cached compile of 2 graph(s) (3 of 4 cache lookups hit)"),
+    (4, 0, "73.0s cached compile of 2 graph(s) (every kernel from inductor's cache: traced again, not compiled)"),
+    (3, 1, "73.0s partly cached compile of 2 graph(s) (3 of 4 forward / backward graphs from inductor's cache)"),
     (0, 0, "73.0s compile of 2 graph(s) (no inductor cache involved)"),
 ])
 def test_the_first_step_says_whether_its_compile_was_cold_or_cached(hits, misses, label):
     assert compile_label(CompileStats(seconds=73.0, graphs=2, cache_hits=hits, cache_misses=misses)) == label
 
 
-def test_compile_stats_count_inductor_and_aot_autograd_cache_lookups(monkeypatch):
-    # What torch 2.13 counts for one compiled function: a cold process misses both caches (one AOT-autograd
-    # entry, a forward and a backward FX graph), a second process on the same cache folder hits them.
+def test_compile_stats_count_inductor_cache_lookups(monkeypatch):
+    # What torch 2.13 counted for a compiled block and loss (measured: llama3_debug_fp8_rowwise, 2 layers): a
+    # cold process misses inductor's cache for each forward and backward graph, a second process on the same
+    # cache folder hits it for all four; the AOT-autograd cache in front is bypassed for the block either way.
     counters: collections.defaultdict = collections.defaultdict(collections.Counter)
-    counters["stats"]["unique_graphs"] = 1
-    counters["aot_autograd"].update(autograd_cache_hit=1)
-    counters["inductor"].update(fxgraph_cache_hit=2)
+    counters["stats"]["unique_graphs"] = 2
+    counters["aot_autograd"].update(autograd_cache_bypass=1, autograd_cache_hit=1)
+    counters["inductor"].update(fxgraph_cache_hit=4)
     monkeypatch.setattr(torch._dynamo.utils, "counters", counters)
-    assert compile_stats().graphs == 1
-    assert (compile_stats().cache_hits, compile_stats().cache_misses) == (3, 0)
+    assert (compile_stats().graphs, compile_stats().cache_hits, compile_stats().cache_misses) == (2, 4, 0)
     counters["inductor"].update(fxgraph_cache_bypass=1)  # a graph inductor cannot cache is compiled afresh
-    counters["aot_autograd"].update(autograd_cache_miss=1)
-    assert (compile_stats().cache_hits, compile_stats().cache_misses) == (3, 2)
+    assert (compile_stats().cache_hits, compile_stats().cache_misses) == (4, 1)

@@ -10,8 +10,8 @@ compile time is thus
 that of one block (plus one per distinct kind, e.g. checkpointed and plain blocks under selective
 every-Nth checkpointing), whatever the depth. Compilation is lazy: the cost lands in the first forward /
 backward, which `compile_seconds()` reports, and `compile_label()` says whether it was cold or served
-by inductor's on-disk caches (FX graph and AOT-autograd caches, under $TORCHINDUCTOR_CACHE_DIR): a
-second run of the same shapes still traces with dynamo but loads the compiled graphs.
+by inductor's on-disk FX graph cache ($TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER): a
+second run of the same shapes still traces but loads the compiled kernels.
 """
 from __future__ import annotations
 
@@ -67,35 +67,35 @@ class CompileStats:
     seconds: float
     graphs: int
     cache_hits: int
-    """Graphs loaded from inductor's FX graph cache or the AOT-autograd cache."""
+    """Forward / backward graphs whose kernels inductor loaded from its FX graph cache."""
     cache_misses: int
-    """Graphs compiled from scratch (looked up and missed, or not cacheable)."""
+    """Forward / backward graphs inductor generated and compiled C++ / Triton code for (missed, or not cacheable)."""
 
 
 def compile_stats() -> CompileStats:
-    """What this process has compiled so far, and how much of it came from the on-disk caches."""
+    """What this process has compiled so far, and how much of it came from inductor's on-disk cache.
+
+    Only inductor's FX graph cache decides: the C++ / Triton compilation it saves is the expensive part.
+    The AOT-autograd cache in front of it is often bypassed (torch 2.13 bypasses it for our blocks), which
+    costs a re-trace but no compilation."""
     from torch._dynamo.utils import counters
 
-    def total(group: str, *names: str) -> int:
-        return sum(int(counters[group][name]) for name in names)
-
-    return CompileStats(
-        seconds=compile_seconds(), graphs=compiled_graphs(),
-        cache_hits=total("inductor", "fxgraph_cache_hit") + total("aot_autograd", "autograd_cache_hit"),
-        cache_misses=(total("inductor", "fxgraph_cache_miss", "fxgraph_cache_bypass")
-                      + total("aot_autograd", "autograd_cache_miss", "autograd_cache_bypass")),
-    )
+    inductor = counters["inductor"]
+    return CompileStats(seconds=compile_seconds(), graphs=compiled_graphs(),
+                        cache_hits=int(inductor["fxgraph_cache_hit"]),
+                        cache_misses=int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"]))
 
 
 def compile_label(stats: CompileStats) -> str:
-    """'12.3s cold compile of 2 graph(s)', or what the caches served: a warm run still traces (dynamo) and
-    loads, so its seconds are not a compile's."""
+    """'12.3s cold compile of 2 graph(s) ...', or what inductor's cache served: a warm run still traces
+    (dynamo, AOT autograd) and loads the kernels, so its seconds are not a compile's."""
     what = f"compile of {stats.graphs} graph(s)"
     if stats.cache_hits and not stats.cache_misses:
-        return f"{stats.seconds:.1f}s cached {what} (every lookup hit inductor's cache: traced and loaded, not compiled)"
+        return f"{stats.seconds:.1f}s cached {what} (every kernel from inductor's cache: traced again, not compiled)"
     if stats.cache_hits:
         lookups = stats.cache_hits + stats.cache_misses
-        return f"{stats.seconds:.1f}s partly cached {what} ({stats.cache_hits} of {lookups} cache lookups hit)"
+        return (f"{stats.seconds:.1f}s partly cached {what} ({stats.cache_hits} of {lookups} forward / backward "
+                f"graphs from inductor's cache)")
     if stats.cache_misses:
         return f"{stats.seconds:.1f}s cold {what} (nothing in inductor's cache)"
     return f"{stats.seconds:.1f}s {what} (no inductor cache involved)"
