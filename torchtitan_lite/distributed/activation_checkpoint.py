@@ -55,8 +55,30 @@ def _op_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
     return policy
 
 
-def _selective_op_context() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_op_policy(defaultdict(int)))
+class _CheckpointContext:
+    """A checkpoint ``context_fn`` with the ``cache_hash`` that torch's AOT-autograd cache asks of one: without
+    it every compiled checkpointed block bypasses that cache, and every run re-traces and re-partitions its
+    forward and backward even when inductor's cache holds the kernels."""
+
+    def __init__(self, make_policy: Callable[[], Callable[..., CheckpointPolicy]], *, saves: frozenset) -> None:
+        self.make_policy = make_policy
+        # What the policy saves decides the graphs; the rule around it (which matmuls) is in the name.
+        self.cache_hash = f"torchtitan_lite.{make_policy.__name__}:" + ",".join(sorted(str(op) for op in saves))
+
+    def __call__(self) -> tuple[Any, Any]:
+        return create_selective_checkpoint_contexts(self.make_policy())
+
+
+def _every_other_matmul_policy() -> Callable[..., CheckpointPolicy]:
+    return _op_policy(defaultdict(int))
+
+
+def _save_attention_only_policy() -> Callable[..., CheckpointPolicy]:
+    return _save_attention_only
+
+
+_selective_op_context = _CheckpointContext(_every_other_matmul_policy, saves=MATMUL_OPS | ALWAYS_SAVED_OPS)
+_save_attention_context = _CheckpointContext(_save_attention_only_policy, saves=ATTENTION_OPS)
 
 
 def apply_ac(model: BaseModel, mode: str, selective_option: str = "op", *, compiled_tp: bool = False) -> str:
@@ -113,8 +135,7 @@ def _full(block: nn.Module, save_attention: bool) -> nn.Module:
     # No dropout in the model, so RNG state need not be stashed and restored.
     if not save_attention:
         return checkpoint_wrapper(block, preserve_rng_state=False)
-    return checkpoint_wrapper(block, preserve_rng_state=False,
-                              context_fn=lambda: create_selective_checkpoint_contexts(_save_attention_only))
+    return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_save_attention_context)
 
 
 def _per_op(block: nn.Module) -> nn.Module:
