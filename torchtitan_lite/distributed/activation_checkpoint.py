@@ -55,30 +55,25 @@ def _op_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
     return policy
 
 
-class _CheckpointContext:
-    """A checkpoint ``context_fn`` with the ``cache_hash`` that torch's AOT-autograd cache asks of one: without
-    it every compiled checkpointed block bypasses that cache, and every run re-traces and re-partitions its
-    forward and backward even when inductor's cache holds the kernels."""
-
-    def __init__(self, make_policy: Callable[[], Callable[..., CheckpointPolicy]], *, saves: frozenset) -> None:
-        self.make_policy = make_policy
-        # What the policy saves decides the graphs; the rule around it (which matmuls) is in the name.
-        self.cache_hash = f"torchtitan_lite.{make_policy.__name__}:" + ",".join(sorted(str(op) for op in saves))
-
-    def __call__(self) -> tuple[Any, Any]:
-        return create_selective_checkpoint_contexts(self.make_policy())
+def _selective_op_context() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_op_policy(defaultdict(int)))
 
 
-def _every_other_matmul_policy() -> Callable[..., CheckpointPolicy]:
-    return _op_policy(defaultdict(int))
+def _save_attention_context() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_save_attention_only)
 
 
-def _save_attention_only_policy() -> Callable[..., CheckpointPolicy]:
-    return _save_attention_only
+def _cache_hash(context_fn: Callable[[], tuple[Any, Any]], saves: frozenset) -> str:
+    """The ``cache_hash`` torch's AOT-autograd cache asks of a checkpoint context_fn (dynamo accepts only plain
+    functions, so it is an attribute): without it every compiled checkpointed block bypasses that cache, and
+    each run re-traces and re-partitions the block's forward and backward although inductor's cache holds its
+    kernels. What the policy saves decides the graphs; the rule around it is in the function's name."""
+    return f"torchtitan_lite.{context_fn.__name__}:" + ",".join(sorted(str(op) for op in saves))
 
 
-_selective_op_context = _CheckpointContext(_every_other_matmul_policy, saves=MATMUL_OPS | ALWAYS_SAVED_OPS)
-_save_attention_context = _CheckpointContext(_save_attention_only_policy, saves=ATTENTION_OPS)
+_selective_op_context.cache_hash = _cache_hash(  # type: ignore[attr-defined]
+    _selective_op_context, MATMUL_OPS | ALWAYS_SAVED_OPS)
+_save_attention_context.cache_hash = _cache_hash(_save_attention_context, ATTENTION_OPS)  # type: ignore[attr-defined]
 
 
 def apply_ac(model: BaseModel, mode: str, selective_option: str = "op", *, compiled_tp: bool = False) -> str:
