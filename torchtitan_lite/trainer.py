@@ -26,6 +26,7 @@ from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.profiler import Profiler
+from torchtitan_lite.components.quantization import fp8_plan_summary
 from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
@@ -40,7 +41,7 @@ from torchtitan_lite.config.sections import (
     TrainingConfig,
 )
 from torchtitan_lite.distributed import utils as dist_utils
-from torchtitan_lite.distributed.compile import compile_seconds, compiled_graphs, maybe_compile_loss
+from torchtitan_lite.distributed.compile import compile_label, compile_stats, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
@@ -222,6 +223,9 @@ class Trainer(Configurable):
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
         self.converters.convert(model)
+        plan = fp8_plan_summary(self.converters.converters, model)
+        if plan is not None and dist_utils.is_rank0():
+            logger.info("%s", plan)
         start = time.perf_counter()
         model = spec.parallelize_fn(model, self.run.parallelize_context(mp_policy=self.precision.mp_policy()))
         init_device = "cpu" if cfg.parallelism.fsdp_cpu_offload else self.device
@@ -314,8 +318,7 @@ class Trainer(Configurable):
                 # The loss and norm stay on the device until a log step (or a save, validation, rollback) reads them.
                 values = self._settle() if logged else None
                 if step == first_step:
-                    compiled = (f", {compile_seconds():.1f}s cold compile of {compiled_graphs()} graph(s)"
-                                if cfg.compile.enable else "")
+                    compiled = f", {compile_label(compile_stats())}" if cfg.compile.enable else ""
                     logger.info("first step took %.1fs (%.1fs loading data%s)", time.perf_counter() - t0,
                                 data_s, compiled)
                 if values is not None:

@@ -21,16 +21,19 @@ import glob
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol
-
-import datasets
-from datasets import Dataset, DatasetDict, IterableDataset
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from torchtitan_lite.components.data import prescan, records
 from torchtitan_lite.components.data.corpus import embedded_corpus
 from torchtitan_lite.components.data.errors import DataSourceError
 from torchtitan_lite.components.data.record_formats import MissingCodec, check_codec
 from torchtitan_lite.components.data.records import BadRecordPolicy
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+
+# ``datasets`` (~1 s to import) is imported inside the functions that read a source, so that inspection
+# commands (--help, --list-configs, --print-config) never load it.
 
 Role = Literal["train", "validation"]
 DataFormat = Literal["auto", "json", "jsonl", "parquet", "text", "csv"]
@@ -59,6 +62,8 @@ class SourceConfig(Protocol):
 
 def load_split(cfg: SourceConfig, role: Role) -> Dataset | IterableDataset:
     """The documents of ``role`` as a dataset holding only ``cfg.text_field``, checked for usability."""
+    import datasets
+
     split = cfg.train_split if role == "train" else cfg.validation_split
     kind = source_kind(cfg.dataset)
     check_options(cfg, validation=role == "validation")
@@ -174,6 +179,8 @@ def _load_files(pattern: str, cfg: SourceConfig, split: str, where: str) -> Any:
 
 def _reader_options(builder: str, field: str) -> dict[str, Any]:
     """Read only the text column; every CSV cell of it as text (no type guessing, 'NA' is a document)."""
+    import datasets
+
     if builder == "parquet":
         return {"columns": [field]}
     if builder == "csv":
@@ -184,6 +191,8 @@ def _reader_options(builder: str, field: str) -> dict[str, Any]:
 
 def _load_builder(builder: str, data_files: dict[str, list[str]], cfg: SourceConfig, split: str, where: str,
                   **options: Any) -> Any:
+    import datasets
+
     return _call_datasets(
         lambda: datasets.load_dataset(builder, data_files=data_files, split=split, streaming=cfg.streaming, **options),
         where, split, hint=f"the files must be valid {builder} with one document per "
@@ -191,6 +200,8 @@ def _load_builder(builder: str, data_files: dict[str, list[str]], cfg: SourceCon
 
 
 def _load_directory(cfg: SourceConfig, split: str, where: str) -> Any:
+    import datasets
+
     path = os.path.expanduser(cfg.dataset)
     if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
         return _load_saved(path, cfg, split, where)
@@ -206,10 +217,12 @@ def _load_directory(cfg: SourceConfig, split: str, where: str) -> Any:
 
 def _load_saved(path: str, cfg: SourceConfig, split: str, where: str) -> Any:
     """A folder written by ``save_to_disk``: a DatasetDict is indexed by split name."""
+    import datasets
+
     _reject_dataset_config(cfg, where)
     saved = _call_datasets(lambda: datasets.load_from_disk(path), where, split, hint="the folder must be "
                            "written by Dataset.save_to_disk or DatasetDict.save_to_disk")
-    if isinstance(saved, DatasetDict):
+    if isinstance(saved, datasets.DatasetDict):
         if split not in saved:
             raise DataSourceError(f"{where} has splits {sorted(saved)}, not {split!r}; set "
                                   f"data.train_split / data.validation_split to one of them")
@@ -226,6 +239,8 @@ def _load_saved(path: str, cfg: SourceConfig, split: str, where: str) -> Any:
 
 
 def _text_column(ds: Any, field: str, where: str, split: str) -> Any:
+    from datasets import Dataset, IterableDataset
+
     columns = ds.column_names
     if columns is None:  # a streaming source whose schema is only known from its records
         first = _first_record(ds, where, split)

@@ -20,7 +20,6 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn as nn
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
 from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.quantization.float8_plan import (
@@ -117,6 +116,9 @@ class Float8LinearConverter(LinearQuantizer):
         self._check_precision()
         self._check_compile()
         self._check_hardware()
+        # torchao is imported when a converter is built, never by inspection commands (--help, --list-configs).
+        from torchao.float8 import Float8LinearConfig
+
         # A fresh torchao config; our own config object is never modified.
         self.float8_config = dataclasses.replace(
             Float8LinearConfig.from_recipe_name(config.recipe_name),
@@ -152,6 +154,10 @@ class Float8LinearConverter(LinearQuantizer):
             )
 
     def _check_compile(self) -> None:
+        # The advice is about speed on FP8 tensor cores. On a CPU (no FP8 matrix units) or emulated, FP8 checks
+        # numerics and is slower than BF16 with or without compile, so the warning would not be true there.
+        if self.context.device_type != "cuda" or self.config.emulate:
+            return
         if not self.context.compile_model:
             logger.warning(
                 "FP8 training without torch.compile of the model is usually slower than BF16: the float8 "
@@ -184,6 +190,8 @@ class Float8LinearConverter(LinearQuantizer):
     # The recipe's part of LinearQuantizer
 
     def swap(self, model: nn.Module, planned: set[str]) -> None:
+        from torchao.float8 import convert_to_float8_training
+
         convert_to_float8_training(model, config=self.float8_config,
                                    module_filter_fn=lambda _module, fqn: fqn in planned)
 
@@ -191,6 +199,8 @@ class Float8LinearConverter(LinearQuantizer):
         """Refresh the float8 scales of FSDP-sharded weights (one batched amax all-reduce per part)."""
         if not self.precompute_scales:
             return
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
         for part in model_parts:
             precompute_float8_dynamic_scale_for_fsdp(part)
 

@@ -8,7 +8,6 @@ which recipe it is.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import cast
 
@@ -20,7 +19,6 @@ from torchtitan_lite.components.quantization.float8_plan import (
     float8_plan,
     format_float8_plan,
 )
-from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
 
 
@@ -76,9 +74,8 @@ class LinearQuantizer(ModelConverter):
         if isinstance(model, nn.Linear):
             raise ValueError(f"the {self.kind} converter swaps Linears inside a model in place; pass the parent module")
         self.plan = self.plan_rows(model)
+        # The launch log gets a summary (fp8_plan_summary); the full table is --print-fp8-plan's.
         self.swap(model, {row.fqn for row in self.plan if row.recipe is not None})
-        if dist_utils.is_rank0():
-            logging.getLogger(type(self).__module__).info("%s", self.explain(model))
 
     def post_optimizer_hook(self, model_parts: Sequence[nn.Module]) -> None:
         """Nothing to refresh unless the recipe keeps state across steps."""
