@@ -38,6 +38,7 @@ from torchtitan_lite.distributed.compile import maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
+from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 # All Linear dims are multiples of 16 (float8 GEMMs need it); heads and KV heads split over tp=2.
 TINY = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
@@ -214,7 +215,11 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
             keep in fqn for keep in run.float8_keep_hp))
     if run.mx:
         mx_converter(run, dims).convert(model)
-    parallelize_llama(model, config, mp_policy=precision.mp_policy())
+    parallelize_llama(model, ParallelizeContext(
+        parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=config.sequence_parallel,
+        loss_parallel=config.loss_parallel, activation_checkpoint=config.activation_checkpoint,
+        compile_model=config.compile_model, compile=config.compile,
+        fsdp_reshard_after_forward=run.reshard_after_forward, fsdp_cpu_offload=False))
     model.to_empty(device="cpu")
     model.init_weights()
     if not (dims.fsdp_enabled or dims.tp_enabled):
