@@ -167,6 +167,8 @@ def local_files(pattern: str, cfg: SourceConfig, where: str) -> tuple[list[str],
 
 
 def _load_files(pattern: str, cfg: SourceConfig, split: str, where: str) -> Any:
+    from datasets import Dataset, IterableDataset
+
     files, builder, field = local_files(pattern, cfg, where)
     bad = prescan.scan(files, builder, field, cfg.on_bad_record, where)
     if bad.count:
