@@ -1,0 +1,54 @@
+"""Qwen3-MoE's parallel plan, as data, and the order in which the parallelisms are applied.
+
+Today the family runs data-parallel (FSDP2 / HSDP over every parameter, the 3-D expert weights sharded on
+their expert dim), with activation checkpointing and compile, in Llama 3's order. Tensor parallelism of
+the attention and expert parallelism of the MoE are not wired yet, so a TP degree is refused here.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from torchtitan_lite.protocols.model import BaseModel
+from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, TPInput, build_tp_plan
+
+if TYPE_CHECKING:
+    from torchtitan_lite.resolved_run import ResolvedRun
+
+logger = logging.getLogger(__name__)
+
+QWEN3_MOE_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
+    BlockTPPlan(
+        inputs=(TPInput("attention", ("attention.wq", "attention.wk", "attention.wv"), "attention input", n_inputs=2),),
+        rowwise=("attention.wo",),
+        norms=("attention_norm", "ffn_norm"),
+    ),
+    blocks="layers",
+    embedding="tok_embeddings",
+    output="output",
+    final_norm="norm",
+)
+
+
+def parallelize_qwen3_moe(model: BaseModel, run: ResolvedRun, *, mp_policy: Any) -> BaseModel:
+    """AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``run`` resolved it; returns it."""
+    from torchtitan_lite.distributed.activation_checkpoint import apply_ac
+    from torchtitan_lite.distributed.compile import apply_compile
+    from torchtitan_lite.distributed.fsdp import apply_fsdp
+
+    plan, dims = QWEN3_MOE_PARALLEL_PLAN, run.parallel_dims
+    if dims.tp_mesh is not None:
+        raise ValueError(f"qwen3_moe does not support tensor parallelism yet (parallelism.tp={dims.tp}): its MoE "
+                         "feed-forward has no TP plan; set --parallelism.tp 1 and use data parallelism (dp_shard)")
+    layouts = [dims.describe()]
+    ac = apply_ac(model, run.activation_checkpoint.mode, run.activation_checkpoint.selective_option,
+                  compiled_tp=False)
+    layouts.append(f"AC {ac}")
+    if apply_compile(model, run.compile):
+        layouts.append(f"compiled blocks ({run.compile.backend})")
+    if dims.fsdp_mesh is not None:
+        apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=mp_policy,
+                   reshard_after_forward=run.parallelism.fsdp_reshard_after_forward,
+                   cpu_offload=run.parallelism.fsdp_cpu_offload)
+    logger.info("parallelized qwen3_moe: %s", ", ".join(layouts))
+    return model
