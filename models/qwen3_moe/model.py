@@ -10,9 +10,11 @@ from collections.abc import Callable
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from models.common.moe import MoE
+from models.common.moe_hooks import moe_aux_loss, update_expert_biases
 from models.llama3.init import trunc_normal_
 from models.llama3.model import RMSNorm
 from models.llama3.rope import RotaryEmbedding
@@ -90,6 +92,14 @@ class Qwen3MoeModel(BaseModel):
         for layer in self.layers.values():
             h = layer(h, self.rope.cache)
         return self.output(self.norm(h))
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The MoE layers' summed load-balancing loss of the latest training forward (None when off)."""
+        return moe_aux_loss(self)
+
+    def post_optimizer_step(self, dp_group: dist.ProcessGroup | None) -> None:
+        """Move every layer's expert bias toward balance from the loads of the step (when the bias is on)."""
+        update_expert_biases(self, dp_group)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count, every expert included (a tied matrix counted once)."""

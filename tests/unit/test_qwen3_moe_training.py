@@ -1,0 +1,96 @@
+"""qwen3_moe through the trainer, in process: it trains, the expert bias moves exactly once per applied step
+(gradient accumulation and full activation checkpointing included, none on a skipped step) and the
+balance loss reaches the gradients."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from config_registry import DEFAULT_REGISTRY
+from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel
+from tests._spike_runs import plant, record_steps, reference_labels
+from torchtitan_lite.config import parse_cli
+from torchtitan_lite.trainer import Trainer
+
+# 2 micro-batches of 2 x 32 tokens per step (global batch 4 on one process), 2 blocks, no validation.
+TINY = ["--model.n_layers", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.global_batch_size", "4", "--validation.enable", "false", "--metrics.log_freq", "1",
+        "--metrics.cpu_peak_tflops", "1", "--checkpoint.enable", "false"]
+TOKENS_PER_STEP = 4 * 32
+
+
+def _flavor(monkeypatch, **moe) -> None:
+    debug = QWEN3_MOE_FLAVORS["debug"]
+    monkeypatch.setitem(QWEN3_MOE_FLAVORS, "debug", dataclasses.replace(debug, moe=dataclasses.replace(debug.moe, **moe)))
+
+
+def _trainer(folder, steps: int, *extra: str) -> Trainer:
+    argv = ["--config", "qwen3_moe_debug", *TINY, "--training.steps", str(steps), "--job.dump_folder", str(folder),
+            *extra]
+    return parse_cli(argv, registry=DEFAULT_REGISTRY).config.build()
+
+
+def _spy_bias_updates(monkeypatch) -> list[float]:
+    """Each call of the post-step hook records the loads layer 0 counted since the previous one."""
+    loads: list[float] = []
+    original = Qwen3MoeModel.post_optimizer_step
+
+    def spy(self, dp_group):
+        loads.append(float(self.layers["0"].moe.tokens_per_expert.sum()))
+        original(self, dp_group)
+
+    monkeypatch.setattr(Qwen3MoeModel, "post_optimizer_step", spy)
+    return loads
+
+
+def test_trains_and_updates_the_bias_once_per_step_with_accumulation_and_full_ac(tmp_path, monkeypatch):
+    _flavor(monkeypatch, bias_update_rate=1e-3)
+    loads = _spy_bias_updates(monkeypatch)
+    trainer = _trainer(tmp_path, 3, "--activation_checkpoint.mode", "full")
+    records = record_steps(trainer)
+    trainer.train()
+    model = trainer.model_parts[0]
+    assert isinstance(model, Qwen3MoeModel) and trainer.n_microbatches == 2
+    # One update per step, each from both micro-batches' tokens counted once (top-2 routing), although full
+    # activation checkpointing re-runs every block's forward in backward.
+    assert loads == [2.0 * TOKENS_PER_STEP] * 3
+    bias = model.layers["0"].moe.expert_bias
+    assert bias.abs().max() > 0 and abs(float(bias.sum())) < 1e-6
+    assert all(torch.isfinite(torch.tensor(r.loss)) for r in records)
+
+
+def test_no_bias_update_on_a_step_the_spike_policy_skipped(tmp_path, monkeypatch):
+    _flavor(monkeypatch, bias_update_rate=1e-3)
+    loads = _spy_bias_updates(monkeypatch)
+    trainer = _trainer(tmp_path, 6, "--training.spike_policy.enable", "true", "--training.spike_policy.min_history",
+                       "3", "--training.spike_policy.max_rollbacks", "0")
+    plant(trainer, reference_labels(trainer, 10)[8:10])  # the two micro-batches of step 5
+    records = record_steps(trainer)
+    trainer.train()
+    assert [r.action for r in records][4] == "skip"
+    assert len(loads) == 5  # 6 steps, one skipped
+    # The skipped step's loads carry into the next applied step's update.
+    assert loads[:4] == [2.0 * TOKENS_PER_STEP] * 4 and loads[4] == 4.0 * TOKENS_PER_STEP
+
+
+def _gate_after_one_step(tmp_path, aux_loss_coeff: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router gate of the last layer before and after one step whose language-model loss is zeroed: only the
+    balance loss can move it. (Earlier layers' experts feed later routers, so only the last layer's experts
+    are out of the balance loss's reach.)"""
+    trainer = _trainer(tmp_path, 1, "--optimizer.weight_decay", "0")
+    original = trainer.loss_fn
+    trainer.loss_fn = lambda logits, labels: (lambda s, n: (s * 0.0, n))(*original(logits, labels))
+    moe = trainer.model_parts[0].layers["1"].moe
+    gate, experts = moe.router.gate.weight.detach().clone(), moe.experts.w1.detach().clone()
+    trainer.train()
+    assert torch.equal(moe.experts.w1, experts)  # no gradient reaches the experts from the balance loss
+    return gate, moe.router.gate.weight.detach().clone()
+
+
+@pytest.mark.parametrize("aux_loss_coeff", [0.0, 1e-2])
+def test_the_balance_loss_reaches_the_router(tmp_path, monkeypatch, aux_loss_coeff):
+    _flavor(monkeypatch, aux_loss_coeff=aux_loss_coeff)
+    before, after = _gate_after_one_step(tmp_path, aux_loss_coeff)
+    assert torch.equal(before, after) == (aux_loss_coeff == 0.0)
