@@ -12,6 +12,13 @@ from dataclasses import dataclass
 import torch
 
 
+def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [num_experts] count of each id in ``experts``. A scatter-add, not torch.bincount: bincount's
+    output length depends on the values, which torch.compile cannot trace into one graph."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 @dataclass(frozen=True)
 class DispatchHandle:
     """What ``combine`` needs to put the expert outputs back in token order."""
@@ -36,7 +43,7 @@ class LocalTokenDispatcher:
         num_tokens, top_k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = tokens_per_expert(flat, self.num_experts)
         return x[order // top_k], counts, DispatchHandle(order=order, num_tokens=num_tokens, top_k=top_k)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.common.dispatch import LocalTokenDispatcher
+from models.common.dispatch import LocalTokenDispatcher, tokens_per_expert
 from models.common.experts import GroupedExperts
 from models.common.load_balance import expert_bias_delta, sequence_aux_loss
 from models.common.router import SCORE_FUNCS, ScoreFunc, TokenChoiceRouter
@@ -126,7 +126,7 @@ class MoE(nn.Module):
     def _record(self, experts: torch.Tensor, scores: torch.Tensor, batch: int, seq_len: int) -> None:
         if self.uses_expert_bias:
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(experts.reshape(-1), minlength=self.args.num_experts)
+                self.tokens_per_expert += tokens_per_expert(experts, self.args.num_experts)
         if self.args.aux_loss_coeff > 0:
             self.aux_loss = self.args.aux_loss_coeff * sequence_aux_loss(
                 scores.view(batch, seq_len, -1), experts.view(batch, seq_len, -1), self.args.num_experts)
@@ -150,5 +150,8 @@ class MoE(nn.Module):
 
 def _recomputing() -> bool:
     """True while autograd runs a backward pass, i.e. when activation checkpointing recomputes this forward:
-    the loads and the aux loss of that recomputation were already recorded by the original forward."""
+    the loads and the aux loss of that recomputation were already recorded by the original forward.
+    A compiled block never re-runs its Python forward (the compiled backward recomputes inside the graph)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1

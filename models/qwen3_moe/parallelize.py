@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from models.common.experts import GroupedExperts
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, TPInput, build_tp_plan
 
@@ -40,6 +43,7 @@ def parallelize_qwen3_moe(model: BaseModel, run: ResolvedRun, *, mp_policy: Any)
     if dims.tp_mesh is not None:
         raise ValueError(f"qwen3_moe does not support tensor parallelism yet (parallelism.tp={dims.tp}): its MoE "
                          "feed-forward has no TP plan; set --parallelism.tp 1 and use data parallelism (dp_shard)")
+    _check_compile_dtype(model, run.compile_model, mp_policy.param_dtype)
     layouts = [dims.describe()]
     ac = apply_ac(model, run.activation_checkpoint.mode, run.activation_checkpoint.selective_option,
                   compiled_tp=False)
@@ -52,3 +56,14 @@ def parallelize_qwen3_moe(model: BaseModel, run: ResolvedRun, *, mp_policy: Any)
                    cpu_offload=run.parallelism.fsdp_cpu_offload)
     logger.info("parallelized qwen3_moe: %s", ", ".join(layouts))
     return model
+
+
+def _check_compile_dtype(model: BaseModel, compile_model: bool, compute_dtype: torch.dtype | None) -> None:
+    """torch._grouped_mm runs in any float dtype eagerly, but its traced (meta) form in torch 2.13 accepts only
+    bfloat16 operands: a compiled float32 / float16 model would fail inside the compiler."""
+    grouped = any(isinstance(m, GroupedExperts) and m.use_grouped_mm for m in model.modules())
+    if compile_model and grouped and compute_dtype not in (None, torch.bfloat16):
+        raise ValueError(
+            f"compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype is "
+            f"{str(compute_dtype).removeprefix('torch.')} (torch._grouped_mm is traced for bfloat16 only); set "
+            "--precision.param_dtype bfloat16 or --compile.enable false")

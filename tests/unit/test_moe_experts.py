@@ -119,3 +119,19 @@ def test_shared_experts_add_a_dense_swiglu():
     routed_only = MoE(DIM, MoEArgs(num_experts=EXPERTS, top_k=2, hidden_dim=HIDDEN))
     routed_only.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("shared")})
     torch.testing.assert_close(moe(x), routed_only(x) + moe.shared_experts(x), rtol=0, atol=1e-6)
+
+
+def test_moe_layer_traces_as_one_graph_in_bfloat16():
+    """torch.compile(fullgraph=True) of the layer (counts included): no data-dependent shapes or host reads.
+    aot_eager runs the traced graph with eager kernels, so the result equals eager up to op-order rounding
+    (bf16 outputs of order 0.1: 1e-2 is a few bf16 ulps)."""
+    torch.manual_seed(0)
+    moe = MoE(DIM, MoEArgs(num_experts=EXPERTS, top_k=2, hidden_dim=HIDDEN, bias_update_rate=1e-3,
+                           aux_loss_coeff=1e-2)).to(torch.bfloat16)
+    moe.init_weights(out_proj_std=0.2, router_std=0.5)
+    x = torch.randn(2, 8, DIM, dtype=torch.bfloat16)
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.float().sum().backward()
+    assert moe.tokens_per_expert.sum() == 2 * 8 * 2 and moe.aux_loss is not None
+    torch.testing.assert_close(out, moe(x), rtol=0, atol=1e-2)

@@ -94,3 +94,9 @@ def test_the_balance_loss_reaches_the_router(tmp_path, monkeypatch, aux_loss_coe
     _flavor(monkeypatch, aux_loss_coeff=aux_loss_coeff)
     before, after = _gate_after_one_step(tmp_path, aux_loss_coeff)
     assert torch.equal(before, after) == (aux_loss_coeff == 0.0)
+
+
+def test_compiling_float32_grouped_experts_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"needs bfloat16 compute, but precision.param_dtype is float32 .* set "
+                                         r"--precision.param_dtype bfloat16 or --compile.enable false"):
+        _trainer(tmp_path, 1, "--compile.enable", "true")
