@@ -100,3 +100,22 @@ def test_compiling_float32_grouped_experts_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"needs bfloat16 compute, but precision.param_dtype is float32 .* set "
                                          r"--precision.param_dtype bfloat16 or --compile.enable false"):
         _trainer(tmp_path, 1, "--compile.enable", "true")
+
+
+def test_a_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_path):
+    """scripts/convert_to_hf.py on a qwen3_moe run: the folder loads in Qwen3MoeForCausalLM and its float32
+    logits equal our model's from the DCP checkpoint (tolerance as in test_qwen3_moe_hf: rounding only)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.unit.test_hf_export_run import _script
+    from torchtitan_lite.components.checkpoint.run_config import config_for_checkpoint
+    from torchtitan_lite.components.generation import load_from_dcp
+
+    trainer = _trainer(tmp_path, 1, "--checkpoint.enable", "true", "--checkpoint.interval", "1")
+    trainer.train()
+    checkpoint = str(tmp_path / "checkpoint" / "step-1")
+    _script("convert_to_hf").main(["--checkpoint", checkpoint, "--output", str(tmp_path / "hf")])
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ours = load_from_dcp(checkpoint, config_for_checkpoint(checkpoint, registry=DEFAULT_REGISTRY)).model
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-5
