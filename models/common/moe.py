@@ -115,21 +115,27 @@ class MoE(nn.Module):
         batch, seq_len, dim = x.shape
         tokens = x.reshape(-1, dim)
         routing = self.router(tokens, self.expert_bias if self.uses_expert_bias else None)
-        if self.training and not _recomputing():
-            self._record(routing.experts, routing.scores, batch, seq_len)
+        if self.training:
+            self._record(routing.experts, routing.scores, batch, seq_len, recomputing=_recomputing())
         rows, counts, handle = self.dispatcher.dispatch(tokens, routing.experts)
         out = self.dispatcher.combine(self.experts(rows, counts), handle, routing.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.view(batch, seq_len, dim)
 
-    def _record(self, experts: torch.Tensor, scores: torch.Tensor, batch: int, seq_len: int) -> None:
-        if self.uses_expert_bias:
+    def _record(self, experts: torch.Tensor, scores: torch.Tensor, batch: int, seq_len: int, *,
+                recomputing: bool) -> None:
+        """Count the loads and compute the aux loss of a training forward. An activation-checkpointing
+        recomputation counts nothing (the original forward did) but computes the aux loss again, unused:
+        checkpointing requires the recomputation to save the same tensors as the original forward."""
+        if self.uses_expert_bias and not recomputing:
             with torch.no_grad():
                 self.tokens_per_expert += tokens_per_expert(experts, self.args.num_experts)
         if self.args.aux_loss_coeff > 0:
-            self.aux_loss = self.args.aux_loss_coeff * sequence_aux_loss(
+            aux_loss = self.args.aux_loss_coeff * sequence_aux_loss(
                 scores.view(batch, seq_len, -1), experts.view(batch, seq_len, -1), self.args.num_experts)
+            if not recomputing:
+                self.aux_loss = aux_loss
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:

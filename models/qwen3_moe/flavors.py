@@ -8,8 +8,10 @@ from models.qwen3_moe.args import Qwen3MoeModelArgs
 
 
 def _qwen3_router(hidden_dim: int, num_experts: int = 128, top_k: int = 8) -> MoEArgs:
+    # Balanced by an auxiliary loss with Qwen3-MoE's coefficient (router_aux_loss_coef 0.001); ours is the
+    # sequence-level form. No expert bias: the Hugging Face model has none to export it to.
     return MoEArgs(num_experts=num_experts, top_k=top_k, hidden_dim=hidden_dim, score_func="softmax",
-                   norm_topk_prob=True)
+                   norm_topk_prob=True, aux_loss_coeff=1e-3)
 
 
 QWEN3_MOE_FLAVORS: dict[str, Qwen3MoeModelArgs] = {

@@ -79,7 +79,7 @@ def _gate_after_one_step(tmp_path, aux_loss_coeff: float) -> tuple[torch.Tensor,
     """Router gate of the last layer before and after one step whose language-model loss is zeroed: only the
     balance loss can move it. (Earlier layers' experts feed later routers, so only the last layer's experts
     are out of the balance loss's reach.)"""
-    trainer = _trainer(tmp_path, 1, "--optimizer.weight_decay", "0")
+    trainer = _trainer(tmp_path, 1, "--optimizer.weight_decay", "0", "--activation_checkpoint.mode", "full")
     original = trainer.loss_fn
     trainer.loss_fn = lambda logits, labels: (lambda s, n: (s * 0.0, n))(*original(logits, labels))
     moe = trainer.model_parts[0].layers["1"].moe
