@@ -64,9 +64,8 @@ class MoEArgs:
             raise ValueError(f"moe args: score_func={self.score_func!r} must be one of {', '.join(SCORE_FUNCS)}")
         if self.num_shared_experts < 0:
             raise ValueError(f"moe args: num_shared_experts={self.num_shared_experts} must be >= 0")
-        for name in ("route_scale",):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"moe args: {name}={getattr(self, name)} must be positive")
+        if self.route_scale <= 0:
+            raise ValueError(f"moe args: route_scale={self.route_scale} must be positive")
         for name in ("bias_update_rate", "aux_loss_coeff"):
             if getattr(self, name) < 0:
                 raise ValueError(f"moe args: {name}={getattr(self, name)} must be >= 0 (0 turns it off)")

@@ -79,3 +79,16 @@ def test_bad_settings_are_refused():
         TokenChoiceRouter(DIM, EXPERTS, 2, score_func="relu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="top_k=6 must be between 1 and num_experts=5"):
         TokenChoiceRouter(DIM, EXPERTS, 6)
+
+
+def test_moe_args_refuse_bad_values_by_name():
+    from models.common.moe import MoEArgs
+
+    with pytest.raises(ValueError, match="top_k=9 must not exceed num_experts=8"):
+        MoEArgs(num_experts=8, top_k=9)
+    with pytest.raises(ValueError, match="route_scale=0 must be positive"):
+        MoEArgs(route_scale=0)
+    with pytest.raises(ValueError, match=r"bias_update_rate=-0.001 must be >= 0 \(0 turns it off\)"):
+        MoEArgs(bias_update_rate=-1e-3)
+    with pytest.raises(ValueError, match="hidden_dim=0 must be a positive integer"):
+        MoEArgs(hidden_dim=0)
