@@ -13,11 +13,17 @@ import warnings
 
 import torchtitan_lite.tools.project_python  # noqa: F401  (no torch in this Python: re-runs with the project's)
 
+TORCH_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""torch's own log lines without the "[rankN]:" its formatter adds once a process group exists."""
+
 
 def _setup_logging() -> None:
     # run_train.sh's torchrun (--tee --role rank) already starts every line with "[rankN]:".
     launcher_prefixes = os.environ.get("TORCHTITAN_LITE_LAUNCHER_PREFIXES_RANK") == "1"
     rank = "" if launcher_prefixes else f"[rank{os.environ.get('RANK', '0')}] "
+    if launcher_prefixes:
+        # torch reads its log format when it is imported, which is after this; a user's own format stays.
+        os.environ.setdefault("TORCH_LOGS_FORMAT", TORCH_LOG_FORMAT)
     logging.basicConfig(
         level=logging.INFO,
         format=f"{rank}%(asctime)s %(levelname)s %(name)s: %(message)s",

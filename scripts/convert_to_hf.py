@@ -3,11 +3,11 @@
     python scripts/convert_to_hf.py --checkpoint outputs/checkpoint/step-200 --output llama3_debug_hf
     python scripts/convert_to_hf.py --checkpoint ckpt/step-1000 --config llama3_8b --dtype bfloat16 --output llama3_8b_hf
 
-The model and tokenizer come from the run's saved config.toml (<dump_folder>/config.toml, overrides
-included); --config NAME uses a registered config instead. The weights are written in that config's
-checkpoint.export_dtype (float32 by default, as for checkpoint.last_save_in_hf) unless --dtype says
-otherwise. The result loads with ``transformers.LlamaForCausalLM.from_pretrained(output)`` and
-``AutoTokenizer.from_pretrained(output)``.
+The model and tokenizer come from the config.toml saved in the checkpoint (overrides included; for
+older checkpoints the run's <dump_folder>/config.toml); --config NAME uses a registered config instead.
+The weights are written in that config's checkpoint.export_dtype (float32 by default, as for
+checkpoint.last_save_in_hf) unless --dtype says otherwise. The result loads with
+``transformers.LlamaForCausalLM.from_pretrained(output)`` and ``AutoTokenizer.from_pretrained(output)``.
 Any saved layout works (FSDP, TP, 1 process); only the model weights are read.
 """
 from __future__ import annotations

@@ -55,6 +55,8 @@ class StepRecord:
     loss: float
     action: str | None
     lr: float
+    z_score: float | None = None
+    """The policy's largest z-score for the step (None with the policy off or not armed yet)."""
     params_before: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     params_after: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     adam_before: dict[str, torch.Tensor] | None = field(default=None, repr=False)
@@ -74,8 +76,9 @@ def record_steps(trainer: Trainer, snapshot: tuple[int, ...] = ()) -> list[StepR
         lr = trainer.lr_schedulers.last_lr
         loss, grad_norm = original(batches)
         verdict = trainer.last_verdict
-        record = StepRecord(trainer.train_state.step, batches[0][1].clone(), loss,
-                            None if verdict is None else verdict.action, lr, before, adam_before=adam_before)
+        record = StepRecord(trainer.train_state.step, batches[0][1].clone(), float(loss),
+                            None if verdict is None else verdict.action, lr, None if verdict is None else verdict.z_score,
+                            before, adam_before=adam_before)
         if copy:
             record.params_after, record.adam_after = params_of(trainer), adam_of(trainer)
         records.append(record)
@@ -95,7 +98,11 @@ def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
 def adam_of(trainer: Trainer) -> dict[str, torch.Tensor]:
     state = {}
     for i, opt in enumerate(trainer.optimizers):
-        for j, p in enumerate(opt.param_groups[0]["params"]):
+        # Every group: weight-decayed matrices and the undecayed norms / biases sit in separate groups.
+        params = [p for group in opt.param_groups for p in group["params"]]
+        # Before the first step no parameter has state; after it every one must (a missed one is not compared).
+        assert not opt.state or all(p in opt.state for p in params), "a parameter without AdamW state"
+        for j, p in enumerate(params):
             for key, value in opt.state.get(p, {}).items():
                 v = value.to_local() if hasattr(value, "to_local") else value
                 state[f"{i}.{j}.{key}"] = v.detach().clone()

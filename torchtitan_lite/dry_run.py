@@ -40,7 +40,7 @@ def dry_run_text(run: ResolvedRun, precision_config: Precision.Config) -> str:
         run.converters.convert(model)
         plan_text = _float8_text(run, model)
         precision = precision_config.build(device="cpu", resolved=run.precision)
-        model = run.model_spec.parallelize_fn(model, run, mp_policy=precision.mp_policy())
+        model = run.model_spec.parallelize_fn(model, run.parallelize_context(mp_policy=precision.mp_policy()))
         shards = _shard_bytes(model, run)
     seconds = time.perf_counter() - start
     estimate = estimate_run_memory(run)

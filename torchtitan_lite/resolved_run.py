@@ -12,29 +12,51 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchtitan_lite.components.data.layout import DataLayout
 from torchtitan_lite.components.precision import ResolvedPrecision, resolve_precision
 from torchtitan_lite.config.sections import (
     ActivationCheckpointConfig,
     CompileConfig,
+    ModelConfig,
     ParallelismConfig,
     TrainingConfig,
 )
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConvertersContainer
 from torchtitan_lite.protocols.model_spec import ModelSpec, build_model_args, get_model_spec
+from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 if TYPE_CHECKING:
     from torchtitan_lite.components.checkpoint import CheckpointManager
     from torchtitan_lite.components.data import TextDataLoader
+    from torchtitan_lite.components.metrics import MetricsProcessor
     from torchtitan_lite.components.optimizer import OptimizersContainer
+    from torchtitan_lite.components.precision import Precision
     from torchtitan_lite.components.tokenizer import Tokenizer
     from torchtitan_lite.components.validate import Validator
-    from torchtitan_lite.trainer import Trainer
 
 logger = logging.getLogger("torchtitan_lite")
+
+
+class RunConfig(Protocol):
+    """The sections of the root config (``Trainer.Config``) that a run is resolved from."""
+
+    model: ModelConfig
+    tokenizer: Tokenizer.Config
+    training: TrainingConfig
+    precision: Precision.Config
+    parallelism: ParallelismConfig
+    activation_checkpoint: ActivationCheckpointConfig
+    compile: CompileConfig
+    model_converters: ModelConvertersContainer.Config
+    optimizer: OptimizersContainer.Config
+    validation: Validator.Config
+    checkpoint: CheckpointManager.Config
+    metrics: MetricsProcessor.Config
 
 
 @dataclass(frozen=True)
@@ -73,8 +95,18 @@ class ResolvedRun:
                           n_microbatches=self.n_microbatches, seq_len=self.training.seq_len, dataset=data.dataset,
                           streaming=data.streaming)
 
+    def parallelize_context(self, *, mp_policy: MixedPrecisionPolicy) -> ParallelizeContext:
+        """What the family's ``parallelize_fn`` needs of this run, with FSDP's ``mp_policy``."""
+        return ParallelizeContext(
+            parallel_dims=self.parallel_dims, mp_policy=mp_policy, sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel, activation_checkpoint=self.activation_checkpoint,
+            compile_model=self.compile_model, compile=self.compile,
+            fsdp_reshard_after_forward=self.parallelism.fsdp_reshard_after_forward,
+            fsdp_cpu_offload=self.parallelism.fsdp_cpu_offload,
+        )
 
-def resolve_run(config: Trainer.Config, *, world_size: int, device_type: str, vocab_size: int | None = None,
+
+def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_size: int | None = None,
                 cuda_available: bool | None = None) -> ResolvedRun:
     """Resolve ``config`` for a launch of ``world_size`` ranks on ``device_type``.
 

@@ -299,11 +299,13 @@ class SpikeGuard:
         self.last_z = state["last_z"]
         self.health.load_state_dict(state["health"])
 
-    def scalars(self) -> dict[str, float]:
-        """TensorBoard values under spike/."""
+    def scalars(self, *, z_score: float | None = None) -> dict[str, float]:
+        """TensorBoard values under spike/; the z-score is ``z_score`` when given (a rollback's spike, judged
+        before the restored detector replaced it), else the latest step's."""
         values = {"spike/skipped_steps": float(self.skipped_total), "spike/rollbacks": float(self.rollbacks)}
-        if self.last_z is not None and math.isfinite(self.last_z):
-            values["spike/z_score"] = float(self.last_z)
+        z = self.last_z if z_score is None else z_score
+        if z is not None and math.isfinite(z):
+            values["spike/z_score"] = float(z)
         return values
 
 

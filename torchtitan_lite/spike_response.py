@@ -36,27 +36,32 @@ class SpikeResponse:
         self.guard.adopt_recorded(self.checkpointer.read_record(SPIKE_RECORD, []), step)
         self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
 
-    def judge(self, step: int, loss: float, grad_norm: float, *, overflow: bool) -> Verdict:
+    def judge(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *,
+              overflow: bool) -> tuple[Verdict, tuple[float, float]]:
+        """The verdict on step ``step`` and this rank's (loss, grad norm) as floats, from one device read."""
         # The loss and norm are already reduced over the ranks; one MAX all-reduce makes every rank judge
         # bit-identical numbers all the same (non-finite values count as +inf, which MAX keeps).
-        agreed = torch.tensor([loss, grad_norm], dtype=torch.float64)
-        agreed = torch.where(torch.isfinite(agreed), agreed, torch.full_like(agreed, math.inf))
+        local = torch.stack([loss.detach(), grad_norm.detach().to(loss.device)]).double()
+        agreed = torch.where(torch.isfinite(local), local, torch.full_like(local, math.inf))
         if dist.is_initialized() and dist.get_world_size() > 1:
             agreed = agreed.to(self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        values = dict(zip(("loss", "grad_norm"), agreed.tolist(), strict=True))
-        return self.guard.judge(step, values, overflow=overflow)
+        loss_value, norm_value, *agreed_values = torch.cat([local.to(agreed.device), agreed]).tolist()
+        values = dict(zip(("loss", "grad_norm"), agreed_values, strict=True))
+        return self.guard.judge(step, values, overflow=overflow), (loss_value, norm_value)
 
     def report(self, step: int, verdict: Verdict, *, logged: bool) -> None:
         """Console line for each spike, spike/ scalars on each spike and each logged step."""
         if verdict.action in ("skip", "rollback"):
             logger.warning("loss spike at step %s: %s", step, verdict.reason)
+            self.checkpointer.note_abnormal_loss(step)
         if verdict.action != "rollback" and (logged or verdict.action == "skip"):  # a rollback logs its own
             self.metrics.log_scalars(self.guard.scalars(), step)
 
     def roll_back(self, *, total_steps: int) -> int:
         """Every state back to the newest good checkpoint before the spike (collective); returns its step."""
         guard = self.guard
+        spike_z = guard.last_z  # restoring the checkpoint brings back the detector's z-score of that time
         self.checkpointer.wait()
         plan = guard.plan_rollback(self.checkpointer.rollback_candidates())
         aside = f"rolled_back_{guard.rollbacks + 1}"
@@ -70,7 +75,7 @@ class SpikeResponse:
                        "batches of steps %d-%d (%d steps) are skipped when training reaches step %d again",
                        guard.rollbacks, guard.config.max_rollbacks, plan.to_step, list(plan.spike_steps),
                        plan.first_data_step, plan.last_data_step, plan.data_steps, plan.first_data_step)
-        self.metrics.log_scalars(guard.scalars(), plan.spike_steps[-1])
+        self.metrics.log_scalars(guard.scalars(z_score=spike_z), plan.spike_steps[-1])
         self.metrics.begin(plan.to_step, total_steps)
         return plan.to_step
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import random
 import time
@@ -14,6 +15,8 @@ import torch.distributed as dist
 
 import torchtitan_lite.components.quantization  # noqa: F401  (registers the built-in converter kinds)
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
+from torchtitan_lite.components.checkpoint.layout import write_text_atomically
+from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
 from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.data.layout import resume_changes
 from torchtitan_lite.components.data.readiness import require_data
@@ -23,10 +26,11 @@ from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.profiler import Profiler
+from torchtitan_lite.components.quantization import fp8_plan_summary
 from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
-from torchtitan_lite.config import Configurable
+from torchtitan_lite.config import Configurable, config_to_toml
 from torchtitan_lite.config.sections import (
     ActivationCheckpointConfig,
     CompileConfig,
@@ -37,23 +41,21 @@ from torchtitan_lite.config.sections import (
     TrainingConfig,
 )
 from torchtitan_lite.distributed import utils as dist_utils
-from torchtitan_lite.distributed.compile import compile_seconds, compiled_graphs, maybe_compile_loss
+from torchtitan_lite.distributed.compile import compile_label, compile_stats, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
+from torchtitan_lite.nonfinite import NonFiniteLossError, explain_nonfinite
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.shutdown import PreemptionWatcher
 from torchtitan_lite.spike_guard import SpikeGuard, Verdict
 from torchtitan_lite.spike_response import SpikeResponse
+from torchtitan_lite.step_values import PendingSteps, StepValues
 from torchtitan_lite.train_state import TrainState
 
 logger = logging.getLogger("torchtitan_lite")
-
-
-class NonFiniteLossError(RuntimeError):
-    """Raised when the loss or the gradient norm stops being finite."""
 
 
 class Trainer(Configurable):
@@ -123,8 +125,6 @@ class Trainer(Configurable):
         self.device = dist_utils.init_distributed()
         self.parallel_dims.build_mesh(self.device.type)
         self._set_determinism()
-        if dist_utils.is_rank0() and cfg.job.save_config:
-            _save_resolved_config(cfg)
         logger.info("precision: %s (%s); model converters: %s",
                     self.run.precision.describe(init_scale=cfg.precision.init_scale), self.run.precision.reason,
                     _describe_converters(cfg.model_converters.converters))
@@ -151,6 +151,8 @@ class Trainer(Configurable):
                                           backend=cfg.compile.backend)
         self.train_state = TrainState()
         self.health = LossHealth()
+        self.pending = PendingSteps()
+        """Steps whose loss and norm are still on the device (read by ``_settle``)."""
         policy = cfg.training.spike_policy
         self.spike_guard = SpikeGuard(policy, self.health) if policy.enable else None
         self.last_verdict: Verdict | None = None
@@ -169,6 +171,7 @@ class Trainer(Configurable):
         self.checkpointer = cfg.checkpoint.build(
             dump_folder=cfg.job.dump_folder, states=states, model_args=self.model_args,
             model_spec=self.run.model_spec, data_layout=self.run.data_layout(cfg.data),
+            run_config=config_to_toml(cfg),
         )
         self.metrics = cfg.metrics.build(
             dump_folder=cfg.job.dump_folder, device=self.device,
@@ -224,8 +227,11 @@ class Trainer(Configurable):
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
         self.converters.convert(model)
+        plan = fp8_plan_summary(self.converters.converters, model)
+        if plan is not None and dist_utils.is_rank0():
+            logger.info("%s", plan)
         start = time.perf_counter()
-        model = spec.parallelize_fn(model, self.run, mp_policy=self.precision.mp_policy())
+        model = spec.parallelize_fn(model, self.run.parallelize_context(mp_policy=self.precision.mp_policy()))
         init_device = "cpu" if cfg.parallelism.fsdp_cpu_offload else self.device
         model.to_empty(device=init_device)
         with torch.no_grad():
@@ -261,6 +267,12 @@ class Trainer(Configurable):
         """Measure the FP8 casts of this micro-batch (the first of a stats step), or do nothing."""
         return self.fp8_stats.capture() if on and self.fp8_stats is not None else contextlib.nullcontext()
 
+    def _save_config(self) -> None:
+        # Called once every refusal has passed (storage, the resume): a refused run leaves the file that
+        # describes the folder as it was.
+        if dist_utils.is_rank0() and self.config.job.save_config:
+            _save_resolved_config(self.config)
+
     def _dp_group(self) -> dist.ProcessGroup | None:
         mesh = self.parallel_dims.dp_mesh
         return None if mesh is None else mesh.get_group()
@@ -272,6 +284,7 @@ class Trainer(Configurable):
         cfg = self.config
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save(0, force=True, model_only=True)
+            self._save_config()
             logger.info("seed checkpoint written to %s", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
             self.close()
             return
@@ -280,6 +293,7 @@ class Trainer(Configurable):
         self._report_resumed_layout()
         if self.spikes is not None:
             self.spikes.resume(self.train_state.step)
+        self._save_config()
         first_step = self.train_state.step + 1
         data_iter = iter(self.dataloader)
         if cfg.training.gc_freq > 0:
@@ -301,22 +315,23 @@ class Trainer(Configurable):
                         self.spikes.skip_data(step, data_iter, batches_per_step=self.n_microbatches)
                     batches = [next(data_iter) for _ in range(self.n_microbatches)]
                 data_s = time.perf_counter() - t0
-                loss, grad_norm = self.train_step(batches)
+                self.train_step(batches)
                 verdict = self.last_verdict
-                # A skipped step vouches for no checkpoint and does not join the loss statistics.
-                if (verdict is None or verdict.updates) and self.health.observe(step, loss):
-                    self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
+                last = step == cfg.training.steps
+                logged = last or self.metrics.should_log(step)
+                # The loss and norm stay on the device until a log step (or a save, validation, rollback) reads them.
+                values = self._settle() if logged else None
                 if step == first_step:
-                    compiled = (f", {compile_seconds():.1f}s cold compile of {compiled_graphs()} graph(s)"
-                                if cfg.compile.enable else "")
+                    compiled = f", {compile_label(compile_stats())}" if cfg.compile.enable else ""
                     logger.info("first step took %.1fs (%.1fs loading data%s)", time.perf_counter() - t0,
                                 data_s, compiled)
-                last = step == cfg.training.steps
-                self.metrics.maybe_log(step, loss=loss, grad_norm=grad_norm, lr=self.lr_schedulers.last_lr,
-                                       extra=self._extra_metrics(), force=last)
+                if values is not None:
+                    self.metrics.log(step, loss=values.loss, grad_norm=values.grad_norm,
+                                     lr=self.lr_schedulers.last_lr, extra=self._extra_metrics())
                 if self.spikes is not None and verdict is not None:
-                    self.spikes.report(step, verdict, logged=last or self.metrics.should_log(step))
+                    self.spikes.report(step, verdict, logged=logged)
                     if verdict.action == "rollback":
+                        self._settle()  # the steps before the spike vouch for the checkpoints to go back to
                         # Every state, the step included, comes back from the checkpoint; the data restarts there.
                         self.train_state.step = self.spikes.roll_back(total_steps=cfg.training.steps)
                         data_iter = iter(self.dataloader)
@@ -324,6 +339,8 @@ class Trainer(Configurable):
                         continue
                 self._maybe_validate(force=last)
                 preempted = self.watcher.should_stop()
+                if preempted or self.checkpointer.due(step, last_step=last):
+                    self._settle()  # nothing is saved from weights that a non-finite step has reached
                 with self.metrics.exclude_from_throughput():
                     self.checkpointer.save(step, last_step=last, force=preempted)
                 profiler.step()
@@ -336,13 +353,18 @@ class Trainer(Configurable):
                     break
         self.close()
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``batches``; returns the loss (summed over data-parallel ranks) and the
+        gradient norm as device scalars, and queues them for the loop to read (``PendingSteps``). Nothing
+        here reads a device value except what decides this step: the FP16 scaler's overflow flag, the
+        spike policy's verdict, FP8 statistics on their steps."""
         model = self.model_parts[0]
         global_tokens = self._global_target_tokens(batches)
         loss_total = torch.zeros((), device=self.device)
         fp8_stats_step = self.fp8_stats is not None and self.fp8_stats.due(self.train_state.step)
         for i, (inputs, labels) in enumerate(batches):
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            # non_blocking: a blocking host-to-device copy waits for the device to finish all queued work.
+            inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             self.train_state.tokens_seen += inputs.numel()
             self.metrics.record_tokens(inputs.numel())
             with (self._fp8_capture(fp8_stats_step and i == 0), self.precision.autocast(),
@@ -357,10 +379,17 @@ class Trainer(Configurable):
 
         overflow = self.grad_scaler is not None and self.grad_scaler.unscale_(self.optimizers)
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = float(clip_grad_norm_(params, self.config.training.max_norm))
-        loss_value = self._sum_over_dp(loss_total)
-        verdict = self.last_verdict = (None if self.spikes is None else
-                                       self.spikes.judge(self.train_state.step, loss_value, grad_norm, overflow=overflow))
+        grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
+        loss_total = self._sum_over_dp(loss_total)
+        step = self.train_state.step
+        verdict: Verdict | None = None
+        if self.spikes is None:
+            # Read later, with the non-finite check, by the loop (``_settle``).
+            self.pending.add(step, loss_total, grad_norm, applied=True)
+        else:
+            verdict, (loss_value, norm_value) = self.spikes.judge(step, loss_total, grad_norm, overflow=overflow)
+            self.pending.add_read(step, loss_value, norm_value, applied=verdict.updates)
+        self.last_verdict = verdict
         applies = verdict is None or verdict.updates
         if self.grad_scaler is not None:
             if applies:
@@ -375,10 +404,28 @@ class Trainer(Configurable):
         if fp8_stats_step and self.fp8_stats is not None:
             # Before the finiteness check: the casts of a step that went non-finite are worth seeing.
             self.metrics.log_fp8_stats(self.train_state.step, self.fp8_stats.collect())
+        return loss_total, grad_norm
 
-        if verdict is None:  # with the policy on, a non-finite loss or norm is a spike like any other
-            self._check_finite(loss_value, grad_norm)
-        return loss_value, grad_norm
+    def _settle(self) -> StepValues | None:
+        """Read the steps queued since the last read (one device synchronisation) and act on them in step
+        order, as if each had been read when it ended: stop at a non-finite one (with the spike policy on, a
+        non-finite value is a spike the policy handled), and let each normal loss vouch for the checkpoint
+        before it. Returns the newest step's values, None when none was queued.
+
+        Without the spike policy a non-finite step is therefore found at the next log step, checkpoint
+        save, validation or the last step, whichever comes first, and named by its own step number; the
+        steps in between train on and nothing of theirs is logged, validated or saved."""
+        read = self.pending.read()
+        vouched = False
+        for values in read:
+            if self.spikes is None and not (math.isfinite(values.loss) and math.isfinite(values.grad_norm)):
+                self._check_finite(values.loss, values.grad_norm, step=values.step)
+            # A skipped step vouches for no checkpoint and does not join the loss statistics.
+            if values.applied and self.health.observe(values.step, values.loss):
+                vouched = True
+        if vouched:
+            self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
+        return read[-1] if read else None
 
     def _with_aux_loss(self, model: BaseModel, loss: torch.Tensor, n_microbatches: int) -> torch.Tensor:
         """loss plus the model's auxiliary loss (MoE balancing) as this micro-batch's share of its global mean;
@@ -389,41 +436,38 @@ class Trainer(Configurable):
         return loss + aux / (n_microbatches * self.parallel_dims.dp_degree)
 
     def _global_target_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        count = torch.tensor(float(local), device=self.device)
+        # Counted where the labels are (the host) and sent to the device without reading anything back.
+        local = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in batches]).sum()
+        count = local.to(self.device, torch.float32, non_blocking=True)
         group = self._dp_group()
         if group is not None:
             dist.all_reduce(count, group=group)
         return count.clamp_min(1.0)
 
-    def _sum_over_dp(self, value: torch.Tensor) -> float:
+    def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         group = self._dp_group()
         if group is not None:
             dist.all_reduce(value, group=group)
-        return float(value)
+        return value
 
-    def _check_finite(self, loss: float, grad_norm: float) -> None:
+    def _check_finite(self, loss: float, grad_norm: float, *, step: int) -> None:
         # With FP16 loss scaling an infinite grad norm is an overflow the scaler skips, not a failure.
         grad_ok = self.grad_scaler is not None or torch.isfinite(torch.tensor(grad_norm))
         if torch.isfinite(torch.tensor(loss)) and grad_ok:
             return
-        step = self.train_state.step
         # A background save still writing holds the last good state: finish it before naming it.
         self.checkpointer.wait()
+        # The checkpoint this step trained from records it, so that a resume from it later says so.
+        self.checkpointer.note_abnormal_loss(step)
         complete = self.checkpointer.complete_steps()
-        last_good = self.health.last_good(complete)
-        if last_good is not None:
-            kept = f"the last good checkpoint is step {last_good}"
-        elif complete:
-            # Checkpoint N is good once step N+1 trained to a normal loss; none of these has been seen to.
-            kept = f"no checkpoint is known good (none of steps {complete} was followed by a normal loss in this run)"
-        else:
-            kept = "no checkpoint was saved"
-        raise NonFiniteLossError(
-            f"non-finite {'loss' if not torch.isfinite(torch.tensor(loss)) else 'gradient norm'} at step {step} "
-            f"(loss={loss}, grad_norm={grad_norm}); stopping without saving, {kept}. Lower optimizer.lr, "
-            f"enable clipping (training.max_norm) or use precision.param_dtype=bfloat16 instead of float16."
-        )
+        # Good as this run saw it, or as the checkpoints' markers recorded it in earlier runs.
+        good = sorted({s for s in complete if s in self.health.good_checkpoints}
+                      | set(self.checkpointer.followed_by_normal_loss(complete)))
+        loaded = self.checkpointer.loaded
+        raise NonFiniteLossError(explain_nonfinite(
+            step=step, loss=loss, grad_norm=grad_norm, complete=complete, good=good,
+            resumed_from=loaded if loaded is not None and step == loaded.step + 1 else None,
+            clipping=self.config.training.max_norm > 0, fp16=self.precision.param_dtype == torch.float16))
 
     def _extra_metrics(self) -> dict[str, float]:
         extra = {}
@@ -437,6 +481,7 @@ class Trainer(Configurable):
             return
         step = self.train_state.step
         if force or (step > 0 and step % self.config.validation.freq == 0):
+            self._settle()  # a non-finite step stops the run before its weights are validated
             with self.metrics.exclude_from_throughput():
                 val_loss = self.validator.validate(self.model_parts, step)
             self.metrics.log_validation(step, val_loss)
@@ -458,10 +503,7 @@ def _describe_converters(converters: list) -> str:
 
 
 def _save_resolved_config(cfg: Trainer.Config) -> None:
-    from torchtitan_lite.config import config_to_toml
-
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
-    path = os.path.join(cfg.job.dump_folder, "config.toml")
-    with open(path, "w") as f:
-        f.write(config_to_toml(cfg))
+    path = os.path.join(cfg.job.dump_folder, RUN_CONFIG_NAME)
+    write_text_atomically(path, config_to_toml(cfg))
     logger.info("resolved config saved to %s", path)

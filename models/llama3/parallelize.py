@@ -11,13 +11,10 @@ its all-gather / reduce-scatter hooks sit outside the compiled graphs.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
 
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, TPInput, build_tp_plan
-
-if TYPE_CHECKING:
-    from torchtitan_lite.resolved_run import ResolvedRun
+from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 logger = logging.getLogger(__name__)
 
@@ -38,39 +35,37 @@ LLAMA3_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
 )
 
 
-def parallelize_llama(model: BaseModel, run: ResolvedRun, *, mp_policy: Any) -> BaseModel:
-    """Parallelize ``model`` (on meta, meshes built) in place as ``run`` resolved it; returns it.
+def parallelize_llama(model: BaseModel, context: ParallelizeContext) -> BaseModel:
+    """Parallelize ``model`` (on meta, meshes built) in place as ``context`` says; returns it.
 
-    ``mp_policy`` is FSDP's MixedPrecisionPolicy. Without data parallelism no FSDP is applied (the
-    precision component then casts through autocast instead).
+    Without data parallelism no FSDP is applied (the precision component then casts through autocast instead).
     """
     from torchtitan_lite.distributed.activation_checkpoint import apply_ac
     from torchtitan_lite.distributed.compile import apply_compile
     from torchtitan_lite.distributed.fsdp import apply_fsdp
     from torchtitan_lite.distributed.tensor_parallel import apply_tp
 
-    plan, dims = LLAMA3_PARALLEL_PLAN, run.parallel_dims
+    plan, dims = LLAMA3_PARALLEL_PLAN, context.parallel_dims
     layouts = [dims.describe()]
     if dims.tp_mesh is not None:
-        regions = apply_tp(model, dims.tp_mesh, plan, sequence_parallel=run.sequence_parallel,
-                           loss_parallel=run.loss_parallel)
-        layouts.append("SP" if run.sequence_parallel else "no SP")
-        layouts.append("loss parallel" if run.loss_parallel else "replicated logits")
+        regions = apply_tp(model, dims.tp_mesh, plan, sequence_parallel=context.sequence_parallel,
+                           loss_parallel=context.loss_parallel)
+        layouts.append("SP" if context.sequence_parallel else "no SP")
+        layouts.append("loss parallel" if context.loss_parallel else "replicated logits")
         float8 = sum(r.float8 for block in regions for r in block)
         if float8:
             layouts.append(f"float8 TP comms in {float8} of {sum(len(b) for b in regions)} regions")
 
-    ac = apply_ac(model, run.activation_checkpoint.mode, run.activation_checkpoint.selective_option,
-                  compiled_tp=run.compile_model and dims.tp_enabled)
+    ac = apply_ac(model, context.activation_checkpoint.mode, context.activation_checkpoint.selective_option,
+                  compiled_tp=context.compile_model and dims.tp_enabled)
     layouts.append(f"AC {ac}")
 
-    if apply_compile(model, run.compile):
-        layouts.append(f"compiled blocks ({run.compile.backend})")
+    if apply_compile(model, context.compile):
+        layouts.append(f"compiled blocks ({context.compile.backend})")
 
     if dims.fsdp_mesh is not None:
-        apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=mp_policy,
-                   reshard_after_forward=run.parallelism.fsdp_reshard_after_forward,
-                   cpu_offload=run.parallelism.fsdp_cpu_offload)
+        apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=context.mp_policy,
+                   reshard_after_forward=context.fsdp_reshard_after_forward, cpu_offload=context.fsdp_cpu_offload)
 
     logger.info("parallelized llama3: %s", ", ".join(layouts))
     return model

@@ -4,6 +4,13 @@ Every layout trains from the same initial weights (made on one process, then loa
 model) on the same global batches, with the training loop's loss semantics: each rank sums token losses
 of its data shard and divides by the number of target tokens of the whole global batch, and FSDP sums
 gradients over data-parallel ranks. So every layout must reproduce the single-process losses.
+
+The single-process reference of a data-parallel run computes what its ranks compute: FSDP on a one-rank
+mesh (the same parameter casts in the same dtype) over each rank's share of the global batch in turn, the
+gradients summed in float32 (``Run.dp_micro_batches``). Low precision rounds per rank (bf16 block outputs,
+float8 scales from each rank's amax), so only such a reference can be closer to the run than the run's
+precision is to float32; ``check_two_sided`` compares with tolerances of that kind and runs the
+negative control.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import torch
 import torch.distributed as dist
 from _collectives import CollectiveLog
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
@@ -30,6 +38,7 @@ from torchtitan_lite.distributed.compile import maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
+from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 # All Linear dims are multiples of 16 (float8 GEMMs need it); heads and KV heads split over tp=2.
 TINY = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
@@ -63,19 +72,89 @@ class Run:
     loss_parallel: bool = True
     reshard_after_forward: str = "default"
     steps: int = 10
+    dp_micro_batches: int = 1
+    """On one process: train on the global batch as this many data-parallel shares in turn under FSDP on a
+    one-rank mesh (the reference of a data-parallel run); 1: the whole batch at once, no FSDP."""
 
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp
 
     def single_process(self) -> Run:
-        """The reference for this run: the same numerics on one process (layout-only settings reset)."""
+        """The reference for this run: the same numerics on one process (layout-only settings reset).
+
+        A data-parallel run's reference keeps FSDP's casts (and float8 all-gather, which takes the float8
+        weight scale from the float32 master) and its per-rank batch shares; TP alone needs neither.
+        """
         defaults = Run()
+        shares = self.dp_replicate * self.dp_shard * self.dp_micro_batches
         return dataclasses.replace(
-            self, dp_replicate=1, dp_shard=1, tp=1, fp8_all_gather=False, precompute=False,
+            self, dp_replicate=1, dp_shard=1, tp=1, dp_micro_batches=shares,
+            fp8_all_gather=self.fp8_all_gather and shares > 1, precompute=self.precompute and shares > 1,
             sequence_parallel=defaults.sequence_parallel, loss_parallel=defaults.loss_parallel,
             reshard_after_forward=defaults.reshard_after_forward,
         )
+
+    def precision_off(self, *, keep_dtype: bool = False) -> Run:
+        """The same run without float8 / MX (and in float32 unless ``keep_dtype``): the negative control."""
+        return dataclasses.replace(self, float8=None, float8_keep_hp=(), mx=None, fp8_all_gather=False,
+                                   precompute=False, param_dtype=self.param_dtype if keep_dtype else "float32")
+
+
+class _OneRankFsdp(ParallelDims):
+    """FSDP on a one-rank mesh: data parallelism's parameter casts and float32 gradient sums on one process."""
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        self._one_rank = init_device_mesh(device_type, (1,), mesh_dim_names=("dp_shard",))
+        return None
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return True
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        return self._one_rank
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a run may be from its reference, relative; each bound is set between the layout's own
+    measured difference and the measured effect of the precision under test, so that the same comparison
+    of a run without that precision fails (check_two_sided)."""
+
+    losses: float
+    """max over steps of |loss - reference| / |reference|"""
+    grads: float | None = None
+    """max over parameters of ||grad - reference|| / ||reference|| of the first backward; None where the
+    layout's own rounding is as large as the precision's effect (bf16 partial sums under TP)."""
+
+
+def differences(got: dict, ref: dict) -> dict[str, float]:
+    """Relative differences of ``got`` from ``ref`` over ``ref``'s steps (a longer run shares its first steps:
+    the batches are the same)."""
+    steps = len(ref["losses"])
+    assert len(got["losses"]) >= steps, (len(got["losses"]), steps)
+    out = {"losses": max(abs(a - b) / abs(b) for a, b in zip(got["losses"][:steps], ref["losses"], strict=True))}
+    if "first_grads" in got and "first_grads" in ref:
+        assert set(got["first_grads"]) == set(ref["first_grads"])
+        out["grads"] = max(float((g - ref["first_grads"][n]).norm() / ref["first_grads"][n].norm())
+                           for n, g in got["first_grads"].items())
+    return out
+
+
+def within(got: dict, ref: dict, tol: Tolerance) -> bool:
+    diff = differences(got, ref)
+    return diff["losses"] < tol.losses and (tol.grads is None or diff["grads"] < tol.grads)
+
+
+def check_two_sided(got: dict, ref: dict, precision_off: dict, tol: Tolerance) -> None:
+    """``got`` is within ``tol`` of ``ref`` (the same precision on one process), and ``precision_off`` (the same
+    layout, or the reference, without the precision under test) is not: the test can tell that precision."""
+    assert within(got, ref, tol), (differences(got, ref), tol)
+    assert not within(precision_off, ref, tol), \
+        f"negative control passed: without the precision the run is {differences(precision_off, ref)} from the " \
+        f"reference, inside {tol}"
 
 
 def global_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -117,7 +196,9 @@ def parallel_config(run: Run, dims: ParallelDims) -> SimpleNamespace:
 
 def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNamespace]:
     """Meta model -> float8 conversion -> parallelize_llama -> materialise -> load the initial weights."""
-    dims = ParallelDims(run.dp_replicate, run.dp_shard, run.tp, world_size=run.world_size)
+    one_rank_fsdp = run.world_size == 1 and run.dp_micro_batches > 1
+    dims = (_OneRankFsdp if one_rank_fsdp else ParallelDims)(run.dp_replicate, run.dp_shard, run.tp,
+                                                              world_size=run.world_size)
     dims.validate_for_model(TINY, SEQ, sequence_parallel=run.sequence_parallel)
     dims.build_mesh("cpu")
     config = parallel_config(run, dims)
@@ -134,10 +215,14 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
             keep in fqn for keep in run.float8_keep_hp))
     if run.mx:
         mx_converter(run, dims).convert(model)
-    parallelize_llama(model, config, mp_policy=precision.mp_policy())
+    parallelize_llama(model, ParallelizeContext(
+        parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=config.sequence_parallel,
+        loss_parallel=config.loss_parallel, activation_checkpoint=config.activation_checkpoint,
+        compile_model=config.compile_model, compile=config.compile,
+        fsdp_reshard_after_forward=run.reshard_after_forward, fsdp_cpu_offload=False))
     model.to_empty(device="cpu")
     model.init_weights()
-    if run.world_size == 1:
+    if not (dims.fsdp_enabled or dims.tp_enabled):
         model.load_state_dict(initial_state_dict())
     else:
         set_model_state_dict(model, initial_state_dict(), options=StateDictOptions(full_state_dict=True))
@@ -168,19 +253,23 @@ def train(run: Run, model, dims: ParallelDims, precision: Precision, config, *, 
     """
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=config.compile.enable, backend=config.compile.backend)
-    rows = GLOBAL_BATCH // dims.dp_degree
-    dp_rank = dims.dp_rank
+    shares = dims.dp_degree * run.dp_micro_batches
+    rows = GLOBAL_BATCH // shares
+    first_share = dims.dp_rank * run.dp_micro_batches
     out = {"losses": [], "grad_norms": [], "collectives": {}}
-    for step, (inputs, labels) in enumerate(global_batches(run.steps)):
-        global_tokens = (labels != IGNORE_INDEX).sum().float()
-        inputs = inputs[dp_rank * rows:(dp_rank + 1) * rows]
-        labels = labels[dp_rank * rows:(dp_rank + 1) * rows]
+    for step, (global_inputs, global_labels) in enumerate(global_batches(run.steps)):
+        global_tokens = (global_labels != IGNORE_INDEX).sum().float()
         recording = step == record_step
+        share_losses = []
         with _log_if(recording, out, "fwd_bwd"):
-            with precision.autocast(), loss_parallel_context(config.loss_parallel):
-                loss_sum, _ = loss_fn(model(inputs), labels)
-                loss = loss_sum / global_tokens
-                loss.backward()
+            for share in range(first_share, first_share + run.dp_micro_batches):
+                inputs = global_inputs[share * rows:(share + 1) * rows]
+                labels = global_labels[share * rows:(share + 1) * rows]
+                with precision.autocast(), loss_parallel_context(config.loss_parallel):
+                    loss_sum, _ = loss_fn(model(inputs), labels)
+                    loss = loss_sum / global_tokens
+                    loss.backward()
+                share_losses.append(loss.detach())
         if keep_first_grads and step == 0:
             out["first_grads"] = full_grads(model)
         out["grad_norms"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM)))
@@ -189,7 +278,7 @@ def train(run: Run, model, dims: ParallelDims, precision: Precision, config, *, 
         if run.precompute:
             with _log_if(recording, out, "precompute"):
                 precompute_float8_dynamic_scale_for_fsdp(model)
-        value = local_loss(loss.detach()).clone()
+        value = sum(local_loss(loss) for loss in share_losses).clone()
         if dims.dp_mesh is not None:
             dist.all_reduce(value, group=dims.dp_mesh.get_group())
         out["losses"].append(float(value))
@@ -223,8 +312,13 @@ def run_layout(rank: int, world_size: int, run: Run, **train_kwargs) -> dict:
 
 
 def run_single(run: Run, **train_kwargs) -> dict:
-    """The single-process reference of `run`, in the calling process."""
+    """The single-process reference of `run`: in the calling process, or in one spawned gloo process where
+    it needs FSDP's one-rank mesh (a process group would outlive the test in the calling process)."""
     run = run.single_process()
+    if run.dp_micro_batches > 1:
+        from _harness import run_ranks
+
+        return run_ranks(run_layout, 1, run, **train_kwargs)[0]
     model, dims, precision, config = build(run)
     return train(run, model, dims, precision, config, **train_kwargs)
 

@@ -44,7 +44,7 @@ def _measured_peak(cfg: Trainer.Config, run) -> int:
         model = run.model_spec.model_cls(run.model_args)
     run.converters.convert(model)
     precision = cfg.precision.build(device="cuda", resolved=run.precision)
-    model = run.model_spec.parallelize_fn(model, run, mp_policy=precision.mp_policy())
+    model = run.model_spec.parallelize_fn(model, run.parallelize_context(mp_policy=precision.mp_policy()))
     model.to_empty(device="cuda")
     model.init_weights()
     optimizer = cfg.optimizer.build(model_parts=[model])

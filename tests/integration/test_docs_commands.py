@@ -58,6 +58,8 @@ LONG_RUNNING = {
     "pip install -e .[wandb]": "installs packages",
     "python scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 llama3_debug_fp8_rowwise "
     "--last 20 --tolerance 0.05 --out loss.png --table loss_gap.md": "trains three configs",
+    "python scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 --seeds 3 --last 20":
+        "trains two configs over three seeds",
     "python scripts/loss_compare.py --configs llama3_debug llama3_debug_fp8 --steps 50 "
     "-- --precision.param_dtype float32 --model.n_layers 2": "trains two configs",
     "python scripts/loss_compare.py --runs outputs/bf16 outputs/fp8 --last 50": "needs finished runs",
@@ -94,6 +96,12 @@ LONG_RUNNING = {
     "python scripts/loss_compare.py --runs <bf16> <fp8> <fp8_rowwise> <mxfp8> --last 20 --tolerance 0.05 "
     "--out loss.png": "a template (<bf16> ...)",
     "python scripts/fp8_sqnr.py --config <cfg> --min-fwd-sqnr 20": "a template (<cfg>)",
+    "OMP_NUM_THREADS=1 python train.py --config <cfg> --training.seed <s> --training.steps 200 "
+    "--checkpoint.enable false --metrics.cpu_peak_tflops 1 --job.dump_folder /tmp/ttl_seeds/<cfg>/seed-<s> "
+    "--metrics.log_freq 1 --metrics.enable_tensorboard true --metrics.save_tb_folder tb --metrics.rank_0_only true":
+        "a template (<cfg>, <s>)",
+    "python scripts/loss_compare.py --runs /tmp/ttl_seeds/<bf16> /tmp/ttl_seeds/<fp8> /tmp/ttl_seeds/<fp8_rowwise> "
+    "/tmp/ttl_seeds/<mxfp8> --last 20": "a template (<bf16> ...)",
 }
 
 

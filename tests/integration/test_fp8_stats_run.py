@@ -16,6 +16,11 @@ def test_fp8_stats_reach_tensorboard_for_every_converted_linear(cli, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = result.stdout + result.stderr
     assert "fp8 stats step 10 (14 Linears); lowest output SQNR " in log
+    # The launch log summarises the FP8 plan; the table of every Linear is --print-fp8-plan's.
+    assert ("float8 converter (tensorwise): FP8 plan: 14 of 15 Linear layers run in FP8 (14 tensorwise); high "
+            "precision: 1 filter_fqns entry 'output'\n") in log
+    assert "every Linear with its recipe or skip reason: --print-fp8-plan" in log
+    assert "skipped because" not in log and log.count("FP8 plan:") == 1
 
     scalars = read_scalars(tmp_path / "tb")
     # llama3_debug_fp8 converts every block Linear (the output head is filtered): 7 per block, 2 blocks.

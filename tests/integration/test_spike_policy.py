@@ -104,6 +104,15 @@ ROLLBACK = [*POLICY, "--training.spike_policy.max_consecutive_skips", "1", "--tr
             "1", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
 
 
+def logged_values(tb_dir, tag: str, *, step: int) -> list[float]:
+    """Every value written for ``tag`` at ``step``, in the order written (re-logged steps included)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
+    acc.Reload()
+    return [e.value for e in acc.Scalars(tag) if e.step == step]
+
+
 def test_too_many_spikes_roll_back_and_skip_the_batches_around_them(tmp_path):
     a = build_trainer(tmp_path / "a", 14, *ROLLBACK)
     labels = reference_labels(a, 18)
@@ -134,6 +143,13 @@ def test_too_many_spikes_roll_back_and_skip_the_batches_around_them(tmp_path):
     assert json.loads((folder / "spike_rollbacks.json").read_text()) == [
         {"rollback": 1, "to_step": 6, "spike_steps": [8, 9], "skip_data_of_steps": [7, 10]}]
     assert read_scalars(tmp_path / "a" / "tb")["spike/rollbacks"][14] == 1
+    # The rollback logs the z-score of the spike that caused it at the spike's step, not the value the
+    # detector restored from checkpoint 6 had. It is the first of the step's two values (the rerun logs
+    # step 9 again), so the events are read without TensorBoard's purge of re-logged steps. float32 in
+    # the event file: relative 1e-6.
+    spike_z = records[8].z_score
+    assert spike_z is not None and spike_z > 6
+    assert logged_values(tmp_path / "a" / "tb", "spike/z_score", step=9)[0] == pytest.approx(spike_z, rel=1e-6)
 
     # A run stopped right after the rollback, before its next checkpoint, resumes from checkpoint 6 and
     # still skips the window (recorded in spike_rollbacks.json): the same steps as the uninterrupted run.

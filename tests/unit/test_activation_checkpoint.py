@@ -124,3 +124,22 @@ def test_every_nth_wraps_the_nth_blocks_and_returns_a_description():
     wrapped = [name for name, block in model.layers.items() if hasattr(block, "_checkpoint_wrapped_module")]
     assert wrapped == ["1", "3"]
     assert apply_ac(copy.deepcopy(model), "none") == "none"
+
+
+@pytest.mark.parametrize("compiled_tp", [False, True])
+def test_selective_contexts_carry_a_cache_hash_so_compiled_blocks_can_be_cached(compiled_tp):
+    # torch's AOT-autograd cache bypasses a checkpointed block whose context_fn has no cache_hash: every warm
+    # run would then re-trace and re-partition the block although inductor's cache holds its kernels.
+    from torch._functorch._aot_autograd.autograd_cache import _get_context_fn_cache_hash
+
+    hashes = set()
+    for option in ("op", "1"):
+        model = Transformer(ARGS)
+        apply_ac(model, "selective", option, compiled_tp=compiled_tp)
+        context_fn = model.layers["0"].checkpoint_fn.keywords.get("context_fn")
+        if context_fn is None:  # full checkpointing of a block that is not tensor-parallel: no context at all
+            continue
+        cache_hash = _get_context_fn_cache_hash(context_fn)
+        assert isinstance(cache_hash, str) and cache_hash.startswith("torchtitan_lite.")
+        hashes.add(cache_hash)
+    assert len(hashes) == (2 if compiled_tp else 1)  # the per-op and the attention-saving policies differ

@@ -270,6 +270,16 @@ def test_marker_json_of_older_checkpoints_still_loads(tmp_path):
     assert Run(str(tmp_path), seed=1).ckpt.load() == 2
 
 
+def test_marker_fields_of_a_later_release_are_ignored(tmp_path):
+    run = Run(str(tmp_path))
+    run.train(2)
+    marker_path = os.path.join(ckpt_dir(tmp_path, 2), MARKER_NAME)
+    data = json.loads(Path(marker_path).read_text())
+    Path(marker_path).write_text(json.dumps({**data, "added_later": [1, 2]}))
+    assert Marker.read(ckpt_dir(tmp_path, 2)).followed_by == data["followed_by"] == "nothing"
+    assert Run(str(tmp_path), seed=1).ckpt.load() == 2
+
+
 def test_the_storage_check_leaves_a_fresh_optimizer_untouched(tmp_path):
     # Asking DCP for an unstepped optimizer's state creates it with a zero-lr step (Adam's step count
     # then starts at 1 and every later update differs): the check must size it without asking.

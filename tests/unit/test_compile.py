@@ -2,6 +2,7 @@
 real compile path without C++ code generation; inductor runs in tests/distributed/test_compile_composition.py)."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -11,7 +12,15 @@ from models.llama3.model import Llama3ModelArgs, Transformer
 from torchtitan_lite.components.loss import cross_entropy_sum
 from torchtitan_lite.config.sections import CompileConfig
 from torchtitan_lite.distributed.activation_checkpoint import apply_ac
-from torchtitan_lite.distributed.compile import apply_compile, compile_seconds, compiled_graphs, maybe_compile_loss
+from torchtitan_lite.distributed.compile import (
+    CompileStats,
+    apply_compile,
+    compile_label,
+    compile_seconds,
+    compile_stats,
+    compiled_graphs,
+    maybe_compile_loss,
+)
 
 ARGS = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
 AOT_EAGER = CompileConfig(enable=True, backend="aot_eager", fullgraph=True)
@@ -114,3 +123,27 @@ def test_shared_block_graph_trains_bitwise_like_one_graph_per_block():
     separate_losses = train(separate)
     assert compiled_graphs() == 4
     assert shared_losses == separate_losses
+
+
+@pytest.mark.parametrize("hits, misses, label", [
+    (0, 4, "73.0s cold compile of 2 graph(s) (nothing in inductor's cache)"),
+    (4, 0, "73.0s cached compile of 2 graph(s) (every kernel from inductor's cache: traced again, not compiled)"),
+    (3, 1, "73.0s partly cached compile of 2 graph(s) (3 of 4 forward / backward graphs from inductor's cache)"),
+    (0, 0, "73.0s compile of 2 graph(s) (no inductor cache involved)"),
+])
+def test_the_first_step_says_whether_its_compile_was_cold_or_cached(hits, misses, label):
+    assert compile_label(CompileStats(seconds=73.0, graphs=2, cache_hits=hits, cache_misses=misses)) == label
+
+
+def test_compile_stats_count_inductor_cache_lookups(monkeypatch):
+    # What torch 2.13 counted for a compiled block and loss (measured: llama3_debug_fp8_rowwise, 2 layers): a
+    # cold process misses inductor's cache for each forward and backward graph, a second process on the same
+    # cache folder hits it for all four; the AOT-autograd cache in front is bypassed for the block either way.
+    counters: collections.defaultdict = collections.defaultdict(collections.Counter)
+    counters["stats"]["unique_graphs"] = 2
+    counters["aot_autograd"].update(autograd_cache_bypass=1, autograd_cache_hit=1)
+    counters["inductor"].update(fxgraph_cache_hit=4)
+    monkeypatch.setattr(torch._dynamo.utils, "counters", counters)
+    assert (compile_stats().graphs, compile_stats().cache_hits, compile_stats().cache_misses) == (2, 4, 0)
+    counters["inductor"].update(fxgraph_cache_bypass=1)  # a graph inductor cannot cache is compiled afresh
+    assert (compile_stats().cache_hits, compile_stats().cache_misses) == (4, 1)

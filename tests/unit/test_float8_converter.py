@@ -96,9 +96,18 @@ def test_fp8_all_gather_with_fsdp_reaches_torchao(caplog):
 @pytest.mark.parametrize("compile_enable, components", [(False, ("model", "loss")), (True, ("loss",))])
 def test_fp8_without_compiling_the_model_warns(caplog, compile_enable, components):
     with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
-        _build(job=_job(compile_enable=compile_enable, components=components))
+        _build(job=dict(_job(compile_enable=compile_enable, components=components), device_type="cuda"))
     assert "FP8 training without torch.compile of the model is usually slower than BF16" in caplog.text
     assert "Set compile.enable=true (with 'model' in compile.components) for speed" in caplog.text
+
+
+@pytest.mark.parametrize("device_type, emulate", [("cpu", False), ("cuda", True)])
+def test_fp8_without_compile_does_not_warn_where_compile_would_not_make_it_fast(caplog, device_type, emulate):
+    # No CPU has FP8 matrix units and emulation computes in high precision: FP8 there is slower than BF16
+    # with or without compile, so the speed advice would not be true.
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        _build(job=dict(_job(compile_enable=False), device_type=device_type), emulate=emulate)
+    assert "without torch.compile" not in caplog.text
 
 
 def test_gpu_without_fp8_tensor_cores_suggests_emulate(monkeypatch, caplog):

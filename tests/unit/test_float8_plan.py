@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -12,7 +13,13 @@ from torchao.float8.float8_linear import Float8Linear
 
 from config_registry import DEFAULT_REGISTRY
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
-from torchtitan_lite.components.quantization.float8_plan import float8_plan, format_float8_plan, skip_reason
+from torchtitan_lite.components.quantization.float8_plan import (
+    PlanRow,
+    float8_plan,
+    format_float8_plan,
+    format_plan_summary,
+    skip_reason,
+)
 from torchtitan_lite.config import parse_cli
 from torchtitan_lite.resolved_run import resolve_run
 
@@ -159,7 +166,7 @@ def test_converter_explain_uses_the_models_flops_per_token(caplog):
     assert text.startswith("float8 converter (recipe tensorwise, FSDP float8 all-gather off, precomputed scales off)\n"
                            "FP8 plan: 1 of 3 Linear layers run in FP8")
     assert "FP8 share: 25.0% of the model's training FLOPs per token at seq_len 32" in text
-    assert caplog.text.count("FP8 plan: 1 of 3 Linear layers run in FP8") == 1  # logged once, at conversion
+    assert "FP8 plan" not in caplog.text  # the launch logs a summary, --print-fp8-plan / --dry-run the table
 
 
 def test_explain_accepts_explicit_seq_len_and_flops_and_reports_inactive_all_gather():
@@ -228,3 +235,37 @@ def test_a_converter_added_on_the_command_line_keeps_the_output_projection_unles
 
     assert output_row() == (None, "output projection (keep_output_hp)")
     assert output_row("--model_converters.converters.0.keep_output_hp", "false") == (recipe, "")
+
+
+def test_plan_summary_counts_recipes_and_skip_reasons_and_names_the_edges():
+    rows = [PlanRow("layers.0.attention.wq", 4096, 4096, None, "block 0 of the first 1 (keep_first_blocks_hp)"),
+            PlanRow("layers.0.feed_forward.w1", 4096, 14336, None, "block 0 of the first 1 (keep_first_blocks_hp)"),
+            PlanRow("layers.1.attention.wq", 4096, 4096, "rowwise", ""),
+            PlanRow("layers.1.attention.wk", 4096, 1024, None,
+                    "too small for rowwise per auto_filter_small_kn (K=4096, N=1024)"),
+            PlanRow("layers.1.attention.wv", 4096, 1024, None,
+                    "too small for rowwise per auto_filter_small_kn (K=4096, N=1024)"),
+            PlanRow("layers.1.feed_forward.w1", 4096, 14336, "rowwise", ""),
+            PlanRow("layers.2.attention.wq", 4096, 4096, None, "block 2 of the last 1 (keep_last_blocks_hp)"),
+            PlanRow("output", 4096, 128256, None, "output projection (keep_output_hp)")]
+    # Linear FLOPs per token 6*in*out: rowwise 6*4096*(4096+14336) of 6*4096*(3*4096+2*14336+2*1024+128256) = 10.8%.
+    assert format_plan_summary(rows).splitlines() == [
+        "FP8 plan: 2 of 8 Linear layers run in FP8 (2 rowwise); high precision: 2 in the first 1 block(s) "
+        "(keep_first_blocks_hp); 2 too small for rowwise per auto_filter_small_kn; 1 in the last 1 block(s) "
+        "(keep_last_blocks_hp); 1 output projection (keep_output_hp)",
+        "high-precision edges: layers.0, layers.2, output",
+        "FP8 share: 10.8% of all Linear matmul FLOPs (attention and other ops not counted); Linear FLOPs counted as "
+        "6*in*out per token (fwd+bwd)",
+        "every Linear with its recipe or skip reason: --print-fp8-plan",
+    ]
+
+
+def test_converting_logs_no_plan_and_a_dry_run_prints_the_table_once(caplog):
+    from torchtitan_lite.dry_run import dry_run_text
+
+    cfg = parse_cli(["--config", "llama3_debug_fp8", "--model.n_layers", "1"], registry=DEFAULT_REGISTRY).config
+    run = resolve_run(cfg, world_size=2, device_type="cpu")
+    with caplog.at_level(logging.INFO):
+        text = dry_run_text(run, cfg.precision)
+    assert "FP8 plan:" not in caplog.text
+    assert text.count("FP8 plan: 7 of 8 Linear layers run in FP8") == 1 and text.count("skipped because") == 1

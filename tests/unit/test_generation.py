@@ -89,9 +89,10 @@ def test_bad_sampling_settings_are_named():
         generate(loaded(n_layers=1), PROMPT, max_new_tokens=2048)
 
 
-def save_run(dump, n_layers: int = 1, config: str = "llama3_debug", convert=None) -> str:
+def save_run(dump, n_layers: int = 1, config: str = "llama3_debug", convert=None, config_in_checkpoint: bool = True) -> str:
     """A run folder as train.py leaves it: config.toml (with an n_layers override) + a checkpoint of a model
-    that ``convert`` (e.g. float8 training) may have changed."""
+    that ``convert`` (e.g. float8 training) may have changed, holding that config too unless
+    ``config_in_checkpoint`` is False (as checkpoints written before they carried it)."""
     cfg = apply_overrides(config_registry.get(config),
                           [Override("model.n_layers", n_layers, "test"), Override("job.dump_folder", str(dump), "test")])
     os.makedirs(dump, exist_ok=True)
@@ -102,7 +103,8 @@ def save_run(dump, n_layers: int = 1, config: str = "llama3_debug", convert=None
     if convert is not None:
         model = convert(model)
     ckpt = CheckpointManager.Config(enable=True).build(dump_folder=str(dump), states={"model": ModelWrapper(model)},
-                                                       model_args=args, model_spec=SPEC)
+                                                       model_args=args, model_spec=SPEC,
+                                                       run_config=config_to_toml(cfg) if config_in_checkpoint else None)
     ckpt.save(5, last_step=True)
     ckpt.close()
     return str(dump / "checkpoint" / "step-5")

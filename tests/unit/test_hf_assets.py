@@ -15,7 +15,7 @@ import pytest
 from _hf_tokenizer import llama3_style_tokenizer, write_model_folder
 from huggingface_hub import errors
 
-from torchtitan_lite.components.data import TextDataLoader
+from torchtitan_lite.components.data import TextDataLoader, readiness
 from torchtitan_lite.components.data.readiness import DataNotReadyError, data_problems, require_data
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.hf_assets import HubAccessError, check_hub_dataset, download
@@ -189,5 +189,11 @@ def test_readiness_of_local_sources(tmp_path):
 
 
 def test_only_local_rank_0_checks(monkeypatch):
+    missing = TextDataLoader.Config(dataset="/no/such/file.jsonl")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(DataNotReadyError, match=r"data.dataset='/no/such/file.jsonl'"):
+        require_data(missing, Tokenizer.Config(), validation=False)
+    # Another local rank returns without looking (rank 0 of its node reports for it).
     monkeypatch.setenv("LOCAL_RANK", "1")
-    require_data(TextDataLoader.Config(dataset="/no/such/file.jsonl"), Tokenizer.Config(), validation=False)
+    monkeypatch.setattr(readiness, "data_problems", lambda *a, **k: pytest.fail("local rank 1 checked the data"))
+    assert require_data(missing, Tokenizer.Config(), validation=False) is None

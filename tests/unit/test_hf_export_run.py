@@ -119,7 +119,10 @@ def test_run_exports_with_only_the_checkpoint_and_transformers_generates_the_sam
     pipe = transformers.pipeline("text-generation", model=str(out))
     result = pipe(prompt, max_new_tokens=16, do_sample=False, return_tensors=True)
     theirs = [int(t) for t in result[0]["generated_token_ids"]][len(prompt_ids):]
-    assert theirs == expected[:len(theirs)] and len(theirs) >= 1
+    # The whole greedy continuation, token for token: both stop at EOS or after 16 tokens (16 here), so a
+    # weight or RoPE mismatch that only shows a few tokens in cannot pass on the first token alone.
+    assert len(expected) >= 8
+    assert theirs == expected
     text = pipe(prompt, max_new_tokens=16, do_sample=False)[0]["generated_text"]
     assert text.startswith(prompt) and len(text) > len(prompt)
 

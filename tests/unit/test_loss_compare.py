@@ -133,10 +133,24 @@ def test_train_command_logs_every_step_into_the_run_folder(tmp_path):
                            nproc=1)
     assert cmd[:4] == [sys.executable, str(REPO / "train.py"), "--config", "llama3_debug_fp8"]
     flags = dict(zip(cmd[4::2], cmd[5::2]))
+    # Checkpointing is off: the comparison reads only TensorBoard scalars.
     assert flags == {"--metrics.cpu_peak_tflops": "1", "--job.dump_folder": str(tmp_path / "r"),
                      "--metrics.log_freq": "1", "--metrics.enable_tensorboard": "true",
-                     "--metrics.save_tb_folder": "tb", "--metrics.rank_0_only": "true", "--training.steps": "7"}
+                     "--metrics.save_tb_folder": "tb", "--metrics.rank_0_only": "true", "--training.steps": "7",
+                     "--checkpoint.enable": "false"}
     assert lc.train_command("x", tmp_path, steps=None, overrides=[], nproc=2)[0] == str(REPO / "run_train.sh")
+
+
+def test_checkpoints_only_when_the_overrides_ask_and_seed_is_passed(tmp_path):
+    asked = lc.train_command("c", tmp_path, steps=None, overrides=["--checkpoint.enable", "true"], nproc=1, seed=2)
+    flags = dict(zip(asked[4::2], asked[5::2]))
+    assert flags["--checkpoint.enable"] == "true" and asked.count("--checkpoint.enable") == 1
+    assert flags["--training.seed"] == "2"
+    asked_eq = lc.train_command("c", tmp_path, steps=None, overrides=["--checkpoint.enable=true"], nproc=1)
+    assert "--checkpoint.enable" not in asked_eq and "--training.seed" not in asked_eq
+    with pytest.raises(lc.CompareError, match="--seeds 3 sets training.seed to 0..2"):
+        lc.check_passthrough(["--training.seed", "5"], steps=None, seeds=3)
+    lc.check_passthrough(["--training.seed", "5"], steps=None, seeds=1)
 
 
 def test_run_folders_not_written_by_the_script_are_never_cleared(tmp_path):
@@ -163,9 +177,105 @@ def test_two_real_configs_end_to_end(tmp_path, capsys, monkeypatch):
     assert rc == 0, capsys.readouterr()
     for config in ("llama3_debug", "llama3_debug_fp8"):
         assert sorted(lc.read_losses(tmp_path / "runs" / config)) == [1, 2, 3]
+        # llama3_debug checkpoints every 100 steps and at the last one; the comparison turns it off.
+        assert not (tmp_path / "runs" / config / "checkpoint").exists()
+    printed = capsys.readouterr().out
+    assert "[loss_compare] run 2/2 llama3_debug_fp8: step 3/3, " in printed
     assert out.read_bytes()[:4] == b"\x89PNG"
     # Same seed, data and init; FP8 on 64 tokens moves the loss by ~1e-4 (measured), far below 0.05.
     (gap,) = lc.summarize_gaps({c: lc.read_losses(tmp_path / "runs" / c) for c in ("llama3_debug", "llama3_debug_fp8")},
                                last=20)
     assert 0.0 < gap.mean_abs_gap < 0.05
     assert "| llama3_debug_fp8 |" in table.read_text()
+
+
+def test_a_run_streams_progress_lines_and_keeps_its_log(tmp_path, monkeypatch, capsys):
+    # A stand-in for train.py that prints the trainer's lines for 50 steps.
+    script = ("print('training 50 steps from step 0, 1 micro-batch(es) per step')\n"
+              "for k in range(1, 51):\n"
+              "    print(f'[rank0] INFO torchtitan_lite: step {k:6d}  loss   5.0000  grad_norm  1.0')\n")
+    monkeypatch.setattr(lc, "train_command", lambda *a, **k: [sys.executable, "-c", script])
+    lc.run_config("llama3_debug_fp8", tmp_path / "run", steps=None, overrides=[], nproc=1, seed=1,
+                  label="run 4/6 llama3_debug_fp8 seed 1", progress_every=3600.0)
+    printed = capsys.readouterr().out.splitlines()
+    progress = [line for line in printed if line.startswith("[loss_compare] run 4/6 llama3_debug_fp8 seed 1: step ")]
+    # An hour between lines: only the first and the last step are shown, not 50 lines.
+    assert [line.split(", ")[0] for line in progress] == ["[loss_compare] run 4/6 llama3_debug_fp8 seed 1: step 1/50",
+                                                          "[loss_compare] run 4/6 llama3_debug_fp8 seed 1: step 50/50"]
+    assert printed[-1].startswith("[loss_compare] run 4/6 llama3_debug_fp8 seed 1: done in ")
+    assert (tmp_path / "run" / "train.log").read_text().count(" loss ") == 50
+
+
+def test_seeds_train_each_config_per_seed_into_its_own_folder(tmp_path, monkeypatch, capsys):
+    trained = []
+
+    def fake_run(config, dump, *, seed, label, **kwargs):
+        trained.append((label, dump.relative_to(tmp_path), seed))
+
+    # bf16's three seeds differ by 0.1; fp8 is 0.3 above bf16 on every seed.
+    offsets = {"bf16": 0.0, "fp8": 0.3}
+    monkeypatch.setattr(lc, "run_config", fake_run)
+    monkeypatch.setattr(lc, "read_losses", lambda dump, tag: {s: 3.0 + offsets[dump.parent.name] +
+                                                         0.1 * int(dump.name.removeprefix("seed-")) for s in range(1, 6)})
+    rc = _main(["--configs", "bf16", "fp8", "--seeds", "3", "--dump-root", tmp_path, "--out", tmp_path / "l.png"])
+    assert rc == 1
+    # Seed by seed, so that a cut-off comparison leaves whole seeds.
+    assert trained == [("run 1/6 bf16 seed 0", Path("bf16/seed-0"), 0), ("run 2/6 fp8 seed 0", Path("fp8/seed-0"), 0),
+                       ("run 3/6 bf16 seed 1", Path("bf16/seed-1"), 1), ("run 4/6 fp8 seed 1", Path("fp8/seed-1"), 1),
+                       ("run 5/6 bf16 seed 2", Path("bf16/seed-2"), 2), ("run 6/6 fp8 seed 2", Path("fp8/seed-2"), 2)]
+    out = capsys.readouterr()
+    assert "noise band (its seed-to-seed std. dev.) 0.1000" in out.out
+    assert "fp8: mean gap +0.3000 ± 0.0000 (seeds 0 +0.3000, 1 +0.3000, 2 +0.3000) -> beyond noise" in out.out
+    assert out.err.strip() == "error: loss gap to bf16 beyond its seed-to-seed noise for: fp8"
+
+
+@pytest.fixture
+def seed_runs(tmp_path):
+    # Seed s draws its own batches: a per-seed wobble shared by every config of that seed, summing to 0 over
+    # each 4 steps (so over the 20-step window).
+    wobble = {"0": [0.3, -0.2, 0.1, -0.2], "1": [-0.1, 0.4, -0.3, 0.0], "2": [0.0, 0.1, 0.3, -0.4]}
+    offsets = {"bf16": {"0": 0.0, "1": 0.05, "2": -0.05}, "biased": {"0": 0.3, "1": 0.36, "2": 0.25},
+               "noisy": {"0": 0.08, "1": -0.02, "2": -0.1}}
+    folders = {}
+    for config, per_seed in offsets.items():
+        for seed, offset in per_seed.items():
+            _fake_run(tmp_path / config / f"seed-{seed}",
+                      {s: 3.0 - 0.01 * s + wobble[seed][s % 4] + offset for s in range(1, 41)})
+        folders[config] = tmp_path / config
+    return folders
+
+
+def test_runs_of_several_seeds_are_judged_against_the_baseline_spread(seed_runs, tmp_path, capsys):
+    table = tmp_path / "gap.md"
+    rc = _main(["--runs", seed_runs["bf16"], seed_runs["noisy"], "--out", tmp_path / "l.png", "--table", table])
+    assert rc == 0, capsys.readouterr().err
+    text = table.read_text()
+    # bf16's window means differ by its offsets 0, 0.05, -0.05: std 0.05. noisy's gaps 0.08, -0.07, -0.05:
+    # mean -0.0133, stdev 0.0815, standard error 0.0815 / sqrt(3) = 0.0470.
+    assert "over its 3 seeds, 0.0500" in text
+    assert f"| {seed_runs['noisy']} | 0, 1, 2 | -0.0133 ± 0.0470 | +0.0800, -0.0700, -0.0500 | within noise |" in text
+    assert (tmp_path / "l.png").read_bytes()[:4] == b"\x89PNG"
+    rc = _main(["--runs", seed_runs["bf16"], seed_runs["noisy"], seed_runs["biased"], "--out", tmp_path / "l.png",
+                "--table", table])
+    assert rc == 1
+    # Gaps 0.30, 0.31, 0.30: mean 0.3033, stdev 0.00577, error 0.0033; 0.3033 - 0.0033 > 0.05.
+    assert f"| {seed_runs['biased']} | 0, 1, 2 | +0.3033 ± 0.0033 | +0.3000, +0.3100, +0.3000 | **beyond noise** |" \
+        in table.read_text()
+    assert capsys.readouterr().err.strip() == \
+        f"error: loss gap to {seed_runs['bf16']} beyond its seed-to-seed noise for: {seed_runs['biased']}"
+
+
+def test_seed_runs_need_seeds_in_common(seed_runs, runs, tmp_path, capsys):
+    assert _main(["--runs", seed_runs["bf16"], runs["near"], "--out", tmp_path / "l.png"]) == 2
+    assert "shares 0 seed(s) with" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _main(["--runs", seed_runs["bf16"], seed_runs["noisy"], "--seeds", "3"])
+    assert "with --runs give folders that hold seed-<s> runs instead" in capsys.readouterr().err
+
+
+def test_another_scalar_can_be_compared(runs, tmp_path, capsys):
+    # The fake runs log train/lr = 1e-3 on every step: no gap at all on that tag.
+    assert _main(["--runs", runs["base"], runs["far"], "--tag", "train/lr", "--last", "1", "--out", tmp_path / "l.png"]) == 0
+    assert f"{runs['far']}: mean |gap| 0.0000" in capsys.readouterr().out
+    assert _main(["--runs", runs["base"], runs["far"], "--tag", "val/loss", "--out", tmp_path / "l.png"]) == 2
+    assert "has no 'val/loss' scalar" in capsys.readouterr().err

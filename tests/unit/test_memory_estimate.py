@@ -64,7 +64,7 @@ def _build(cfg: Trainer.Config):
         model = run.model_spec.model_cls(run.model_args)
     run.converters.convert(model)
     precision = cfg.precision.build(device="cpu", resolved=run.precision)
-    model = run.model_spec.parallelize_fn(model, run, mp_policy=precision.mp_policy())
+    model = run.model_spec.parallelize_fn(model, run.parallelize_context(mp_policy=precision.mp_policy()))
     model.to_empty(device="cpu")
     model.init_weights()
     return model, precision, cfg.optimizer.build(model_parts=[model])

@@ -143,19 +143,66 @@ def test_other_ranks_stay_silent_unless_tensorboard_is_per_rank(tmp_path, caplog
     assert os.listdir(tmp_path / "tb" / "rank_1")
 
 
-def test_cpu_peak_is_measured_once_when_not_given(tmp_path, monkeypatch, caplog):
-    calls = []
+@pytest.fixture
+def peak_cache(tmp_path, monkeypatch):
+    """An empty peak cache, no peak remembered by this process, and a matmul benchmark that counts its calls."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(cache))
     monkeypatch.setattr(metrics, "_MEASURED_CPU_TFLOPS", {})
+    calls = []
     monkeypatch.setattr(device_peaks, "measure_cpu_matmul_tflops", lambda dtype: calls.append(dtype) or
                         {torch.float32: 2.0, torch.bfloat16: 6.0}[dtype])
     monkeypatch.setattr(device_peaks, "cpu_dense_dtypes", lambda: [torch.float32, torch.bfloat16])
+    return cache, calls
+
+
+def test_cpu_peak_is_measured_once_when_not_given(tmp_path, peak_cache, caplog):
+    cache, calls = peak_cache
     with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
         first = _build(tmp_path, cpu_peak_tflops=None)
         second = _build(tmp_path, cpu_peak_tflops=None)
     assert calls == [torch.float32, torch.bfloat16]  # once per process, every native dtype
     assert first.peak_flops == second.peak_flops == 6e12  # the fastest one
-    assert "CPU peak for MFU measured with a bfloat16 matmul benchmark (the fastest dtype this CPU runs): 6 TFLOP/s" \
-        in caplog.text
+    assert ("CPU peak for MFU measured with a bfloat16 matmul benchmark (the fastest dtype this CPU runs): 6 TFLOP/s, "
+            f"kept for this machine's later runs in {cache / 'cpu_peak.json'}") in caplog.text
+
+
+def test_cpu_peak_is_measured_once_per_machine(tmp_path, peak_cache, monkeypatch, caplog):
+    cache, calls = peak_cache
+    _build(tmp_path, cpu_peak_tflops=None)
+    monkeypatch.setattr(metrics, "_MEASURED_CPU_TFLOPS", {})  # a later process on the same machine
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        later = _build(tmp_path, cpu_peak_tflops=None)
+    assert calls == [torch.float32, torch.bfloat16]  # not measured again
+    assert later.peak_flops == 6e12
+    assert (f"CPU peak for MFU: 6 TFLOP/s (bfloat16), measured once on this machine and read from "
+            f"{cache / 'cpu_peak.json'}; --metrics.remeasure_cpu_peak true measures it again") in caplog.text
+    monkeypatch.setattr(metrics, "_MEASURED_CPU_TFLOPS", {})
+    _build(tmp_path, cpu_peak_tflops=None, remeasure_cpu_peak=True)
+    assert calls == [torch.float32, torch.bfloat16] * 2
+
+
+def test_cpu_peak_cache_is_keyed_by_what_the_peak_depends_on(peak_cache, monkeypatch):
+    cache, calls = peak_cache
+    base = dict(model="AMD EPYC", flags={"avx512f", "avx512_bf16"}, torch_version="2.13.0", threads=2)
+    key = device_peaks.cpu_peak_key(**base)
+    assert key.startswith("AMD EPYC | flags ") and key.endswith(" | torch 2.13.0 | 2 threads")
+    assert device_peaks.cpu_peak_key(**dict(base, flags={"avx512_bf16", "avx512f"})) == key  # order does not matter
+    for change in ({"model": "Intel Xeon"}, {"flags": {"avx512f"}}, {"torch_version": "2.12.0"}, {"threads": 1}):
+        assert device_peaks.cpu_peak_key(**dict(base, **change)) != key, change
+    device_peaks.cached_cpu_peak()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another thread count: a peak of its own
+    assert device_peaks.cached_cpu_peak().measured_now
+    assert len(calls) == 4
+
+
+def test_a_damaged_peak_cache_is_measured_again(peak_cache):
+    cache, calls = peak_cache
+    cache.mkdir()
+    (cache / "cpu_peak.json").write_text("{not json")
+    peak = device_peaks.cached_cpu_peak()
+    assert (peak.tflops, peak.measured_now, len(calls)) == (6.0, True, 2)
+    assert device_peaks.cached_cpu_peak().measured_now is False
 
 
 def test_cpu_dense_dtypes_follow_the_cpu_flags(monkeypatch):
@@ -165,8 +212,9 @@ def test_cpu_dense_dtypes_follow_the_cpu_flags(monkeypatch):
     assert device_peaks.cpu_dense_dtypes({"amx_bf16", "amx_fp16"}) == [torch.float32, torch.bfloat16, torch.float16]
 
 
-def test_mfu_never_exceeds_100_percent_of_a_measured_cpu_peak(tmp_path, monkeypatch, caplog):
-    # A peak measured while the host was busy is too low: the achieved rate then becomes the peak.
+def test_mfu_never_exceeds_100_percent_of_a_measured_cpu_peak(tmp_path, peak_cache, monkeypatch, caplog):
+    # A peak measured while the host was busy is too low: the achieved rate then becomes the peak, also for
+    # this machine's later runs (the cache keeps the higher figure).
     monkeypatch.setattr(metrics, "_MEASURED_CPU_TFLOPS", {"cpu": 1e-3})
     clock = FakeClock()
     processor = _build(tmp_path, clock, cpu_peak_tflops=None)
@@ -179,17 +227,39 @@ def test_mfu_never_exceeds_100_percent_of_a_measured_cpu_peak(tmp_path, monkeypa
     processor.record_tokens(500)
     clock.now += 1.0
     assert processor.log(2, loss=1.0, grad_norm=1.0, lr=1.0)["mfu"] == pytest.approx(50.0)
+    monkeypatch.setattr(metrics, "_MEASURED_CPU_TFLOPS", {})
+    assert _build(tmp_path, cpu_peak_tflops=None).peak_flops == pytest.approx(6e12)
+    assert peak_cache[1] == []  # read from the cache, never measured
 
 
 def test_console_line_shows_the_time_left(tmp_path, caplog):
     clock = FakeClock()
     processor = _build(tmp_path, clock)
     processor.begin(100, 400)  # resumed at step 100 of 400
-    clock.now += 50.0  # 10 steps in 50 s -> 290 steps left take 1450 s
+    clock.now += 60.0  # the first step compiles: not part of the estimate
+    processor.maybe_log(101, loss=1.0, grad_norm=1.0, lr=1.0)
     with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
-        processor.log(110, loss=1.0, grad_norm=1.0, lr=1.0)
+        for step in range(102, 111):
+            clock.now += 5.0  # 9 steps in 45 s after the first -> 290 steps left take 1450 s
+            processor.maybe_log(step, loss=1.0, grad_norm=1.0, lr=1.0)
     assert caplog.text.rstrip().endswith("eta 24m10s")
     assert [metrics.format_duration(s) for s in (9.6, 65, 7260)] == ["10s", "1m05s", "2h01m"]
+
+
+def test_the_first_step_compile_does_not_count_in_the_time_left(tmp_path, caplog):
+    clock = FakeClock()
+    processor = _build(tmp_path, clock)
+    processor.begin(0, 200)
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        clock.now += 73.0  # a cold compile
+        processor.maybe_log(1, loss=1.0, grad_norm=1.0, lr=1.0)
+        first_line = caplog.text
+        for step in range(2, 11):
+            clock.now += 1.0
+            processor.maybe_log(step, loss=1.0, grad_norm=1.0, lr=1.0)
+    assert "step      1" in first_line and "eta" not in first_line  # no steady step measured yet
+    # 9 steps in 9 s after the first -> 190 steps left take 190 s (counting the compile: 82 s / 10 * 190 = 26 min).
+    assert caplog.text.rstrip().endswith("eta 3m10s")
 
 
 def test_unknown_device_peak_warns_and_omits_mfu(tmp_path, caplog):

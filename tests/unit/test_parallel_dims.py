@@ -62,12 +62,15 @@ def test_model_shapes_must_split_over_tp(tp, seq_len, sp, message):
 
 def test_sequence_length_only_matters_with_sequence_parallel():
     dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=4, world_size=4)
-    dims.validate_for_model(ARGS, 90, sequence_parallel=False)
-    dims.validate_for_model(ARGS, 96, sequence_parallel=True)
+    with pytest.raises(ValueError, match="training.seq_len=90 must be divisible by parallelism.tp=4"):
+        dims.validate_for_model(ARGS, 90, sequence_parallel=True)
+    # The same length without sequence parallelism, and a divisible one with it, are accepted (no error).
+    assert dims.validate_for_model(ARGS, 90, sequence_parallel=False) is None
+    assert dims.validate_for_model(ARGS, 96, sequence_parallel=True) is None
 
 
 def test_tied_embeddings_are_refused_with_tp_but_fine_without():
     tied = Llama3ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, tie_word_embeddings=True)
     with pytest.raises(ValueError, match="does not support tied embeddings"):
         ParallelDims(1, 1, 2, world_size=2).validate_for_model(tied, 64)
-    ParallelDims(1, 2, 1, world_size=2).validate_for_model(tied, 64)
+    assert ParallelDims(1, 2, 1, world_size=2).validate_for_model(tied, 64) is None

@@ -1,6 +1,8 @@
 """Every registered config is complete, documented and survives a TOML round trip."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ import config_registry
 from config_registry import DEFAULT_REGISTRY
 from models import build_model_args, get_model_spec
 from torchtitan_lite.config import config_to_toml, parse_cli, undocumented_fields
+from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.trainer import Trainer
 
 REQUIRED = ["llama3_debug", "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b", "llama3_405b",
@@ -43,3 +46,25 @@ def test_registry_returns_fresh_objects():
     a = config_registry.get("llama3_debug")
     a.training.steps = 1
     assert config_registry.get("llama3_debug").training.steps != 1
+
+
+COMPILE_WARNING = "without torch.compile of the model is usually slower than BF16"
+DEBUG = [name for name in REQUIRED if "debug" in name]
+PUBLISHED = [name for name in REQUIRED if "debug" not in name]
+
+
+@pytest.mark.parametrize("name, device_type", [(n, "cpu") for n in REQUIRED] + [(n, "cuda") for n in PUBLISHED])
+def test_no_shipped_config_warns_about_itself(name, device_type, caplog):
+    # The debug configs run on CPU, where FP8 checks numerics (no compile makes it faster than BF16); the
+    # published sizes run on GPUs and compile where they use FP8.
+    with caplog.at_level(logging.WARNING):
+        resolve_run(config_registry.get(name), world_size=8, device_type=device_type, cuda_available=False)
+    assert COMPILE_WARNING not in caplog.text
+
+
+def test_a_user_config_that_runs_fp8_uncompiled_on_gpus_is_warned(caplog):
+    cfg = config_registry.get("llama3_8b_fp8")
+    cfg.compile.enable = False
+    with caplog.at_level(logging.WARNING):
+        resolve_run(cfg, world_size=8, device_type="cuda", cuda_available=False)
+    assert f"FP8 training {COMPILE_WARNING}" in caplog.text

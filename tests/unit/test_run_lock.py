@@ -37,11 +37,17 @@ def test_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path, caplog):
     lock.release()
 
 
-def test_reused_pid_counts_as_stale(tmp_path):
+def test_reused_pid_counts_as_stale(tmp_path, caplog):
     # Our own pid with another start time: the recorded process ended and the pid was reused.
     (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                                   "pid_start": "-1", "start_time": "x", "command": "y"}))
-    RunLock.acquire(str(tmp_path)).release()
+    with caplog.at_level(logging.WARNING):
+        lock = RunLock.acquire(str(tmp_path))
+    assert f"taking over the stale lock {tmp_path / LOCK_NAME} of a run that is gone: pid {os.getpid()}" in caplog.text
+    holder = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert holder["pid"] == os.getpid() and holder["pid_start"] != "-1"  # our own start time now
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
 
 
 def test_lock_from_another_host_is_refused(tmp_path):

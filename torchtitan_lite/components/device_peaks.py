@@ -21,16 +21,27 @@ one scale (an FP8 run can exceed what BF16 could reach; an FP32 run looks as slo
     MI300X / MI325X               1307
 
 CPUs have no such table: their peak depends on cores, SIMD width and clocks, so it is either given
-(``metrics.cpu_peak_tflops``) or measured once with ``measure_cpu_peak_tflops``: the best rate of
-the fastest dense dtype the CPU runs natively (float32, and bfloat16 / float16 where oneDNN has kernels
-for them), so that MFU stays below 100% for every precision.
+(``metrics.cpu_peak_tflops``) or measured with ``measure_cpu_peak_tflops``: the best rate of the
+fastest dense dtype the CPU runs natively (float32, and bfloat16 / float16 where oneDNN has kernels for
+them), so that MFU stays below 100% for every precision. The measurement takes seconds and, on a shared
+host, varies with what else runs, so it is made once per machine and kept in
+``$TORCHTITAN_LITE_CACHE/cpu_peak.json`` under a key of CPU model, CPU flags, torch version and thread
+count (``cached_cpu_peak``): every run on the same machine then reports MFU against the same peak.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import re
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from torchtitan_lite.components.data.cache import cache_root, file_lock
 
 # First match wins, so more specific names come first.
 GPU_BF16_PEAK_TFLOPS: list[tuple[str, float]] = [
@@ -140,3 +151,92 @@ def _fastest_matmul_s(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, tr
         torch.mm(a, b, out=out)
         fastest = min(fastest, time.perf_counter() - start)
     return fastest
+
+
+PEAK_CACHE_FILE = "cpu_peak.json"
+
+
+@dataclass(frozen=True)
+class CpuPeak:
+    """A CPU peak for MFU and where it came from."""
+
+    dtype: str
+    """The matmul dtype that reached it ('float32', 'bfloat16', ...)."""
+    tflops: float
+    measured_now: bool
+    """Measured by this call; False: read from the cache."""
+    path: Path
+    """The cache file that holds it."""
+
+
+def cpu_model_name() -> str:
+    """The CPU model as /proc/cpuinfo names it (``platform.processor()`` where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cpu_peak_key(*, model: str | None = None, flags: set[str] | None = None, torch_version: str | None = None,
+                 threads: int | None = None) -> str:
+    """What the peak depends on: CPU model, CPU flags (hashed: hundreds of them), torch version (its oneDNN
+    kernels) and the matmul thread count. Each defaults to this process's value."""
+    model = cpu_model_name() if model is None else model
+    flags = cpu_flags() if flags is None else flags
+    flags_hash = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+    version = torch.__version__ if torch_version is None else torch_version
+    threads = torch.get_num_threads() if threads is None else threads
+    return f"{model} | flags {flags_hash} | torch {version} | {threads} threads"
+
+
+def cached_cpu_peak(*, remeasure: bool = False) -> CpuPeak:
+    """This machine's CPU peak: read from the cache, or measured (``measure_cpu_peak_tflops``) and saved
+    there when the cache has none for this key or ``remeasure`` asks for a fresh one."""
+    path = cache_root() / PEAK_CACHE_FILE
+    key = cpu_peak_key()
+    if not remeasure:
+        entry = _read_peaks(path).get(key)
+        if entry is not None:
+            return CpuPeak(entry["dtype"], float(entry["tflops"]), measured_now=False, path=path)
+    dtype, tflops = measure_cpu_peak_tflops()
+    name = str(dtype).removeprefix("torch.")
+    _store_peak(path, key, {"dtype": name, "tflops": tflops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return CpuPeak(name, tflops, measured_now=True, path=path)
+
+
+def raise_cached_cpu_peak(tflops: float, *, dtype: str = "achieved") -> None:
+    """A run achieved ``tflops``, more than the cached peak (measured while the host was busy): keep the
+    higher figure for this machine's later runs."""
+    path = cache_root() / PEAK_CACHE_FILE
+    key = cpu_peak_key()
+    if tflops > float(_read_peaks(path).get(key, {}).get("tflops", 0.0)):
+        _store_peak(path, key, {"dtype": dtype, "tflops": tflops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def _read_peaks(path: Path) -> dict[str, dict]:
+    """The cache's entries; an unreadable or damaged file is an empty cache (the peak is measured again)."""
+    try:
+        peaks = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(peaks, dict):
+        return {}
+    return {k: v for k, v in peaks.items() if isinstance(v, dict) and isinstance(v.get("tflops"), (int, float))}
+
+
+def _store_peak(path: Path, key: str, entry: dict) -> None:
+    """Add ``entry`` under ``key`` (other machines' entries stay), atomically; a read-only cache only costs
+    a measurement next time."""
+    try:
+        with file_lock(path.parent / f".{path.name}.lock"):
+            peaks = _read_peaks(path)
+            peaks[key] = entry
+            scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            scratch.write_text(json.dumps(peaks, indent=1, sort_keys=True) + "\n")
+            os.replace(scratch, path)
+    except OSError:
+        pass

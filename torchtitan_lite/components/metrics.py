@@ -82,8 +82,12 @@ class MetricsProcessor(Configurable):
         (once per layer and cast, again when the share doubles). A Gaussian tensor loses ~1e-5, the debug
         model's SwiGLU outputs up to ~5e-3; see docs/mixed_precision.md."""
         cpu_peak_tflops: float | None = None
-        """Peak TFLOP/s of a CPU device for MFU; None measures it once at start (~0.5 s per dtype): the best
-        matmul rate of the fastest dtype the CPU runs natively (float32; bfloat16 with AVX512-BF16/AMX)."""
+        """Peak TFLOP/s of a CPU device for MFU; None measures it once per machine (~0.5 s per dtype) and keeps
+        it in $TORCHTITAN_LITE_CACHE/cpu_peak.json (default ~/.cache/torchtitan_lite), keyed by CPU model,
+        flags, torch version and threads: the best matmul rate of the fastest dtype the CPU runs natively
+        (float32; bfloat16 with AVX512-BF16/AMX)."""
+        remeasure_cpu_peak: bool = False
+        """Measure the CPU peak again (and replace the cached one) instead of reading it from the cache."""
 
         def __post_init__(self) -> None:
             if self.log_freq < 1:
@@ -143,6 +147,8 @@ class MetricsProcessor(Configurable):
         self._excluded_s = 0.0
         self._interval_start = clock()
         self._eta_origin: tuple[int, float] | None = None
+        """(step, time) the ETA counts from: the end of the first step after ``begin``."""
+        self._eta_first_step: int | None = None
         self._fp8_warned: dict[tuple[str, str, str], float] = {}
         self._total_steps: int | None = None
 
@@ -153,17 +159,11 @@ class MetricsProcessor(Configurable):
         cfg = self.config
         if not cfg.enable_tensorboard or (cfg.rank_0_only and self.rank != 0):
             return None
-        from torch.utils.tensorboard import SummaryWriter
-
         folder = os.path.join(dump_folder, cfg.save_tb_folder)
         if not cfg.rank_0_only:
             folder = os.path.join(folder, f"rank_{self.rank}")
         logger.info("TensorBoard scalars go to %s", folder)
-        try:
-            return SummaryWriter(log_dir=folder)
-        except OSError as e:
-            self._tensorboard_failed(e)
-            return None
+        return _FirstWriteSummaryWriter(folder)
 
     def _tensorboard_failed(self, error: OSError) -> None:
         # A full or read-only disk must not end the run here, before it could resume or save.
@@ -200,12 +200,16 @@ class MetricsProcessor(Configurable):
             if self.config.cpu_peak_tflops is not None:
                 return self.config.cpu_peak_tflops * 1e12
             if "cpu" not in _MEASURED_CPU_TFLOPS:
-                dtype, tflops = device_peaks.measure_cpu_peak_tflops()
-                _MEASURED_CPU_TFLOPS["cpu"] = tflops
-                logger.info(
-                    "CPU peak for MFU measured with a %s matmul benchmark (the fastest dtype this CPU runs): "
-                    "%.4g TFLOP/s (set metrics.cpu_peak_tflops to fix it)", str(dtype).removeprefix("torch."), tflops,
-                )
+                cpu = device_peaks.cached_cpu_peak(remeasure=self.config.remeasure_cpu_peak)
+                _MEASURED_CPU_TFLOPS["cpu"] = cpu.tflops
+                if cpu.measured_now:
+                    logger.info("CPU peak for MFU measured with a %s matmul benchmark (the fastest dtype this CPU "
+                                "runs): %.4g TFLOP/s, kept for this machine's later runs in %s (set "
+                                "metrics.cpu_peak_tflops to fix it)", cpu.dtype, cpu.tflops, cpu.path)
+                else:
+                    logger.info("CPU peak for MFU: %.4g TFLOP/s (%s), measured once on this machine and read from "
+                                "%s; --metrics.remeasure_cpu_peak true measures it again", cpu.tflops, cpu.dtype,
+                                cpu.path)
             return _MEASURED_CPU_TFLOPS["cpu"] * 1e12
         peak = device_peaks.device_peak_flops(self.device)
         if peak is None:
@@ -233,9 +237,12 @@ class MetricsProcessor(Configurable):
             self._excluded_s += self.clock() - start
 
     def begin(self, step: int, total_steps: int) -> None:
-        """Training goes from after ``step`` to ``total_steps``: each console line then shows the time
-        left at the average wall time per step since here (validation and checkpoints included)."""
-        self._eta_origin = (step, self.clock())
+        """Training goes from after ``step`` to ``total_steps``: each console line after the first step then
+        shows the time left at the average wall time per step since the first step ended (validation and
+        checkpoints included). The first step is not counted: it pays compilation and warm-up, which can
+        take longer than the rest of a short run and would inflate the estimate by that much per step."""
+        self._eta_origin = None
+        self._eta_first_step = step + 1
         self._total_steps = total_steps
 
     def _eta_seconds(self, step: int, now: float) -> float | None:
@@ -252,9 +259,11 @@ class MetricsProcessor(Configurable):
         extra: dict[str, float] | None = None, force: bool = False,
     ) -> dict[str, float] | None:
         """``log`` on logging steps (step 1, every log_freq steps) or when forced (the last step)."""
-        if not (force or self.should_log(step)):
-            return None
-        return self.log(step, loss=loss, grad_norm=grad_norm, lr=lr, extra=extra)
+        logged = self.log(step, loss=loss, grad_norm=grad_norm, lr=lr, extra=extra) \
+            if force or self.should_log(step) else None
+        if self._eta_origin is None and self._eta_first_step is not None and step >= self._eta_first_step:
+            self._eta_origin = (step, self.clock())
+        return logged
 
     def log(
         self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None
@@ -284,6 +293,7 @@ class MetricsProcessor(Configurable):
                                "while it was measured); the achieved rate is the peak from now on; set "
                                "metrics.cpu_peak_tflops for a fixed one", flops / 1e12, self.peak_flops / 1e12)
                 self.peak_flops = flops
+                device_peaks.raise_cached_cpu_peak(flops / 1e12)
             values["mfu"] = 100.0 * flops / self.peak_flops
         for key, value in (extra or {}).items():
             if key in values:
@@ -378,6 +388,31 @@ class MetricsProcessor(Configurable):
         if eta_s is not None:
             parts.append(f"eta {format_duration(eta_s)}")
         return "  ".join(parts)
+
+
+class _FirstWriteSummaryWriter:
+    """A ``SummaryWriter`` created at the first scalar: a run refused before it trained (a resume that
+    does not fit, a full disk) leaves no event file in the dump folder. Opening errors (OSError) surface
+    from ``add_scalar``, where the caller turns TensorBoard off."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.writer: Any = None
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=self.folder)
+        self.writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def format_duration(seconds: float) -> str:

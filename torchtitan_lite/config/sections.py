@@ -15,7 +15,8 @@ class JobConfig:
     description: str = ""
     """Free text describing the run; saved with the config."""
     save_config: bool = True
-    """Write the resolved config to <dump_folder>/config.toml at start."""
+    """Write the resolved config to <dump_folder>/config.toml once the run has passed its checks and loaded its
+    checkpoint (a refused run leaves the file as it was). Each checkpoint holds its own copy either way."""
 
     def __post_init__(self) -> None:
         if not self.dump_folder:

@@ -59,6 +59,23 @@ def _selective_op_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_op_policy(defaultdict(int)))
 
 
+def _save_attention_context() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_save_attention_only)
+
+
+def _cache_hash(context_fn: Callable[[], tuple[Any, Any]], saves: frozenset) -> str:
+    """The ``cache_hash`` torch's AOT-autograd cache asks of a checkpoint context_fn (dynamo accepts only plain
+    functions, so it is an attribute): without it every compiled checkpointed block bypasses that cache, and
+    each run re-traces and re-partitions the block's forward and backward although inductor's cache holds its
+    kernels. What the policy saves decides the graphs; the rule around it is in the function's name."""
+    return f"torchtitan_lite.{context_fn.__name__}:" + ",".join(sorted(str(op) for op in saves))
+
+
+_selective_op_context.cache_hash = _cache_hash(  # type: ignore[attr-defined]
+    _selective_op_context, MATMUL_OPS | ALWAYS_SAVED_OPS)
+_save_attention_context.cache_hash = _cache_hash(_save_attention_context, ATTENTION_OPS)  # type: ignore[attr-defined]
+
+
 def apply_ac(model: BaseModel, mode: str, selective_option: str = "op", *, compiled_tp: bool = False) -> str:
     """Wrap the blocks of `model.layers` in place; returns a short description for logs.
 
@@ -113,8 +130,7 @@ def _full(block: nn.Module, save_attention: bool) -> nn.Module:
     # No dropout in the model, so RNG state need not be stashed and restored.
     if not save_attention:
         return checkpoint_wrapper(block, preserve_rng_state=False)
-    return checkpoint_wrapper(block, preserve_rng_state=False,
-                              context_fn=lambda: create_selective_checkpoint_contexts(_save_attention_only))
+    return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_save_attention_context)
 
 
 def _per_op(block: nn.Module) -> nn.Module:

@@ -9,12 +9,15 @@ built-in modules this way; its ``inline_inbuilt_nn_modules`` switch is deprecate
 compile time is thus
 that of one block (plus one per distinct kind, e.g. checkpointed and plain blocks under selective
 every-Nth checkpointing), whatever the depth. Compilation is lazy: the cost lands in the first forward /
-backward, which `compile_seconds()` reports.
+backward, which `compile_seconds()` reports, and `compile_label()` says whether it was cold or served
+by inductor's on-disk FX graph cache ($TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER): a
+second run of the same shapes still traces but loads the compiled kernels.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -57,3 +60,42 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    seconds: float
+    graphs: int
+    cache_hits: int
+    """Forward / backward graphs whose kernels inductor loaded from its FX graph cache."""
+    cache_misses: int
+    """Forward / backward graphs inductor generated and compiled C++ / Triton code for (missed, or not cacheable)."""
+
+
+def compile_stats() -> CompileStats:
+    """What this process has compiled so far, and how much of it came from inductor's on-disk cache.
+
+    Only inductor's FX graph cache decides: the C++ / Triton compilation it saves is the expensive part.
+    The AOT-autograd cache in front of it is often bypassed (torch 2.13 bypasses it for our blocks), which
+    costs a re-trace but no compilation."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return CompileStats(seconds=compile_seconds(), graphs=compiled_graphs(),
+                        cache_hits=int(inductor["fxgraph_cache_hit"]),
+                        cache_misses=int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"]))
+
+
+def compile_label(stats: CompileStats) -> str:
+    """'12.3s cold compile of 2 graph(s) ...', or what inductor's cache served: a warm run still traces
+    (dynamo, AOT autograd) and loads the kernels, so its seconds are not a compile's."""
+    what = f"compile of {stats.graphs} graph(s)"
+    if stats.cache_hits and not stats.cache_misses:
+        return f"{stats.seconds:.1f}s cached {what} (every kernel from inductor's cache: traced again, not compiled)"
+    if stats.cache_hits:
+        lookups = stats.cache_hits + stats.cache_misses
+        return (f"{stats.seconds:.1f}s partly cached {what} ({stats.cache_hits} of {lookups} forward / backward "
+                f"graphs from inductor's cache)")
+    if stats.cache_misses:
+        return f"{stats.seconds:.1f}s cold {what} (nothing in inductor's cache)"
+    return f"{stats.seconds:.1f}s {what} (no inductor cache involved)"

@@ -43,8 +43,10 @@ def clip_grad_norm_(
             total = total ** norm_type
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
             total = total ** (1.0 / norm_type)
-    if max_norm > 0 and torch.isfinite(total):
-        _scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0), foreach)
+    if max_norm > 0:
+        # Decided on the device (a non-finite norm scales by 1): an ``if`` on the norm would wait for it.
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        _scale_(grads, torch.where(torch.isfinite(total), coef, torch.ones_like(coef)), foreach)
     return total
 
 

@@ -230,7 +230,7 @@ def _activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
 
 
 def _gathered_bytes(layout: ModelLayout, unit: str, param_bytes: int) -> int:
-    return sum(p.tp_numel * (1 if p.float8 and layout.float8_all_gather else param_bytes)
+    return sum(p.tp_numel * (p.gather_itemsize or param_bytes)
                for p in layout.unit_params(unit))
 
 
@@ -248,18 +248,18 @@ def _unsharded_grad_bytes(layout: ModelLayout, unit: str, s: ActivationSetup, fs
         return sum(p.global_numel if p.replicated_grad else p.tp_numel for p in params) * param_bytes
     if s.autocast:
         # The gradient of autocast's low-precision weight copy, before it is cast into the fp32 .grad.
-        return sum(p.tp_numel for p in params if p.is_linear and not p.float8) * param_bytes
+        return sum(p.tp_numel for p in params if p.is_linear and not p.casts_master_weight) * param_bytes
     return 0
 
 
 def _autocast_copies(layout: ModelLayout, s: ActivationSetup) -> int:
     if not s.autocast:
         return 0
-    return sum(lin.tp_numel for lin in layout.linears if not lin.float8) * s.compute_bytes
+    return sum(lin.tp_numel for lin in layout.linears if not lin.casts_master_weight) * s.compute_bytes
 
 
 def _float8_cast_bytes(layout: ModelLayout, s: ActivationSetup) -> int:
-    converted = [lin for lin in layout.linears if lin.float8 or lin.mx]
+    converted = [lin for lin in layout.linears if lin.converted]
     # One Linear at a time: its float8 input (T x in), output gradient (T x out) and weight, 1 byte each
     # (MX adds one e8m0 scale byte per 32 elements, under 4%). Not modelled: the CPU torch._scaled_mm
     # upcasts its operands to float32 internally, and emulated MX dequantizes them to the compute dtype.

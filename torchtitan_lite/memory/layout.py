@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_lite.components.quantization import Float8LinearConverter, MXLinearConverter, linear_quantizer
-from torchtitan_lite.components.quantization.float8_plan import float8_plan
+from torchtitan_lite.components.quantization import linear_quantizer
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import TPRegion, tp_regions
 from torchtitan_lite.protocols.model_spec import ParallelPlan
@@ -42,8 +41,11 @@ class ParamLayout:
     unit: str
     """FSDP unit holding the parameter: 'layers.<i>', 'tok_embeddings', 'head' (norm + output) or 'root'."""
     is_linear: bool
-    float8: bool
-    """The Linear is swapped for torchao's Float8Linear by the config's float8 converter."""
+    casts_master_weight: bool
+    """Its Linear is converted to one that casts the master weight itself (float8): autocast makes no
+    low-precision copy of it."""
+    gather_itemsize: int | None = None
+    """Bytes per element FSDP all-gathers it in when not the parameter dtype's (float8 all-gather: 1)."""
     replicated_grad: bool = False
     """Backward produces this parameter's gradient unsharded on every TP rank (see model_layout)."""
 
@@ -68,10 +70,11 @@ class LinearLayout:
     out_features: int
     tp_numel: int
     """Weight elements one rank computes with (after TP)."""
-    float8: bool
-    mx: bool = False
-    """Swapped for an MXFP8 Linear by the mx converter. Unlike Float8Linear it takes its operands in the
-    compute dtype (an autocast-dtype copy of the weight without FSDP), then casts them to 1-byte MX."""
+    converted: bool
+    """Swapped for the run's low-precision (float8 / MX) Linear, which casts its operands to 1 byte."""
+    casts_master_weight: bool
+    """Converted, and it casts the master weight itself (float8); an MX Linear instead takes its operands in
+    the compute dtype (an autocast-dtype copy of the weight without FSDP), as a plain Linear does."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class ModelLayout:
     buffer_bytes: int
     """Non-persistent buffers (the float32 rotary table), replicated on every rank."""
     float8_all_gather: bool
-    """FSDP all-gathers the float8 Linears' weights in float8 (tensorwise, enabled, and FSDP on)."""
+    """FSDP all-gathers the converted Linears' weights in 1-byte float8 (the converter says so, FSDP is on)."""
     tp_regions: tuple[TPRegion, ...]
     """Each block's TP communication regions and whether they move float8 (identical for every block
     unless a filter names single blocks; this is the first converted block's: keep_first_blocks_hp skips the
@@ -105,13 +108,13 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     with torch.device("meta"):
         model = run.model_spec.model_cls(args)
 
-    quantizer_cfg = _quantizer_config(run)
-    float8_cfg = quantizer_cfg if isinstance(quantizer_cfg, Float8LinearConverter.Config) else None
-    planned: set[str] = set()
-    if quantizer_cfg is not None:
-        planned = {row.fqn for row in float8_plan(model, quantizer_cfg, output_module=plan.output)
-                   if row.recipe is not None}
-    converted, mx_converted = (planned, set()) if float8_cfg is not None else (set(), planned)
+    # What the run's low-precision Linear converter (if any) does is the converter's to say.
+    quantizer = linear_quantizer(run.converters.converters)
+    converted: set[str] = set()
+    if quantizer is not None:
+        converted = {row.fqn for row in quantizer.plan_rows(model) if row.recipe is not None}
+    from_master = converted if quantizer is not None and quantizer.casts_master_weight else set()
+    gather_itemsize = quantizer.all_gather_itemsize if quantizer is not None and dims.fsdp_enabled else None
     tied = model.get_submodule(plan.output).weight is model.get_submodule(plan.embedding).weight
     shard = dims.dp_shard if dims.fsdp_enabled else 1
 
@@ -122,7 +125,8 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
         tp_shape = _tp_shape(plan, module, tuple(p.shape), dims.tp)
         params.append(ParamLayout(
             fqn=fqn, global_shape=tuple(p.shape), tp_shape=tp_shape, local_shape=_fsdp_shape(tp_shape, shard),
-            unit=plan.fsdp_unit(module, tied=tied), is_linear=module in linear_modules, float8=module in converted,
+            unit=plan.fsdp_unit(module, tied=tied), is_linear=module in linear_modules,
+            casts_master_weight=module in from_master, gather_itemsize=gather_itemsize if module in converted else None,
             # DTensor's embedding backward has no row-sharded strategy (embedding_dense_backward_strategy in
             # torch/distributed/tensor/_ops/_embedding_ops.py), so the vocabulary-sharded embedding gets a
             # replicated, full-size gradient on every TP rank.
@@ -131,25 +135,19 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     linears = tuple(
         LinearLayout(fqn=fqn, in_features=m.in_features, out_features=m.out_features,
                      tp_numel=math.prod(_tp_shape(plan, fqn, tuple(m.weight.shape), dims.tp)),
-                     float8=fqn in converted, mx=fqn in mx_converted)
+                     converted=fqn in converted, casts_master_weight=fqn in from_master)
         for fqn, m in linear_modules.items()
     )
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
-    tensorwise = float8_cfg is not None and float8_cfg.recipe_name == "tensorwise"
-    first_block = f"{plan.blocks}.{float8_cfg.keep_first_blocks_hp if float8_cfg is not None else 0}"
-    regions = tuple(tp_regions(plan.block_tp, lambda fqn: tensorwise and f"{first_block}.{fqn}" in converted)
+    float8_comms = quantizer is not None and quantizer.float8_tp_communication
+    first_block = f"{plan.blocks}.{quantizer.plan_config.keep_first_blocks_hp if quantizer is not None else 0}"
+    regions = tuple(tp_regions(plan.block_tp, lambda fqn: float8_comms and f"{first_block}.{fqn}" in converted)
                     ) if dims.tp_enabled else ()
     return ModelLayout(
         args=args, dims=dims, params=tuple(params), linears=linears, buffer_bytes=buffer_bytes,
-        float8_all_gather=bool(float8_cfg and float8_cfg.enable_fsdp_float8_all_gather and dims.fsdp_enabled),
-        tp_regions=regions,
+        float8_all_gather=gather_itemsize == 1, tp_regions=regions,
     )
-
-
-def _quantizer_config(run: ResolvedRun) -> Float8LinearConverter.Config | MXLinearConverter.Config | None:
-    quantizer = linear_quantizer(run.converters.converters)
-    return None if quantizer is None else quantizer.config
 
 
 def _tp_shape(plan: ParallelPlan, module: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:

@@ -11,12 +11,10 @@ import dataclasses
 import difflib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from torchtitan_lite.protocols.model import BaseModel
-
-if TYPE_CHECKING:
-    from torchtitan_lite.resolved_run import ResolvedRun
+from torchtitan_lite.protocols.parallelize import ParallelizeFn
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +95,6 @@ def build_tp_plan(block_tp: BlockTPPlan, **root: str) -> ParallelPlan:
     dims = {fqn: 0 for fqn in block_tp.colwise} | {fqn: 1 for fqn in block_tp.rowwise}
     dims |= {root["embedding"]: 0, root["output"]: 0}
     return ParallelPlan(block_tp=block_tp, tp_shard_dims=dims, **root)
-
-
-class ParallelizeFn(Protocol):
-    def __call__(self, model: BaseModel, run: ResolvedRun, *, mp_policy: Any) -> BaseModel:
-        """Apply TP, AC, compile and FSDP to ``model`` (on meta, meshes built) as ``run`` says; returns it."""
-        ...
 
 
 @dataclass(frozen=True)

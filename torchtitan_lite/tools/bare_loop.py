@@ -126,8 +126,8 @@ def run_against_trainer(cfg: Any, *, warmup: int, steps: int) -> tuple[BareResul
     The trainer step is what the trainer's loop does per step minus its bookkeeping: fetch the
     micro-batches from its data loader, then ``Trainer.train_step``. Alternating the two (ABBA
     order, so neither always runs right after the other) exposes both to the same machine load,
-    which separate processes on a shared machine are not. A device sync ends every timed step;
-    the trainer's step ends with one anyway (it reads the loss).
+    which separate processes on a shared machine are not. A device sync ends every timed step
+    (the trainer's step reads nothing back by itself outside log steps).
     """
     trainer = cfg.build()
     device = trainer.device
@@ -135,7 +135,8 @@ def run_against_trainer(cfg: Any, *, warmup: int, steps: int) -> tuple[BareResul
 
     def trainer_step() -> torch.Tensor:
         loss, _ = trainer.train_step([next(data) for _ in range(trainer.n_microbatches)])
-        return torch.tensor(loss)
+        trainer.pending.read()  # the loop reads its queued values at log steps; this one drops them
+        return loss
 
     steps_by_name = {"trainer": trainer_step, "bare": bare_step_fn(cfg, device)}
     for _ in range(warmup):

@@ -3,8 +3,8 @@
     python scripts/generate.py --checkpoint outputs/checkpoint/step-200 --prompt "def main(" --max-new-tokens 64
     python scripts/generate.py --hf-dir llama3_debug_hf --prompt "def main(" --temperature 0.8 --top-p 0.9 --seed 0
 
-The architecture and tokenizer come from the run's saved config.toml (found next to the checkpoint, or
-inside an exported folder); --config NAME uses a registered config instead. Greedy by default.
+The architecture and tokenizer come from the config.toml saved in the checkpoint or exported folder (for
+older checkpoints the run's <dump_folder>/config.toml); --config NAME uses a registered config instead. Greedy by default.
 """
 from __future__ import annotations
 

@@ -1,19 +1,26 @@
 """Compare the loss curves of two or more configs (or finished runs) against the first one.
 
     python scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 llama3_debug_fp8_rowwise
+    python scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 --seeds 3 --last 20
     python scripts/loss_compare.py --configs llama3_debug llama3_debug_fp8 --steps 50 \
         -- --precision.param_dtype float32 --model.n_layers 2
     python scripts/loss_compare.py --runs outputs/bf16 outputs/fp8 --last 50
 
 With ``--configs`` each config trains in its own folder ``<dump-root>/<config>`` (train.py, or
-run_train.sh with ``--nproc`` > 1) with every step logged; arguments after ``--`` are config
-overrides passed to every run. With ``--runs`` the TensorBoard scalars of finished runs are read
-(``<run>/tb`` or the TensorBoard folder itself). The first config / run is the baseline.
+run_train.sh with ``--nproc`` > 1) with every step logged and checkpointing off (unless the overrides
+set ``--checkpoint.enable``); a progress line per run shows its step and time left. Arguments after
+``--`` are config overrides passed to every run. With ``--seeds N`` (N > 1) every config trains once per
+``training.seed`` 0..N-1 (the seed draws the initial weights and the batch order) into
+``<dump-root>/<config>/seed-<s>``. With ``--runs`` the TensorBoard scalars of finished runs are read
+(``<run>/tb`` or the TensorBoard folder itself; a run folder holding ``seed-<s>`` folders is one config
+over those seeds). The first config / run is the baseline.
 
-Writes a PNG with the loss curves and the per-step gap to the baseline (``--out``) and a markdown
-table of the per-step losses and gaps (``--table``), then prints, per config, the mean |gap| over
-the last ``--last`` steps that all runs logged. Exit status: 0 when every mean |gap| is within
-``--tolerance``, 1 when one exceeds it, 2 when a run fails or the input is unusable.
+Writes a PNG with the raw loss curves under their moving average (``--smooth``) and the gap to the
+baseline (``--out``) and a markdown table (``--table``). Gap statistics average the raw losses over the
+last ``--last`` steps that all runs logged. One seed: the mean |gap| per config against ``--tolerance``;
+exit 0 when every mean |gap| is within it, 1 when one exceeds it. Several seeds: per config its mean gap
+± standard error against the baseline's seed-to-seed spread (seed_noise.py); exit 0 when every config
+is within noise, 1 when one is beyond it. Exit 2 when a run fails or the input is unusable.
 """
 from __future__ import annotations
 
@@ -26,7 +33,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtitan_lite.tools import seed_noise
+from torchtitan_lite.tools.loss_smoothing import ema, ema_curve
 from torchtitan_lite.tools.repo import REPO_ROOT
+from torchtitan_lite.tools.run_progress import ProgressReporter, format_duration
+from torchtitan_lite.tools.seed_noise import SeedCurves, SeedVerdict
 
 LOSS_TAG = "train/loss"
 OWNED_MARKER = ".loss_compare"
@@ -34,6 +45,8 @@ OWNED_MARKER = ".loss_compare"
 CONTROLLED_KEYS = ("--job.dump_folder", "--metrics.log_freq", "--metrics.enable_tensorboard",
                    "--metrics.save_tb_folder", "--metrics.rank_0_only")
 """Overrides the script sets itself so that every step lands in <dump-root>/<config>/tb."""
+SEED_PREFIX = "seed-"
+"""Run folders of one config over several seeds: <config>/seed-<s>."""
 EXIT_OK, EXIT_GAP, EXIT_ERROR = 0, 1, 2
 
 
@@ -77,8 +90,29 @@ def read_losses(run: Path, tag: str = LOSS_TAG) -> dict[int, float]:
     return {event.step: event.value for event in acc.Scalars(tag)}
 
 
+def seed_folders(run: Path) -> dict[str, Path]:
+    """seed -> folder for a run folder holding ``seed-<s>`` folders; empty for a single run."""
+    if not run.is_dir():
+        return {}
+    found = [p for p in run.iterdir() if p.is_dir() and p.name.startswith(SEED_PREFIX)]
+    return {p.name.removeprefix(SEED_PREFIX): p for p in sorted(found, key=lambda p: _seed_order(p.name))}
+
+
+def _seed_order(name: str) -> tuple[int, str]:
+    seed = name.removeprefix(SEED_PREFIX)
+    return (int(seed), "") if seed.isdigit() else (sys.maxsize, seed)
+
+
+def read_run(run: Path, tag: str = LOSS_TAG) -> SeedCurves:
+    """seed -> losses of every ``seed-<s>`` folder of ``run``, or ``{"": losses}`` for a single run."""
+    folders = seed_folders(run)
+    if not folders:
+        return {"": read_losses(run, tag)}
+    return {seed: read_losses(folder, tag) for seed, folder in folders.items()}
+
+
 # --------------------------------------------------------------------------------------------------
-# Gap arithmetic
+# Gap arithmetic (one seed per config; several seeds: seed_noise.py)
 
 
 def common_steps(curves: dict[str, dict[int, float]]) -> list[int]:
@@ -108,6 +142,12 @@ def _span(curve: dict[int, float]) -> str:
     return f"steps {min(curve)}..{max(curve)}" if curve else "no steps"
 
 
+def seed_mean_curve(seeds: SeedCurves) -> dict[int, float]:
+    """step -> mean loss over the seeds, at the steps every seed logged."""
+    steps = sorted(set.intersection(*(set(curve) for curve in seeds.values())))
+    return {s: sum(curve[s] for curve in seeds.values()) / len(seeds) for s in steps}
+
+
 # --------------------------------------------------------------------------------------------------
 # Outputs
 
@@ -116,20 +156,48 @@ def write_table(curves: dict[str, dict[int, float]], summaries: list[GapSummary]
                 tolerance: float) -> None:
     """Markdown: a summary table, then one row per common step with every loss and its gap to the baseline."""
     labels = list(curves)
-    base_label = labels[0]
     window = summaries[0].steps
-    lines = [f"# Loss gap vs {base_label}", "",
-             f"Mean over the last {len(window)} common steps ({window[0]}..{window[-1]}); tolerance {tolerance:g} "
-             f"on mean |gap|.", "",
+    lines = [f"# Loss gap vs {labels[0]}", "",
+             f"Mean over the last {len(window)} common steps ({window[0]}..{window[-1]}) of the raw losses; "
+             f"tolerance {tolerance:g} on mean |gap|.", "",
              "| config | mean \\|gap\\| | mean gap | final gap | within tolerance |", "|---|---:|---:|---:|---|"]
     for s in summaries:
         ok = "yes" if s.mean_abs_gap <= tolerance else "**no**"
         lines.append(f"| {s.label} | {s.mean_abs_gap:.4f} | {s.mean_gap:+.4f} | {s.final_gap:+.4f} | {ok} |")
-    header = ["step", base_label]
+    _write_step_rows(lines, curves, path)
+
+
+def write_seed_table(runs: dict[str, SeedCurves], window: list[int], verdicts: list[SeedVerdict], path: Path) -> None:
+    """Markdown: each config's verdict against the baseline's seed spread, the per-seed window means, then
+    one row per common step with each config's loss averaged over its seeds."""
+    labels = list(runs)
+    base = runs[labels[0]]
+    band = verdicts[0].band
+    lines = [f"# Loss gap vs {labels[0]} over seeds", "",
+             f"Window: the raw losses of the last {len(window)} common steps ({window[0]}..{window[-1]}), averaged "
+             f"per run. Noise band: the standard deviation of {labels[0]}'s window mean over its {len(base)} seeds, "
+             f"{band:.4f}. A config is beyond noise when |mean gap| - standard error > band.", "",
+             "| config | seeds | mean gap ± std. error | gap per seed | verdict |", "|---|---|---:|---|---|"]
+    for v in verdicts:
+        per_seed = ", ".join(f"{g:+.4f}" for g in v.seed_gaps.values())
+        verdict = f"**{v.verdict}**" if v.beyond_noise else v.verdict
+        lines.append(f"| {v.label} | {', '.join(v.seeds)} | {v.mean_gap:+.4f} ± {v.std_error:.4f} | {per_seed} | "
+                     f"{verdict} |")
+    lines += ["", "| config | " + " | ".join(f"window mean seed {s}" for s in base) + " |",
+              "|---|" + "---:|" * len(base)]
+    for label, seeds in runs.items():
+        means = [f"{seed_noise.window_mean(seeds[s], window):.4f}" if s in seeds else "-" for s in base]
+        lines.append(f"| {label} | " + " | ".join(means) + " |")
+    _write_step_rows(lines, {label: seed_mean_curve(seeds) for label, seeds in runs.items()}, path)
+
+
+def _write_step_rows(lines: list[str], curves: dict[str, dict[int, float]], path: Path) -> None:
+    labels = list(curves)
+    header = ["step", labels[0]]
     for label in labels[1:]:
         header += [label, f"gap {label}"]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    base = curves[base_label]
+    base = curves[labels[0]]
     for step in common_steps(curves):
         row = [str(step), f"{base[step]:.4f}"]
         for label in labels[1:]:
@@ -139,31 +207,47 @@ def write_table(curves: dict[str, dict[int, float]], summaries: list[GapSummary]
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_plot(curves: dict[str, dict[int, float]], path: Path, *, last: int) -> None:
-    """Top: every loss curve; bottom: the per-step gap to the baseline, with the averaging window shaded."""
+def write_plot(runs: dict[str, SeedCurves], path: Path, *, window: list[int], smooth: float,
+               band: float | None = None, tag: str = LOSS_TAG) -> None:
+    """Top: each config's raw loss (thin; the mean over its seeds) under its moving average (bold), with the
+    range of its seeds' averages shaded; bottom: the raw and averaged gap to the baseline, the statistics
+    window shaded and, over seeds, the baseline's seed band around zero."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(curves)
-    base = curves[labels[0]]
-    steps = common_steps(curves)
+    labels = list(runs)
+    means = {label: seed_mean_curve(seeds) for label, seeds in runs.items()}
+    base = means[labels[0]]
     fig, (ax_loss, ax_gap) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    for label, curve in curves.items():
-        xs = sorted(curve)
-        ax_loss.plot(xs, [curve[s] for s in xs], label=label, linewidth=1.2)
-    ax_loss.set_ylabel(LOSS_TAG)
-    ax_loss.legend()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, seeds) in enumerate(runs.items()):
+        color = colors[i % len(colors)]
+        xs = sorted(means[label])
+        ax_loss.plot(xs, [means[label][s] for s in xs], color=color, linewidth=0.6, alpha=0.35)
+        ax_loss.plot(xs, ema([means[label][s] for s in xs], smooth), color=color, linewidth=1.8,
+                     label=f"{label} ({len(seeds)} seeds)" if len(seeds) > 1 else label)
+        if len(seeds) > 1:
+            smoothed = [ema_curve({s: curve[s] for s in xs}, smooth) for curve in seeds.values()]
+            ax_loss.fill_between(xs, [min(c[s] for c in smoothed) for s in xs], [max(c[s] for c in smoothed) for s in xs],
+                                 color=color, alpha=0.15, linewidth=0)
+    ax_loss.set_ylabel(f"{tag} (thin: raw, bold: EMA {smooth:g})")
+    ax_loss.legend(fontsize="small")
     ax_loss.grid(alpha=0.3)
-    for label in labels[1:]:
-        ax_gap.plot(steps, [curves[label][s] - base[s] for s in steps], label=f"{label} - {labels[0]}", linewidth=1.0)
+    steps = common_steps(means)
+    for i, label in enumerate(labels[1:], start=1):
+        color = colors[i % len(colors)]
+        gaps = [means[label][s] - base[s] for s in steps]
+        ax_gap.plot(steps, gaps, color=color, linewidth=0.6, alpha=0.35)
+        ax_gap.plot(steps, ema(gaps, smooth), color=color, linewidth=1.6, label=f"{label} - {labels[0]}")
     ax_gap.axhline(0.0, color="black", linewidth=0.6)
-    window = steps[-last:]
+    if band is not None:
+        ax_gap.axhspan(-band, band, color="tab:green", alpha=0.12, label=f"±{labels[0]} seed spread ({band:.3f})")
     ax_gap.axvspan(window[0], window[-1], color="grey", alpha=0.15, label=f"last {len(window)} steps")
     ax_gap.set_xlabel("step")
     ax_gap.set_ylabel("loss gap")
-    ax_gap.legend()
+    ax_gap.legend(fontsize="small", framealpha=0.6)
     ax_gap.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +259,7 @@ def write_plot(curves: dict[str, dict[int, float]], path: Path, *, last: int) ->
 # Running configs
 
 
-def check_passthrough(overrides: list[str], *, steps: int | None) -> None:
+def check_passthrough(overrides: list[str], *, steps: int | None, seeds: int = 1) -> None:
     """Reject overrides the script controls itself, with the flag to use instead."""
     for token in overrides:
         key = token.partition("=")[0]
@@ -184,16 +268,25 @@ def check_passthrough(overrides: list[str], *, steps: int | None) -> None:
                                f"remove it, and use --dump-root to choose where the runs go")
         if key == "--training.steps" and steps is not None:
             raise CompareError("give the number of steps once: --steps N or the override --training.steps N")
+        if key == "--training.seed" and seeds > 1:
+            raise CompareError(f"--seeds {seeds} sets training.seed to 0..{seeds - 1} per run; remove the override "
+                               f"--training.seed")
     if overrides and not overrides[0].startswith("--"):
         raise CompareError(f"overrides after '--' are --section.field VALUE pairs, got {overrides[0]!r} first")
 
 
-def train_command(config: str, dump: Path, *, steps: int | None, overrides: list[str], nproc: int) -> list[str]:
-    """The command line that trains ``config`` into ``dump`` with every step logged to TensorBoard."""
+def train_command(config: str, dump: Path, *, steps: int | None, overrides: list[str], nproc: int,
+                  seed: int | None = None) -> list[str]:
+    """The command line that trains ``config`` into ``dump`` with every step logged to TensorBoard and, unless
+    the overrides choose, no checkpoint (the comparison reads only the TensorBoard scalars)."""
     args = ["--config", config, *overrides, "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
             "--metrics.enable_tensorboard", "true", "--metrics.save_tb_folder", "tb", "--metrics.rank_0_only", "true"]
+    if not any(token.partition("=")[0] == "--checkpoint.enable" for token in overrides):
+        args += ["--checkpoint.enable", "false"]
     if steps is not None:
         args += ["--training.steps", str(steps)]
+    if seed is not None:
+        args += ["--training.seed", str(seed)]
     if nproc > 1:
         return [str(REPO_ROOT / "run_train.sh"), *args]
     return [sys.executable, str(REPO_ROOT / "train.py"), *args]
@@ -211,24 +304,35 @@ def prepare_run_folder(dump: Path) -> None:
     (dump / OWNED_MARKER).write_text("run folder of scripts/loss_compare.py; cleared on its next run\n")
 
 
-def run_config(config: str, dump: Path, *, steps: int | None, overrides: list[str], nproc: int) -> None:
-    """Train ``config`` into ``dump``; its console output goes to ``dump/train.log``."""
+def run_config(config: str, dump: Path, *, steps: int | None, overrides: list[str], nproc: int,
+               seed: int | None = None, label: str | None = None, progress_every: float = 30.0) -> None:
+    """Train ``config`` into ``dump``; its console output goes to ``dump/train.log`` while progress lines
+    (``label``: step k/N, ETA) are printed at most every ``progress_every`` seconds."""
+    label = label or config
     prepare_run_folder(dump)
-    cmd = train_command(config, dump, steps=steps, overrides=overrides, nproc=nproc)
-    env = dict(os.environ, NPROC=str(nproc))
-    # run_train.sh would otherwise look for (or build) its own environment.
+    cmd = train_command(config, dump, steps=steps, overrides=overrides, nproc=nproc, seed=seed)
+    # run_train.sh would otherwise look for (or build) its own environment; unbuffered, the progress is live.
+    env = dict(os.environ, NPROC=str(nproc), PYTHONUNBUFFERED="1")
     env.setdefault("TTL_PYTHON", sys.executable)
     log_path = dump / "train.log"
-    print(f"[loss_compare] {config}: {' '.join(cmd)}", flush=True)
+    print(f"[loss_compare] {label}: {' '.join(cmd)} (log: {log_path})", flush=True)
+    progress = ProgressReporter(label, steps, interval_s=progress_every,
+                                emit=lambda line: print(line, flush=True))
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            progress.feed(line)
+        returncode = proc.wait()
     elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
+    if returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-25:])
-        raise CompareError(f"training {config} failed (exit {proc.returncode}) after {elapsed:.0f}s; "
+        raise CompareError(f"training {label} failed (exit {returncode}) after {elapsed:.0f}s; "
                            f"last lines of {log_path}:\n{tail}")
-    print(f"[loss_compare] {config}: done in {elapsed:.0f}s", flush=True)
+    print(f"[loss_compare] {label}: done in {format_duration(elapsed)}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,16 +350,27 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--configs", nargs="+", metavar="NAME", help="registered configs to train; the first is the baseline")
     source.add_argument("--runs", nargs="+", metavar="DIR", type=Path,
-                        help="finished runs (dump folders with tb/, or TensorBoard folders); the first is the baseline")
+                        help="finished runs (dump folders with tb/, TensorBoard folders, or folders of seed-<s> runs); "
+                             "the first is the baseline")
     parser.add_argument("--steps", type=int, default=None, help="training steps per config (default: each config's own)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="train each config with training.seed 0..N-1 and judge each gap against the baseline's "
+                             "seed-to-seed spread (default 1: the config's own seed, judged against --tolerance)")
+    parser.add_argument("--tag", default=LOSS_TAG,
+                        help="TensorBoard scalar to compare (e.g. val/loss, logged at validation steps only)")
     parser.add_argument("--last", type=int, default=20, help="number of final common steps the gap is averaged over")
-    parser.add_argument("--tolerance", type=float, default=0.05, help="largest acceptable mean |loss gap| (nats)")
+    parser.add_argument("--tolerance", type=float, default=0.05,
+                        help="largest acceptable mean |loss gap| (nats) with one seed")
+    parser.add_argument("--smooth", type=float, default=0.9,
+                        help="EMA factor of the plotted moving average, in [0, 1) (0.9: ~10 steps); plot only")
     parser.add_argument("--out", type=Path, default=Path("loss_compare.png"), help="PNG plot to write")
     parser.add_argument("--table", type=Path, default=None,
                         help="markdown table to write (default: beside --out, with .md for .png)")
     parser.add_argument("--dump-root", type=Path, default=Path("outputs/loss_compare"),
-                        help="runs go to <dump-root>/<config> (with --configs)")
+                        help="runs go to <dump-root>/<config> (with --configs; <config>/seed-<s> with --seeds)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run; > 1 launches run_train.sh (torchrun)")
+    parser.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
+                        help="at most one progress line per run this often (besides its first and last step)")
     args = parser.parse_args(argv)
     names = args.configs or [str(r) for r in args.runs]
     if len(names) < 2:
@@ -264,45 +379,69 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"each config / run may appear once, got {names}")
     if args.runs and overrides:
         parser.error("overrides after '--' apply to --configs runs only")
+    if args.runs and args.seeds != 1:
+        parser.error("--seeds trains configs; with --runs give folders that hold seed-<s> runs instead")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.last < 1:
         parser.error(f"--last must be >= 1, got {args.last}")
     if not args.tolerance >= 0:
         parser.error(f"--tolerance must be >= 0, got {args.tolerance}")
+    if not 0.0 <= args.smooth < 1.0:
+        parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    if not args.progress_every >= 0:
+        parser.error(f"--progress-every must be >= 0, got {args.progress_every}")
     if args.table is None:
         args.table = args.out.with_suffix(".md")
     return args, overrides
 
 
-def collect_curves(args: argparse.Namespace, overrides: list[str]) -> dict[str, dict[int, float]]:
-    """label -> step -> loss of every run: read from ``--runs``, or trained from ``--configs`` first."""
+def collect_runs(args: argparse.Namespace, overrides: list[str]) -> dict[str, SeedCurves]:
+    """label -> seed -> step -> loss of every run: read from ``--runs``, or trained from ``--configs`` first
+    (seed by seed, so that a cut-off comparison leaves whole seeds)."""
     if args.runs:
-        return {str(run): read_losses(run) for run in args.runs}
-    check_passthrough(overrides, steps=args.steps)
-    curves = {}
-    for config in args.configs:
-        dump = args.dump_root / config
-        run_config(config, dump, steps=args.steps, overrides=overrides, nproc=args.nproc)
-        curves[config] = read_losses(dump)
-    return curves
+        return {str(run): read_run(run, args.tag) for run in args.runs}
+    check_passthrough(overrides, steps=args.steps, seeds=args.seeds)
+    seeds: list[int | None] = list(range(args.seeds)) if args.seeds > 1 else [None]
+    total = len(seeds) * len(args.configs)
+    runs: dict[str, SeedCurves] = {config: {} for config in args.configs}
+    for seed in seeds:
+        for config in args.configs:
+            dump = args.dump_root / config if seed is None else args.dump_root / config / f"{SEED_PREFIX}{seed}"
+            number = sum(len(done) for done in runs.values()) + 1
+            label = f"run {number}/{total} {config}" + ("" if seed is None else f" seed {seed}")
+            run_config(config, dump, steps=args.steps, overrides=overrides, nproc=args.nproc, seed=seed, label=label,
+                       progress_every=args.progress_every)
+            runs[config]["" if seed is None else str(seed)] = read_losses(dump, args.tag)
+    return runs
 
 
 def main(argv: list[str]) -> int:
-    """Compare the curves ``argv`` names; exit status 0 (within tolerance), 1 (a gap exceeds it) or 2 (error)."""
+    """Compare the curves ``argv`` names; exit status 0 (within tolerance / noise), 1 (a gap exceeds it) or 2
+    (error)."""
     args, overrides = parse_args(argv)
     try:
-        curves = collect_curves(args, overrides)
-        summaries = summarize_gaps(curves, args.last)
+        runs = collect_runs(args, overrides)
+        if any(len(seeds) > 1 for seeds in runs.values()):
+            return report_seeds(runs, args)
+        return report_single(runs, args)
     except CompareError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_ERROR
-    write_plot(curves, args.out, last=args.last)
+
+
+def report_single(runs: dict[str, SeedCurves], args: argparse.Namespace) -> int:
+    """One run per config: mean |gap| over the window against --tolerance."""
+    curves = {label: next(iter(seeds.values())) for label, seeds in runs.items()}
+    summaries = summarize_gaps(curves, args.last)
+    window = summaries[0].steps
+    write_plot(runs, args.out, window=window, smooth=args.smooth, tag=args.tag)
     write_table(curves, summaries, args.table, tolerance=args.tolerance)
     baseline = next(iter(curves))
-    window = summaries[0].steps
     print(f"baseline {baseline}; mean over the last {len(window)} common steps ({window[0]}..{window[-1]}):")
     failed = []
     for s in summaries:
@@ -318,3 +457,25 @@ def main(argv: list[str]) -> int:
         return EXIT_GAP
     return EXIT_OK
 
+
+def report_seeds(runs: dict[str, SeedCurves], args: argparse.Namespace) -> int:
+    """Several seeds: each config's mean gap ± standard error against the baseline's seed-to-seed spread."""
+    try:
+        window, verdicts = seed_noise.judge(runs, args.last)
+    except ValueError as err:
+        raise CompareError(str(err)) from None
+    band = verdicts[0].band
+    write_plot(runs, args.out, window=window, smooth=args.smooth, band=band, tag=args.tag)
+    write_seed_table(runs, window, verdicts, args.table)
+    baseline = next(iter(runs))
+    print(f"baseline {baseline} over {len(runs[baseline])} seeds; window: the last {len(window)} common steps "
+          f"({window[0]}..{window[-1]}); noise band (its seed-to-seed std. dev.) {band:.4f}:")
+    for v in verdicts:
+        per_seed = ", ".join(f"{seed} {gap:+.4f}" for seed, gap in v.seed_gaps.items())
+        print(f"  {v.label}: mean gap {v.mean_gap:+.4f} ± {v.std_error:.4f} (seeds {per_seed}) -> {v.verdict}")
+    print(f"plot: {args.out}; table: {args.table}")
+    beyond = [v.label for v in verdicts if v.beyond_noise]
+    if beyond:
+        print(f"error: loss gap to {baseline} beyond its seed-to-seed noise for: {', '.join(beyond)}", file=sys.stderr)
+        return EXIT_GAP
+    return EXIT_OK

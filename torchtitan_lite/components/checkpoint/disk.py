@@ -6,6 +6,7 @@ and otherwise by looking at the filesystem itself (free space, writability) righ
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -110,7 +111,17 @@ def expected_checkpoint_bytes(states: dict[str, Stateful]) -> int:
 
 def check_writable_with_space(folder: str, expected_bytes: int) -> str | None:
     """None when ``folder`` can be created and written and its filesystem has ``expected_bytes`` free;
-    otherwise the problem. 'cannot write' problems are always fatal, too little space may be a warning."""
+    otherwise the problem. 'cannot write' problems are always fatal, too little space may be a warning.
+    A folder it had to create is removed again when it finds a problem: a refused run changes nothing."""
+    created = not os.path.isdir(folder)
+    problem = _writable_with_space(folder, expected_bytes)
+    if problem is not None and created:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+    return problem
+
+
+def _writable_with_space(folder: str, expected_bytes: int) -> str | None:
     try:
         os.makedirs(folder, exist_ok=True)
         probe = os.path.join(folder, f".write-test-{uuid.uuid4().hex}")

@@ -28,8 +28,10 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 logger = logging.getLogger(__name__)
 
 
-def export_model_state(state: dict[str, Any], out_dir: str, adapter: Any, dtype: torch.dtype, *, write: bool) -> None:
-    """Gather a (possibly sharded) model state and, where ``write``, save it as a Hugging Face folder.
+def export_model_state(state: dict[str, Any], out_dir: str, adapter: Any, dtype: torch.dtype, *, write: bool,
+                       extra: Callable[[str], None] | None = None) -> None:
+    """Gather a (possibly sharded) model state and, where ``write``, save it as a Hugging Face folder
+    (``extra(folder)`` adds files to it, see ``save_hf``).
 
     Every rank must call it: ``full_tensor`` is collective, each rank gathers each tensor in the same order.
     """
@@ -39,7 +41,7 @@ def export_model_state(state: dict[str, Any], out_dir: str, adapter: Any, dtype:
         if write:
             full[key] = value.detach().to(device="cpu", dtype=dtype)
     if write:
-        save_hf(out_dir, full, adapter, dtype)
+        save_hf(out_dir, full, adapter, dtype, extra)
         logger.info("exported Hugging Face model to %s", out_dir)
     if dist.is_initialized():
         dist.barrier()

@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 MARKER_NAME = ".complete"
 DCP_METADATA_NAME = ".metadata"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+NOTHING_YET, NORMAL, ABNORMAL = "nothing", "normal", "abnormal"
+"""Values of ``Marker.followed_by``."""
 
 
 @dataclass
@@ -38,6 +40,11 @@ class Marker:
     data_layout: dict[str, Any] | None = None
     """How the run fed its data (components/data/layout.py DataLayout); None in model-only checkpoints,
     runs without one and checkpoints written before it was recorded."""
+    followed_by: str | None = None
+    """What the loss of the step trained from this state was, as far as any run saw it: 'nothing' (no step
+    has trained from it yet), 'normal' (one did, to a finite loss within the spike bounds) or 'abnormal'
+    (only non-finite or spiking losses so far). Rewritten in place as runs learn it, so a resume in a new
+    process knows; None in checkpoints written before this was recorded."""
 
     @staticmethod
     def read(checkpoint_dir: str) -> Marker | None:
@@ -46,8 +53,10 @@ class Marker:
             return None
         try:
             with open(path) as f:
-                return Marker(**json.load(f))
-        except (OSError, ValueError, TypeError) as e:
+                saved = json.load(f)
+            # Fields a later release added are ignored, so this one still reads its checkpoints.
+            return Marker(**{k: v for k, v in saved.items() if k in _MARKER_FIELDS})
+        except (OSError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"checkpoint marker {path} is unreadable ({e}); delete it to treat "
                              f"{checkpoint_dir} as incomplete") from e
 
@@ -55,11 +64,19 @@ class Marker:
         write_json_atomically(os.path.join(checkpoint_dir, MARKER_NAME), asdict(self))
 
 
+_MARKER_FIELDS = {f.name for f in fields(Marker)}
+
+
 def write_json_atomically(path: str, obj: Any) -> None:
     """``obj`` as JSON at ``path``: a temporary file, flushed to disk, then renamed over it."""
+    write_text_atomically(path, json.dumps(obj, indent=1))
+
+
+def write_text_atomically(path: str, text: str) -> None:
+    """``text`` at ``path``: a temporary file, flushed to disk, then renamed over it."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -79,7 +96,7 @@ def read_json(path: str, default: Any) -> Any:
 def new_marker(step: int, world_size: int, states: list[str], model_only: bool,
                data_layout: dict[str, Any] | None = None) -> Marker:
     return Marker(step=step, world_size=world_size, states=sorted(states), model_only=model_only, time=time.time(),
-                  data_layout=data_layout)
+                  data_layout=data_layout, followed_by=NOTHING_YET)
 
 
 def step_dir(folder: str, step: int) -> str:

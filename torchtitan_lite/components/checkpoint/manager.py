@@ -19,12 +19,22 @@ Model and optimizer state are sharded tensors that DCP reshards on load (save on
 ``load_rank_states`` (the data loader) reshards itself: when the data-parallel degree or the world size
 changed since the save, every rank reads all saved ranks' copies and hands them over. The marker records
 the run's data layout (``components/data/layout.py``), readable before launch.
+
+Each checkpoint also holds the resolved config of the run that wrote it (``step-<N>/config.toml``,
+written before the marker and covered by its checksums): the export and generation tools read that
+one, so a later run with other settings in the same folder cannot change what a checkpoint is.
+
+Whether a normal loss ever followed a checkpoint (the step trained from its state) is only learned after
+it is saved, often by another process; the manager records it in the checkpoint's marker
+(``Marker.followed_by``) as soon as it is known, and a resume from a checkpoint no normal loss followed
+says so when it loads.
 """
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import threading
 import time
 import warnings
 from concurrent.futures import Future
@@ -39,14 +49,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan_lite.components.checkpoint import hf_io
-from torchtitan_lite.components.checkpoint.checksums import ALGORITHM, ChecksummingWriter
+from torchtitan_lite.components.checkpoint.checksums import ALGORITHM, ChecksummingWriter, hash_file
 from torchtitan_lite.components.checkpoint.disk import (
     check_writable_with_space,
     describe_save_error,
     expected_checkpoint_bytes,
 )
 from torchtitan_lite.components.checkpoint.layout import (
+    ABNORMAL,
     MARKER_NAME,
+    NORMAL,
+    NOTHING_YET,
     Marker,
     describe_steps,
     hf_export_dir,
@@ -57,7 +70,9 @@ from torchtitan_lite.components.checkpoint.layout import (
     set_aside,
     step_dir,
     write_json_atomically,
+    write_text_atomically,
 )
+from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
 from torchtitan_lite.components.checkpoint.stateful import decode, encode
 from torchtitan_lite.components.checkpoint.verify import (
     CheckpointError,
@@ -83,6 +98,19 @@ PER_RANK_STATES = ("dataloader", "train_state", "spike_guard")
 RNGs differ per rank; the spike guard's statistics are the same on every rank but vary in size)."""
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """The checkpoint a run resumed (or was initialised) from, as far as it can be vouched for."""
+
+    path: str
+    step: int
+    unchecked: str | None
+    """Why its files were not checked against checksums ('checkpoint.verify_checksums=false', 'it was
+    written without checksums'), None when they were."""
+    followed_by: str | None
+    """``Marker.followed_by`` when it loaded: 'nothing', 'normal', 'abnormal', or None (not recorded)."""
 
 
 class CheckpointManager(Configurable):
@@ -148,8 +176,11 @@ class CheckpointManager(Configurable):
     config: CheckpointManager.Config
 
     def __init__(self, config: CheckpointManager.Config, *, dump_folder: str, states: dict[str, Stateful],
-                 model_args: Any = None, model_spec: Any = None, data_layout: DataLayout | None = None) -> None:
+                 model_args: Any = None, model_spec: Any = None, data_layout: DataLayout | None = None,
+                 run_config: str | None = None) -> None:
+        """``run_config``: the run's resolved config as TOML, stored in every checkpoint (and HF export)."""
         self.config = config
+        self.run_config = run_config
         self.data_layout = data_layout
         """How this run feeds its data, recorded in each checkpoint's marker."""
         self.loaded_data_layout: DataLayout | None = None
@@ -181,8 +212,32 @@ class CheckpointManager(Configurable):
         self._pending_path: str | None = None
         self._loaded_step: int | None = None
         self._last_saved_step: int | None = None
-        self.known_good: frozenset[int] = frozenset()
-        """Set by the training loop: steps whose checkpoint is known good; purging keeps the newest of them."""
+        self._known_good: frozenset[int] = frozenset()
+        self.loaded: LoadedCheckpoint | None = None
+        """The checkpoint this run started from; None when it started fresh."""
+        self._saved_at: dict[int, float] = {}
+        """Step -> marker time of the checkpoints this process saved or loaded: what it may record facts in."""
+        self._followed_by: dict[int, str] = {}
+        """Step -> what this process saw follow that checkpoint (NORMAL / ABNORMAL)."""
+        self._marker_lock = threading.Lock()
+        """Markers are written by the background save thread and rewritten by the training loop."""
+
+    @property
+    def known_good(self) -> frozenset[int]:
+        """Steps whose checkpoint is known good (followed by a normal loss); purging keeps the newest of them."""
+        return self._known_good
+
+    @known_good.setter
+    def known_good(self, steps: frozenset[int]) -> None:
+        """Set by the training loop as it learns them; each newly good checkpoint records it in its marker."""
+        for step in sorted(steps - self._known_good):
+            self._record_followup(step, NORMAL)
+        self._known_good = steps
+
+    def note_abnormal_loss(self, step: int) -> None:
+        """Step ``step`` trained to a non-finite or spiking loss: unless a normal loss followed it before,
+        the checkpoint of step ``step - 1`` records that only an abnormal one did."""
+        self._record_followup(step - 1, ABNORMAL)
 
     # ----------------------------------------------------------------------------------------------
     # Loading
@@ -231,8 +286,59 @@ class CheckpointManager(Configurable):
         self._load_from(path, read_metadata(path), [n for n in wanted if n in marker.states], marker.world_size,
                         self.loaded_data_layout)
         self._loaded_step = step
+        self._adopt(path, step, marker)
         logger.info("resumed from %s in %.1fs", path, time.perf_counter() - start)
+        self._warn_unless_followed_by_a_normal_loss(path, marker, complete)
         return step
+
+    def _adopt(self, path: str, step: int, marker: Marker | None) -> None:
+        """``path`` (of ``step``) is the state training goes on from; facts learned about it go to its marker."""
+        unchecked = ("checkpoint.verify_checksums=false" if not self.config.verify_checksums else
+                     None if marker is not None and marker.checksums else "it was written without checksums")
+        self.loaded = LoadedCheckpoint(path=path, step=step, unchecked=unchecked,
+                                       followed_by=None if marker is None else marker.followed_by)
+        if marker is not None and path == step_dir(self.folder, step):
+            self._saved_at[step] = marker.time
+            if marker.followed_by in (NORMAL, ABNORMAL):
+                self._followed_by[step] = marker.followed_by
+
+    def _warn_unless_followed_by_a_normal_loss(self, path: str, marker: Marker, complete: list[int]) -> None:
+        if marker.followed_by == ABNORMAL:
+            good = self.followed_by_normal_loss(complete)
+            logger.warning(
+                "resuming from %s, which no normal loss ever followed: the step trained from it went non-finite or "
+                "spiked before (recorded in its %s marker), so its weights may be damaged. %s", path, MARKER_NAME,
+                f"Step {good[-1]} is the newest checkpoint a normal loss followed (--checkpoint.load_step "
+                f"{good[-1]})" if good else "No checkpoint in this folder was followed by a normal loss")
+        elif marker.followed_by == NOTHING_YET:
+            logger.info("resuming from %s: no step has trained from it yet, so no normal loss has vouched for it", path)
+
+    def followed_by_normal_loss(self, steps: list[int]) -> list[int]:
+        """Those of ``steps`` whose checkpoint a normal loss followed, as recorded in their markers (by this
+        run or an earlier one); rank 0 reads them, every rank gets the answer."""
+        found: list[Any] = [None]
+        if self.rank == 0:
+            found = [[s for s in steps if _followed_by(step_dir(self.folder, s)) == NORMAL]]
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
+
+    def _record_followup(self, step: int, followed_by: str) -> None:
+        """Rank 0 stores ``followed_by`` in the marker of checkpoint ``step`` if this process saved or loaded
+        it (a background save gets it when its marker is written); NORMAL is never downgraded."""
+        if self.rank != 0 or step not in self._saved_at or self._followed_by.get(step) in (NORMAL, followed_by):
+            return
+        with self._marker_lock:
+            self._followed_by[step] = followed_by
+            path = step_dir(self.folder, step)
+            try:
+                marker = Marker.read(path)
+                if marker is not None and marker.time == self._saved_at[step]:
+                    marker.followed_by = followed_by
+                    marker.write(path)
+            except (OSError, ValueError) as e:
+                logger.warning("could not record in %s that a%s loss followed it: %s", os.path.join(path, MARKER_NAME),
+                               "n abnormal" if followed_by == ABNORMAL else " normal", e)
 
     def _initial_load(self, path: str) -> int:
         metadata = read_metadata(path)
@@ -252,9 +358,9 @@ class CheckpointManager(Configurable):
         restored = self._load_from(path, metadata, names, saved_world,
                                    DataLayout.from_record(marker.data_layout) if marker else None)
         logger.info("initialised %s from %s", names, path)
-        if "train_state" in restored:
-            return int(restored["train_state"]["step"])
-        return 0
+        step = int(restored["train_state"]["step"]) if "train_state" in restored else 0
+        self._adopt(path, step, marker)
+        return step
 
     def _load_from(self, path: str, metadata: Metadata, names: list[str], saved_world_size: int | None,
                    saved_layout: DataLayout | None = None) -> dict[str, Any]:
@@ -335,6 +441,7 @@ class CheckpointManager(Configurable):
         self._load_from(path, read_metadata(path), [n for n in self.states if n in marker.states], marker.world_size,
                         DataLayout.from_record(marker.data_layout))
         self._loaded_step, self._last_saved_step = step, None
+        self._saved_at[step] = marker.time
         if self.rank == 0 and newer:
             set_aside(self.folder, newer, set_aside_as)
         if dist.is_initialized():
@@ -381,6 +488,12 @@ class CheckpointManager(Configurable):
     # ----------------------------------------------------------------------------------------------
     # Saving
 
+    def due(self, step: int, *, last_step: bool = False, force: bool = False) -> bool:
+        """Whether ``save`` with these arguments writes a checkpoint."""
+        if not self.config.enable or step == self._last_saved_step:
+            return False
+        return force or last_step or step % self.config.interval == 0
+
     def save(self, step: int, *, last_step: bool = False, force: bool = False, model_only: bool = False) -> bool:
         """Save when ``step`` is a multiple of ``interval``, or ``last_step`` / ``force``; collective.
 
@@ -388,9 +501,7 @@ class CheckpointManager(Configurable):
         (the seed checkpoint); ``last_save_model_only`` applies it to the last step.
         """
         cfg = self.config
-        if not cfg.enable or step == self._last_saved_step:
-            return False
-        if not (force or last_step or step % cfg.interval == 0):
+        if not self.due(step, last_step=last_step, force=force):
             return False
         model_only = model_only or (last_step and cfg.last_save_model_only)
         self.wait()
@@ -400,6 +511,8 @@ class CheckpointManager(Configurable):
         self._prepare_folder(path)
         layout = None if model_only or self.data_layout is None else self.data_layout.to_record()
         marker = new_marker(step, self.world_size, list(state), model_only, layout)
+        self._saved_at[step] = marker.time
+        self._followed_by.pop(step, None)
         no_dist = not dist.is_initialized()
         writer = ChecksummingWriter(path)
         if cfg.async_mode == "async":
@@ -450,8 +563,15 @@ class CheckpointManager(Configurable):
     def _mark_complete(self, path: str, marker: Marker, writer: ChecksummingWriter) -> None:
         if self.rank != 0:
             return
-        marker.checksum_algorithm, marker.checksums = ALGORITHM, writer.checksums
-        marker.write(path)
+        checksums = dict(writer.checksums or {})
+        if self.run_config is not None:
+            # Before the marker: a checkpoint is complete with the config that describes it, or not at all.
+            write_text_atomically(os.path.join(path, RUN_CONFIG_NAME), self.run_config)
+            checksums[RUN_CONFIG_NAME] = hash_file(os.path.join(path, RUN_CONFIG_NAME))
+        marker.checksum_algorithm, marker.checksums = ALGORITHM, checksums
+        with self._marker_lock:  # a normal loss may have followed this state while it was written
+            marker.followed_by = self._followed_by.get(marker.step, NOTHING_YET)
+            marker.write(path)
         protected = {marker.step} | ({self._loaded_step} if self._loaded_step is not None else set())
         good = [s for s in scan_steps(self.folder)[0] if s in self.known_good]
         protected |= {max(good)} if good else set()
@@ -527,8 +647,14 @@ class CheckpointManager(Configurable):
         logger.warning("%s; training anyway (checkpoint.on_save_error=warn)", problem)
 
     def _export_hf(self, step: int) -> None:
+        run_config = self.run_config
+
+        def add_config(folder: str) -> None:
+            if run_config is not None:
+                write_text_atomically(os.path.join(folder, RUN_CONFIG_NAME), run_config)
+
         hf_io.export_model_state(self.states["model"].state_dict(), hf_export_dir(self.folder, step), self.hf_adapter,
-                                 EXPORT_DTYPES[self.config.export_dtype], write=self.rank == 0)
+                                 EXPORT_DTYPES[self.config.export_dtype], write=self.rank == 0, extra=add_config)
 
     def close(self) -> None:
         """Wait for a background save; call once at the end of training (also after a seed save)."""
@@ -536,6 +662,14 @@ class CheckpointManager(Configurable):
         if self._save_group is not None:
             dist.destroy_process_group(self._save_group)
             self._save_group = None
+
+
+def _followed_by(path: str) -> str | None:
+    try:
+        marker = Marker.read(path)
+    except ValueError:
+        return None
+    return None if marker is None else marker.followed_by
 
 
 def _model_only(path: str) -> bool:

@@ -1,8 +1,10 @@
-"""The config a checkpoint was trained with: its run's saved ``config.toml``, or a registered config.
+"""The config a checkpoint was trained with: the ``config.toml`` saved with it, or a registered config.
 
-A run writes its resolved config (every override included) to ``<dump_folder>/config.toml`` and its
-checkpoints to ``<dump_folder>/<checkpoint.folder>/step-N``; the export, import and generation scripts
-find the one from the other, so a run trained with ``--model.n_layers 2`` converts with no flags.
+Every checkpoint ``<dump_folder>/<checkpoint.folder>/step-N`` holds the resolved config (every override
+included) of the run that wrote it, ``step-N/config.toml``, and so does a Hugging Face export. The export,
+import and generation scripts read that one, so a run trained with ``--model.n_layers 2`` converts with no
+flags, whatever later runs in the same folder wrote. Checkpoints written before checkpoints carried their
+config fall back to the run's ``<dump_folder>/config.toml``.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ root gives the same result."""
 
 
 def find_run_config(checkpoint_dir: str) -> Path | None:
-    """``config.toml`` of the run that wrote ``checkpoint_dir`` (<dump>/<folder>/step-N), or the file
-    inside it (an exported folder); None when there is none."""
+    """The ``config.toml`` inside ``checkpoint_dir`` (a checkpoint or an exported folder), else that of
+    the run folder above it (<dump>/<folder>/step-N of an older checkpoint); None when there is none."""
     path = Path(checkpoint_dir).resolve()
     for folder in (path, path.parent, path.parent.parent):
         candidate = folder / RUN_CONFIG_NAME

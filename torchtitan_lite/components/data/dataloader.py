@@ -43,8 +43,6 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import torch
-from datasets import Dataset, IterableDataset
-from datasets.distributed import split_dataset_by_node
 
 from torchtitan_lite.components.data.chunked_encode import encode_large, is_large
 from torchtitan_lite.components.data.layout import reshard_refusal
@@ -151,6 +149,10 @@ class TextDataLoader(Configurable):
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.split, self.infinite = split, infinite
+        # datasets is imported when a loader is built, never by inspection commands (--help, --list-configs).
+        from datasets import Dataset
+        from datasets.distributed import split_dataset_by_node
+
         documents = load_split(config, split)
         if isinstance(documents, Dataset) and len(documents) < dp_world_size:
             raise DataSourceError(
@@ -244,6 +246,8 @@ class TextDataLoader(Configurable):
     def _document_groups(self) -> Iterator[_Group]:
         """Groups of documents from the saved position on; the consumer commits each group's end
         position once its documents are tokenised, before asking for the next."""
+        from datasets import IterableDataset
+
         stream = self._stream_groups if isinstance(self.documents, IterableDataset) else self._indexed_groups
         while True:
             produced = False
@@ -338,6 +342,8 @@ class TextDataLoader(Configurable):
     # Checkpointing
 
     def state_dict(self) -> dict[str, Any]:
+        from datasets import IterableDataset
+
         sequence = self._sequence
         return {
             "format": STATE_FORMAT,

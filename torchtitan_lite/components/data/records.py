@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchtitan_lite.components.data.errors import DataSourceError
 from torchtitan_lite.components.data.record_formats import (
     Record,
     array_records,
@@ -67,8 +68,6 @@ def scan(files: list[str], builder: str, text_field: str, policy: BadRecordPolic
 
 def bad_record_error(text: str, reason: str) -> ValueError:
     """The DataSourceError for one bad record under data.on_bad_record=error."""
-    from torchtitan_lite.components.data.sources import DataSourceError
-
     field_hint = (", or point data.text_field at the field that holds the text"
                   if reason in ("missing field", "missing column", "non-string value") else "")
     return DataSourceError(f"{text}; fix the record{field_hint}, or set data.on_bad_record=skip to leave bad "

@@ -21,17 +21,19 @@ import glob
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
-
-import datasets
-from datasets import Dataset, DatasetDict, IterableDataset
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from torchtitan_lite.components.data import prescan, records
 from torchtitan_lite.components.data.corpus import embedded_corpus
+from torchtitan_lite.components.data.errors import DataSourceError
 from torchtitan_lite.components.data.record_formats import MissingCodec, check_codec
+from torchtitan_lite.components.data.records import BadRecordPolicy
 
 if TYPE_CHECKING:
-    from torchtitan_lite.components.data.dataloader import TextDataLoader
+    from datasets import Dataset, IterableDataset
+
+# ``datasets`` (~1 s to import) is imported inside the functions that read a source, so that inspection
+# commands (--help, --list-configs, --print-config) never load it.
 
 Role = Literal["train", "validation"]
 DataFormat = Literal["auto", "json", "jsonl", "parquet", "text", "csv"]
@@ -44,12 +46,24 @@ _COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 _STRING_DTYPES = ("string", "large_string")
 
 
-class DataSourceError(ValueError):
-    """A data source is missing, empty or not shaped as configured; the message says how to fix it."""
+class SourceConfig(Protocol):
+    """The ``data`` settings that say where the documents come from (``TextDataLoader.Config`` holds them)."""
+
+    dataset: str
+    dataset_config: str | None
+    data_format: DataFormat
+    text_field: str
+    train_split: str
+    validation_split: str
+    validation_files: str | None
+    streaming: bool
+    on_bad_record: BadRecordPolicy
 
 
-def load_split(cfg: TextDataLoader.Config, role: Role) -> Dataset | IterableDataset:
+def load_split(cfg: SourceConfig, role: Role) -> Dataset | IterableDataset:
     """The documents of ``role`` as a dataset holding only ``cfg.text_field``, checked for usability."""
+    import datasets
+
     split = cfg.train_split if role == "train" else cfg.validation_split
     kind = source_kind(cfg.dataset)
     check_options(cfg, validation=role == "validation")
@@ -75,7 +89,7 @@ def load_split(cfg: TextDataLoader.Config, role: Role) -> Dataset | IterableData
     return _text_column(ds, cfg.text_field, where, split)
 
 
-def check_options(cfg: TextDataLoader.Config, *, validation: bool) -> None:
+def check_options(cfg: SourceConfig, *, validation: bool) -> None:
     """What ``load_split`` refuses from the options alone, before any file is read: an option the source's
     kind has no use for, and validation of a file source without data.validation_files."""
     kind = source_kind(cfg.dataset)
@@ -140,7 +154,7 @@ def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
 # Source kinds
 
 
-def local_files(pattern: str, cfg: TextDataLoader.Config, where: str) -> tuple[list[str], str, str]:
+def local_files(pattern: str, cfg: SourceConfig, where: str) -> tuple[list[str], str, str]:
     """The files ``pattern`` names, the ``datasets`` builder that reads them and the field holding the text."""
     files = resolve_files(pattern, where)
     builder = infer_format(files, cfg.data_format, where)
@@ -152,7 +166,7 @@ def local_files(pattern: str, cfg: TextDataLoader.Config, where: str) -> tuple[l
     return files, builder, "text" if builder == "text" else cfg.text_field
 
 
-def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str) -> Any:
+def _load_files(pattern: str, cfg: SourceConfig, split: str, where: str) -> Any:
     files, builder, field = local_files(pattern, cfg, where)
     bad = prescan.scan(files, builder, field, cfg.on_bad_record, where)
     if bad.count:
@@ -165,6 +179,8 @@ def _load_files(pattern: str, cfg: TextDataLoader.Config, split: str, where: str
 
 def _reader_options(builder: str, field: str) -> dict[str, Any]:
     """Read only the text column; every CSV cell of it as text (no type guessing, 'NA' is a document)."""
+    import datasets
+
     if builder == "parquet":
         return {"columns": [field]}
     if builder == "csv":
@@ -173,15 +189,19 @@ def _reader_options(builder: str, field: str) -> dict[str, Any]:
     return {}
 
 
-def _load_builder(builder: str, data_files: dict[str, list[str]], cfg: TextDataLoader.Config, split: str, where: str,
+def _load_builder(builder: str, data_files: dict[str, list[str]], cfg: SourceConfig, split: str, where: str,
                   **options: Any) -> Any:
+    import datasets
+
     return _call_datasets(
         lambda: datasets.load_dataset(builder, data_files=data_files, split=split, streaming=cfg.streaming, **options),
         where, split, hint=f"the files must be valid {builder} with one document per "
                            f"{'line' if builder == 'text' else 'record'}")
 
 
-def _load_directory(cfg: TextDataLoader.Config, split: str, where: str) -> Any:
+def _load_directory(cfg: SourceConfig, split: str, where: str) -> Any:
+    import datasets
+
     path = os.path.expanduser(cfg.dataset)
     if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
         return _load_saved(path, cfg, split, where)
@@ -195,12 +215,14 @@ def _load_directory(cfg: TextDataLoader.Config, split: str, where: str) -> Any:
                                                    "(train.jsonl, validation-00000.parquet, ...)")
 
 
-def _load_saved(path: str, cfg: TextDataLoader.Config, split: str, where: str) -> Any:
+def _load_saved(path: str, cfg: SourceConfig, split: str, where: str) -> Any:
     """A folder written by ``save_to_disk``: a DatasetDict is indexed by split name."""
+    import datasets
+
     _reject_dataset_config(cfg, where)
     saved = _call_datasets(lambda: datasets.load_from_disk(path), where, split, hint="the folder must be "
                            "written by Dataset.save_to_disk or DatasetDict.save_to_disk")
-    if isinstance(saved, DatasetDict):
+    if isinstance(saved, datasets.DatasetDict):
         if split not in saved:
             raise DataSourceError(f"{where} has splits {sorted(saved)}, not {split!r}; set "
                                   f"data.train_split / data.validation_split to one of them")
@@ -217,6 +239,8 @@ def _load_saved(path: str, cfg: TextDataLoader.Config, split: str, where: str) -
 
 
 def _text_column(ds: Any, field: str, where: str, split: str) -> Any:
+    from datasets import Dataset, IterableDataset
+
     columns = ds.column_names
     if columns is None:  # a streaming source whose schema is only known from its records
         first = _first_record(ds, where, split)
@@ -272,7 +296,7 @@ def _where(dataset: str) -> str:
     return f"data.dataset={dataset!r}" if kind != "hub" else f"hub dataset data.dataset={dataset!r}"
 
 
-def _reject_dataset_config(cfg: TextDataLoader.Config, where: str) -> None:
+def _reject_dataset_config(cfg: SourceConfig, where: str) -> None:
     if cfg.dataset_config is not None:
         raise DataSourceError(f"data.dataset_config={cfg.dataset_config!r} selects a configuration of a hub "
                               f"dataset or dataset folder; {where} has none, so leave it unset")

@@ -20,18 +20,15 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn as nn
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
 from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.quantization.float8_plan import (
     AUTO_FILTER_SMALL_KN,
-    PlanRow,
     check_edge_fields,
-    float8_plan,
+    check_filter_fqns,
     float8_shape_reason,
-    format_float8_plan,
 )
-from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
 
 logger = logging.getLogger(__name__)
@@ -45,7 +42,7 @@ Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 """torchao's float8 training recipes (Float8LinearConfig.from_recipe_name)."""
 
 
-class Float8LinearConverter(ModelConverter):
+class Float8LinearConverter(LinearQuantizer):
     @dataclass(kw_only=True)
     class Config(ModelConverter.Config):
         kind: ClassVar[str] = "float8"
@@ -83,10 +80,7 @@ class Float8LinearConverter(ModelConverter):
             check_edge_fields(self, _FIELD)
             if self.recipe_name not in RECIPES:
                 raise ValueError(f"{_FIELD}.recipe_name={self.recipe_name!r} is not one of: {', '.join(RECIPES)}")
-            for entry in self.filter_fqns:
-                if not isinstance(entry, str) or not entry:
-                    raise ValueError(f"{_FIELD}.filter_fqns entry {entry!r} would match every module; "
-                                     f"use non-empty FQN substrings such as 'output'")
+            check_filter_fqns(self, _FIELD)
             if self.enable_fsdp_float8_all_gather and self.recipe_name != "tensorwise":
                 raise ValueError(
                     f"{_FIELD}: enable_fsdp_float8_all_gather=True needs recipe_name='tensorwise', got "
@@ -122,13 +116,15 @@ class Float8LinearConverter(ModelConverter):
         self._check_precision()
         self._check_compile()
         self._check_hardware()
+        # torchao is imported when a converter is built, never by inspection commands (--help, --list-configs).
+        from torchao.float8 import Float8LinearConfig
+
         # A fresh torchao config; our own config object is never modified.
         self.float8_config = dataclasses.replace(
             Float8LinearConfig.from_recipe_name(config.recipe_name),
             enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather,
             emulate=config.emulate or self._cpu_emulation_needed(),
         )
-        self.plan: list[PlanRow] | None = None
 
     # ----------------------------------------------------------------------------------------------
     # Cross-section rules
@@ -158,6 +154,10 @@ class Float8LinearConverter(ModelConverter):
             )
 
     def _check_compile(self) -> None:
+        # The advice is about speed on FP8 tensor cores. On a CPU (no FP8 matrix units) or emulated, FP8 checks
+        # numerics and is slower than BF16 with or without compile, so the warning would not be true there.
+        if self.context.device_type != "cuda" or self.config.emulate:
+            return
         if not self.context.compile_model:
             logger.warning(
                 "FP8 training without torch.compile of the model is usually slower than BF16: the float8 "
@@ -187,46 +187,44 @@ class Float8LinearConverter(ModelConverter):
             )
 
     # ----------------------------------------------------------------------------------------------
-    # Converter protocol
+    # The recipe's part of LinearQuantizer
 
-    def convert(self, model: nn.Module) -> None:
-        """Swap the planned Linears of ``model`` (in place) for ``Float8Linear``."""
-        if isinstance(model, nn.Linear):
-            raise ValueError("the float8 converter swaps Linears inside a model in place; pass the parent module")
-        self.plan = float8_plan(model, self.config, output_module=self.context.output_module)
-        planned = {row.fqn for row in self.plan if row.recipe is not None}
+    def swap(self, model: nn.Module, planned: set[str]) -> None:
+        from torchao.float8 import convert_to_float8_training
+
         convert_to_float8_training(model, config=self.float8_config,
                                    module_filter_fn=lambda _module, fqn: fqn in planned)
-        if dist_utils.is_rank0():
-            logger.info("%s", self.explain(model))
 
     def post_optimizer_hook(self, model_parts: Sequence[nn.Module]) -> None:
         """Refresh the float8 scales of FSDP-sharded weights (one batched amax all-reduce per part)."""
         if not self.precompute_scales:
             return
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
         for part in model_parts:
             precompute_float8_dynamic_scale_for_fsdp(part)
 
-    def explain(self, model: nn.Module, *, seq_len: int | None = None,
-                total_flops_per_token: float | None = None) -> str:
-        """The FP8 plan of ``model`` as a table, with the FP8 share of training FLOPs.
-
-        ``seq_len`` defaults to training.seq_len; ``total_flops_per_token`` (forward + backward) to
-        ``model.flops_per_token(seq_len)`` when the model has it, else the share is of Linear FLOPs only.
-        """
-        rows = float8_plan(model, self.config, output_module=self.context.output_module)
-        seq_len = self.context.seq_len if seq_len is None else seq_len
-        flops_fn = getattr(model, "flops_per_token", None)
-        if total_flops_per_token is None and callable(flops_fn):
-            total_flops_per_token = flops_fn(seq_len)
+    def settings(self) -> str:
         cfg = self.config
 
         def state(active: bool, requested: bool) -> str:
             return "on" if active else ("off (no FSDP sharding)" if requested else "off")
 
-        settings = (f"recipe {cfg.recipe_name}, FSDP float8 all-gather "
-                    f"{state(self.fsdp_float8_all_gather, cfg.enable_fsdp_float8_all_gather)}, precomputed scales "
-                    f"{state(self.precompute_scales, cfg.precompute_float8_dynamic_scale_for_fsdp)}"
-                    f"{', emulated' if cfg.emulate else ''}")
-        return f"float8 converter ({settings})\n" + format_float8_plan(
-            rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token)
+        return (f"recipe {cfg.recipe_name}, FSDP float8 all-gather "
+                f"{state(self.fsdp_float8_all_gather, cfg.enable_fsdp_float8_all_gather)}, precomputed scales "
+                f"{state(self.precompute_scales, cfg.precompute_float8_dynamic_scale_for_fsdp)}"
+                f"{', emulated' if cfg.emulate else ''}")
+
+    @property
+    def casts_master_weight(self) -> bool:
+        # Float8Linear casts its own high-precision weight (torchao's float8 casts run outside autocast).
+        return True
+
+    @property
+    def all_gather_itemsize(self) -> int | None:
+        return 1 if self.fsdp_float8_all_gather else None
+
+    @property
+    def float8_tp_communication(self) -> bool:
+        # One scale per tensor: a float8 activation can be gathered across TP ranks and stay valid.
+        return self.config.recipe_name == "tensorwise"

@@ -26,6 +26,8 @@ A Linear stays in high precision when, checked in this order:
 """
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -156,6 +158,15 @@ def check_edge_fields(config: PlannedConverterConfig, field: str) -> None:
                              f"in high precision); use 0 to convert every block")
 
 
+def check_filter_fqns(config: PlannedConverterConfig, field: str) -> None:
+    """Every ``filter_fqns`` entry of a converter config is a non-empty string (``field`` names the converter
+    entry in errors): an empty one would match, and keep in high precision, every module."""
+    for entry in config.filter_fqns:
+        if not isinstance(entry, str) or not entry:
+            raise ValueError(f"{field}.filter_fqns entry {entry!r} would match every module; "
+                             f"use non-empty FQN substrings such as 'output'")
+
+
 def _edge_reason(fqn: str, edges: dict[str, str]) -> str:
     for prefix, reason in edges.items():
         if fqn == prefix or fqn.startswith(prefix + "."):
@@ -187,11 +198,52 @@ def format_float8_plan(rows: list[PlanRow], *, seq_len: int | None = None,
 
     lines = [f"FP8 plan: {converted} of {len(rows)} Linear layers run in FP8", fmt(header)]
     lines += [fmt(line) for line in body]
+    lines.append(_share_line(rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token))
+    return "\n".join(lines)
+
+
+def format_plan_summary(rows: list[PlanRow], *, seq_len: int | None = None,
+                        total_flops_per_token: float | None = None) -> str:
+    """The plan in four lines, for the launch log: Linears per recipe, the others per skip reason, the
+    high-precision edges and the FP8 share (the table of every Linear is --print-fp8-plan's, hundreds of
+    lines for a large model)."""
+    recipes = Counter(r.recipe for r in rows if r.recipe is not None)
+    reasons = Counter(_reason_kind(r.reason) for r in rows if r.recipe is None)
+    converted = sum(recipes.values())
+    per_recipe = ", ".join(f"{n} {recipe}" for recipe, n in recipes.most_common())
+    kept = "; ".join(f"{n} {reason}" for reason, n in reasons.most_common())
+    edges = list(dict.fromkeys(_edge_module(r) for r in rows if r.recipe is None and _is_edge(r.reason)))
+    lines = [f"FP8 plan: {converted} of {len(rows)} Linear layers run in FP8" + (f" ({per_recipe})" if per_recipe else "")
+             + (f"; high precision: {kept}" if kept else ""),
+             f"high-precision edges: {', '.join(edges) if edges else 'none'}",
+             _share_line(rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token),
+             "every Linear with its recipe or skip reason: --print-fp8-plan"]
+    return "\n".join(lines)
+
+
+_EDGE_FIELDS = ("keep_output_hp", "keep_first_blocks_hp", "keep_last_blocks_hp")
+
+
+def _reason_kind(reason: str) -> str:
+    """A skip reason without what differs per layer (its K / N, which block), so that layers group by it."""
+    reason = re.sub(r" \(K=\d+, N=\d+\)$", "", reason)
+    return re.sub(r"^block \d+ of the (first|last) (\d+) ", r"in the \1 \2 block(s) ", reason)
+
+
+def _is_edge(reason: str) -> bool:
+    return any(f"({field})" in reason for field in _EDGE_FIELDS)
+
+
+def _edge_module(row: PlanRow) -> str:
+    """The module a high-precision edge keeps: the output projection itself, or its block (layers.<i>)."""
+    return row.fqn if "(keep_output_hp)" in row.reason else ".".join(row.fqn.split(".")[:2])
+
+
+def _share_line(rows: list[PlanRow], *, seq_len: int | None, total_flops_per_token: float | None) -> str:
     share = fp8_flops_share(rows, total_flops_per_token=total_flops_per_token)
     if total_flops_per_token:
         at = f" at seq_len {seq_len}" if seq_len is not None else ""
         basis = f"of the model's training FLOPs per token{at} (attention included)"
     else:
         basis = "of all Linear matmul FLOPs (attention and other ops not counted)"
-    lines.append(f"FP8 share: {100 * share:.1f}% {basis}; Linear FLOPs counted as 6*in*out per token (fwd+bwd)")
-    return "\n".join(lines)
+    return f"FP8 share: {100 * share:.1f}% {basis}; Linear FLOPs counted as 6*in*out per token (fwd+bwd)"

@@ -23,20 +23,14 @@ compute (or float32 when emulated).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
 import torch.nn as nn
 
-from torchtitan_lite.components.quantization.float8_plan import (
-    PlanRow,
-    check_edge_fields,
-    float8_plan,
-    format_float8_plan,
-)
-from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.components.quantization.float8_plan import check_edge_fields, check_filter_fqns
+from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
 
 logger = logging.getLogger(__name__)
@@ -92,7 +86,7 @@ def decide_mx_kernel(kernel: str, device_type: str, capability: tuple[int, int] 
                                   f"make this an error instead")
 
 
-class MXLinearConverter(ModelConverter):
+class MXLinearConverter(LinearQuantizer):
     """MXFP8 training of nn.Linear layers (torchao MXFP8Linear): 32-element blocks with e8m0 scales."""
 
     @dataclass(kw_only=True)
@@ -130,10 +124,7 @@ class MXLinearConverter(ModelConverter):
                 raise ValueError(f"{_FIELD}.recipe_name={self.recipe_name!r} is not one of: {', '.join(MX_RECIPES)}")
             if self.kernel not in MX_KERNELS:
                 raise ValueError(f"{_FIELD}.kernel={self.kernel!r} is not one of: {', '.join(MX_KERNELS)}")
-            for entry in self.filter_fqns:
-                if not isinstance(entry, str) or not entry:
-                    raise ValueError(f"{_FIELD}.filter_fqns entry {entry!r} would match every module; "
-                                     f"use non-empty FQN substrings such as 'output'")
+            check_filter_fqns(self, _FIELD)
 
     config: MXLinearConverter.Config
 
@@ -148,7 +139,6 @@ class MXLinearConverter(ModelConverter):
         elif self.kernel.emulate is False and not context.compile_model:
             logger.warning("MX training without torch.compile of the model is usually slower than BF16: the MX casts "
                            "run as separate eager kernels. Set compile.enable=true (with 'model' in compile.components)")
-        self.plan: list[PlanRow] | None = None
 
     def _check_precision(self) -> None:
         dtype = self.context.param_dtype
@@ -169,20 +159,13 @@ class MXLinearConverter(ModelConverter):
                              f"{max(MX_BLOCK, seq_len // MX_BLOCK * MX_BLOCK)}, or recipe_name='mxfp8_wgrad_with_hp'")
 
     # ----------------------------------------------------------------------------------------------
-    # Converter protocol
+    # The recipe's part of LinearQuantizer
 
-    def convert(self, model: nn.Module) -> None:
-        """Swap the planned Linears of ``model`` (in place) for MX Linears."""
-        if isinstance(model, nn.Linear):
-            raise ValueError("the mx converter swaps Linears inside a model in place; pass the parent module")
-        self.plan = float8_plan(model, self.config, output_module=self.context.output_module)
-        planned = {row.fqn for row in self.plan if row.recipe is not None}
+    def swap(self, model: nn.Module, planned: set[str]) -> None:
         for fqn in planned:
             parent_fqn, _, name = fqn.rpartition(".")
             parent = model.get_submodule(parent_fqn)
             setattr(parent, name, self.mx_linear(getattr(parent, name)))
-        if dist_utils.is_rank0():
-            logger.info("%s", self.explain(model))
 
     def mx_linear(self, linear: nn.Linear) -> nn.Linear:
         """An MX Linear holding ``linear``'s own parameters (shared, not copied)."""
@@ -191,20 +174,13 @@ class MXLinearConverter(ModelConverter):
         return mx_linear_from(linear, emulate=self.kernel.emulate is not False,
                               wgrad_with_hp=self.config.recipe_name == "mxfp8_wgrad_with_hp")
 
-    def post_optimizer_hook(self, model_parts: Sequence[nn.Module]) -> None:
-        """Nothing to refresh: MX scales are computed from each block on every cast."""
+    def settings(self) -> str:
+        return f"recipe {self.config.recipe_name}, {MX_BLOCK}-element blocks with e8m0 scales; {self.kernel.why}"
 
-    def explain(self, model: nn.Module, *, seq_len: int | None = None,
-                total_flops_per_token: float | None = None) -> str:
-        """The MX plan of ``model`` as a table, with the FP8 share of training FLOPs (see Float8LinearConverter)."""
-        rows = float8_plan(model, self.config, output_module=self.context.output_module)
-        seq_len = self.context.seq_len if seq_len is None else seq_len
-        flops_fn = getattr(model, "flops_per_token", None)
-        if total_flops_per_token is None and callable(flops_fn):
-            total_flops_per_token = flops_fn(seq_len)
-        header = (f"mx converter (recipe {self.config.recipe_name}, {MX_BLOCK}-element blocks with e8m0 scales; "
-                  f"{self.kernel.why})")
-        return header + "\n" + format_float8_plan(rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token)
+    @property
+    def casts_master_weight(self) -> bool:
+        # MXFP8Linear takes its operands in the compute dtype: an autocast copy of the weight without FSDP.
+        return False
 
 
 def _cuda_device(device_type: str) -> tuple[tuple[int, int] | None, str]:

@@ -89,7 +89,9 @@ def _record_steps(trainer: Any) -> tuple[list[tuple[float, float]], dict[str, fl
 
     def timed_train_step(batches: Any) -> Any:
         start = time.perf_counter()
-        result = original(batches)  # ends with float(loss): the device has finished the step
+        result = original(batches)
+        if cuda:  # the step reads nothing back by itself: wait for the device to finish it
+            torch.cuda.synchronize(trainer.device)
         spans.append((start, time.perf_counter()))
         if cuda:
             memory["allocated"] = max(memory["allocated"], torch.cuda.max_memory_allocated(trainer.device) / GIB)

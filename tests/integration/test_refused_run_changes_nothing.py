@@ -1,0 +1,126 @@
+"""A run that is refused leaves every byte of its dump folder as it was.
+
+The folder of a finished run (config.toml, TensorBoard events, two checkpoints) is the starting point;
+each case starts train.py's main in this process with something that must be refused, and compares a
+digest of every file and folder under the dump folder before and after.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+
+TINY = ["--config", "llama3_debug", "--model.n_layers", "2", "--training.seq_len", "32",
+        "--training.local_batch_size", "2", "--validation.enable", "false", "--metrics.log_freq", "1",
+        "--metrics.cpu_peak_tflops", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "1"]
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file, 'dir' for every folder (hidden ones included)."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames:
+            found[os.path.relpath(os.path.join(dirpath, name), folder)] = "dir"
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            found[os.path.relpath(path, folder)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return found
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("finished") / "run"
+    assert train.main([*TINY, "--training.steps", "2", "--job.dump_folder", str(dump)]) == 0
+    assert {"config.toml", "checkpoint/step-1/.complete", "checkpoint/step-2/.complete"} <= set(tree_digest(dump))
+    assert any(name.startswith("tb/events.") for name in tree_digest(dump))
+    return dump
+
+
+@pytest.fixture
+def dump(finished_run, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(finished_run, copy)
+    return copy
+
+
+def refuse(dump: Path, caplog, *extra: str) -> str:
+    """Run train.py's main with ``extra`` on ``dump``; asserts it is refused (exit 1) and changed nothing.
+    Returns the error it logged."""
+    before = tree_digest(dump)
+    with caplog.at_level(logging.ERROR, logger="torchtitan_lite"):
+        assert train.main([*TINY, "--training.steps", "4", "--job.dump_folder", str(dump), *extra]) == 1
+    assert tree_digest(dump) == before
+    return "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+
+
+def test_a_resume_with_other_model_args(dump, caplog):
+    error = refuse(dump, caplog, "--model.n_layers", "3")
+    assert "lacks" in error and "layers.2." in error and "step-2" in error
+
+
+def test_an_unknown_state_to_exclude(dump, caplog):
+    error = refuse(dump, caplog, "--checkpoint.exclude_from_loading", "nosuch")
+    assert "checkpoint.exclude_from_loading has unknown state(s) ['nosuch']" in error
+
+
+@pytest.mark.parametrize("checkpoints", ["saved", "none yet"])
+def test_a_full_disk(dump, caplog, monkeypatch, checkpoints):
+    if checkpoints == "none yet":  # the storage check must not leave the checkpoint folder it created
+        shutil.rmtree(dump / "checkpoint")
+    usage = shutil.disk_usage(dump)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    assert "less than one checkpoint of this run" in refuse(dump, caplog)
+
+
+def test_a_read_only_checkpoint_folder(dump, caplog, monkeypatch):
+    # A read-only bind mount of the checkpoint folder onto itself where this (root) process may mount;
+    # elsewhere the write probe fails the way a read-only filesystem makes it fail.
+    folder = dump / "checkpoint"
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "--bind", "-o", "ro", str(folder), str(folder)], capture_output=True, timeout=30).returncode == 0
+    if not mounted:
+        import errno
+
+        from torchtitan_lite.components.checkpoint import disk
+
+        def read_only_open(*args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        monkeypatch.setattr(disk, "open", read_only_open, raising=False)
+    try:
+        error = refuse(dump, caplog)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=False, timeout=30)
+    assert "cannot write the checkpoint folder" in error and "the filesystem is read-only (EROFS)" in error
+
+
+def test_a_corrupt_checkpoint_asked_for_by_step(dump, caplog):
+    shard = next((dump / "checkpoint" / "step-2").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    error = refuse(dump, caplog, "--checkpoint.load_step", "2")
+    assert "checkpoint.load_step=2" in error and "fails verification" in error
+
+
+def test_a_folder_another_run_holds(dump, caplog):
+    from torchtitan_lite.run_lock import LOCK_NAME, _process_start
+
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
+              "start_time": "", "command": "train.py"}  # this live process
+    (dump / LOCK_NAME).write_text(json.dumps(holder))
+    assert "is in use by another run" in refuse(dump, caplog)

@@ -1,0 +1,40 @@
+"""What a family's parallelize function decides from: the run's layout as ``resolve_run`` settled it.
+
+``ResolvedRun.parallelize_context`` fills it in; a family's ``parallelize_fn`` reads nothing else, so the
+model protocols depend only on the parallel degrees and the config sections below them, never on the run
+or the trainer above.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig
+from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.protocols.model import BaseModel
+
+
+@dataclass(frozen=True)
+class ParallelizeContext:
+    parallel_dims: ParallelDims
+    """Degrees and meshes (built before parallelize is called)."""
+    mp_policy: MixedPrecisionPolicy
+    """FSDP's parameter / reduction dtypes; without data parallelism autocast casts instead."""
+    sequence_parallel: bool
+    """Norms and the residual stream are sharded along the sequence (TP > 1 and enabled)."""
+    loss_parallel: bool
+    """Logits stay sharded by vocabulary (TP > 1 and enabled)."""
+    activation_checkpoint: ActivationCheckpointConfig
+    compile_model: bool
+    """The transformer blocks are compiled."""
+    compile: CompileConfig
+    fsdp_reshard_after_forward: Literal["default", "always", "never"]
+    fsdp_cpu_offload: bool
+
+
+class ParallelizeFn(Protocol):
+    def __call__(self, model: BaseModel, context: ParallelizeContext) -> BaseModel:
+        """Apply TP, AC, compile and FSDP to ``model`` (on meta, meshes built) as ``context`` says; returns it."""
+        ...
