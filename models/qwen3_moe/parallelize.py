@@ -7,16 +7,13 @@ the attention and expert parallelism of the MoE are not wired yet, so a TP degre
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from models.common.experts import GroupedExperts
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, TPInput, build_tp_plan
-
-if TYPE_CHECKING:
-    from torchtitan_lite.resolved_run import ResolvedRun
+from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 logger = logging.getLogger(__name__)
 
@@ -33,27 +30,26 @@ QWEN3_MOE_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
 )
 
 
-def parallelize_qwen3_moe(model: BaseModel, run: ResolvedRun, *, mp_policy: Any) -> BaseModel:
-    """AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``run`` resolved it; returns it."""
+def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> BaseModel:
+    """AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
     from torchtitan_lite.distributed.activation_checkpoint import apply_ac
     from torchtitan_lite.distributed.compile import apply_compile
     from torchtitan_lite.distributed.fsdp import apply_fsdp
 
-    plan, dims = QWEN3_MOE_PARALLEL_PLAN, run.parallel_dims
+    plan, dims = QWEN3_MOE_PARALLEL_PLAN, context.parallel_dims
     if dims.tp_mesh is not None:
         raise ValueError(f"qwen3_moe does not support tensor parallelism yet (parallelism.tp={dims.tp}): its MoE "
                          "feed-forward has no TP plan; set --parallelism.tp 1 and use data parallelism (dp_shard)")
-    _check_compile_dtype(model, run.compile_model, mp_policy.param_dtype)
+    _check_compile_dtype(model, context.compile_model, context.mp_policy.param_dtype)
     layouts = [dims.describe()]
-    ac = apply_ac(model, run.activation_checkpoint.mode, run.activation_checkpoint.selective_option,
+    ac = apply_ac(model, context.activation_checkpoint.mode, context.activation_checkpoint.selective_option,
                   compiled_tp=False)
     layouts.append(f"AC {ac}")
-    if apply_compile(model, run.compile):
-        layouts.append(f"compiled blocks ({run.compile.backend})")
+    if apply_compile(model, context.compile):
+        layouts.append(f"compiled blocks ({context.compile.backend})")
     if dims.fsdp_mesh is not None:
-        apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=mp_policy,
-                   reshard_after_forward=run.parallelism.fsdp_reshard_after_forward,
-                   cpu_offload=run.parallelism.fsdp_cpu_offload)
+        apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=context.mp_policy,
+                   reshard_after_forward=context.fsdp_reshard_after_forward, cpu_offload=context.fsdp_cpu_offload)
     logger.info("parallelized qwen3_moe: %s", ", ".join(layouts))
     return model
 
