@@ -6,6 +6,9 @@ from models.llama3 import LLAMA3_FLAVORS, Llama3ModelArgs, Transformer
 from models.llama3.kv_cache import Llama3KVCache
 from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN, parallelize_llama
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel, Qwen3MoeModelArgs
+from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, parallelize_qwen3_moe
+from models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
 from torchtitan_lite.protocols.model_spec import (
     ModelSpec,
     build_model_args,
@@ -25,6 +28,16 @@ LLAMA3_SPEC = register_model_spec(ModelSpec(
     kv_cache_cls=Llama3KVCache,
 ))
 
+QWEN3_MOE_SPEC = register_model_spec(ModelSpec(
+    name="qwen3_moe",
+    model_cls=Qwen3MoeModel,
+    args_cls=Qwen3MoeModelArgs,
+    flavors=QWEN3_MOE_FLAVORS,
+    parallel_plan=QWEN3_MOE_PARALLEL_PLAN,
+    parallelize_fn=parallelize_qwen3_moe,
+    state_dict_adapter_cls=Qwen3MoeStateDictAdapter,
+))
+
 MODEL_SPECS: dict[str, ModelSpec] = model_specs()
 
-__all__ = ["LLAMA3_SPEC", "MODEL_SPECS", "ModelSpec", "build_model_args", "get_model_spec"]
+__all__ = ["LLAMA3_SPEC", "QWEN3_MOE_SPEC", "MODEL_SPECS", "ModelSpec", "build_model_args", "get_model_spec"]

@@ -136,6 +136,10 @@ class Trainer(Configurable):
         self.lr_schedulers = cfg.lr_scheduler.build(optimizers=self.optimizers, training_steps=cfg.training.steps)
         # Float8 scales for the next forward are refreshed right after each optimizer step.
         self.optimizers.register_step_post_hook(lambda *_: self.converters.post_optimizer_hook(self.model_parts))
+        # State that follows the weights (MoE expert biases) moves once per applied step: the hook does not run
+        # for a step the scaler or the spike policy skipped. One hook per part, on that part's optimizer.
+        for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
+            optimizer.register_step_post_hook(lambda *_, part=part: part.post_optimizer_step(self._dp_group()))
         self.grad_scaler = self.precision.grad_scaler(process_group=None)
 
         self.dataloader = cfg.data.build(
@@ -369,7 +373,8 @@ class Trainer(Configurable):
                 loss_sum, _ = self.loss_fn(logits, labels)
                 loss = loss_sum / global_tokens
                 del logits
-                (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+                objective = self._with_aux_loss(model, loss, len(batches))
+                (self.grad_scaler.scale(objective) if self.grad_scaler else objective).backward()
             loss_total += local_loss(loss.detach())
 
         overflow = self.grad_scaler is not None and self.grad_scaler.unscale_(self.optimizers)
@@ -421,6 +426,14 @@ class Trainer(Configurable):
         if vouched:
             self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
         return read[-1] if read else None
+
+    def _with_aux_loss(self, model: BaseModel, loss: torch.Tensor, n_microbatches: int) -> torch.Tensor:
+        """loss plus the model's auxiliary loss (MoE balancing) as this micro-batch's share of its global mean;
+        the logged loss stays the language-model loss alone."""
+        aux = model.aux_loss()
+        if aux is None:
+            return loss
+        return loss + aux / (n_microbatches * self.parallel_dims.dp_degree)
 
     def _global_target_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # Counted where the labels are (the host) and sent to the device without reading anything back.

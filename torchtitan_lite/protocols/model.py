@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -24,3 +25,17 @@ class BaseModel(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token at ``seq_len``, attention included."""
         raise NotImplementedError
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Auxiliary training loss of the latest training forward (e.g. MoE load balancing), already weighted
+        by its coefficient and averaged over that forward's sequences; None when the model has none.
+
+        The trainer adds it to each micro-batch's loss divided by (micro-batches x data-parallel ranks), so
+        the step optimises its mean over the global batch. Reading it consumes it.
+        """
+        return None
+
+    def post_optimizer_step(self, dp_group: dist.ProcessGroup | None) -> None:
+        """Called once after every optimizer step that changed the weights (not after one the FP16 scaler
+        or the spike policy skipped), e.g. to move MoE expert biases toward balance. ``dp_group``: the
+        data-parallel ranks, over which per-rank statistics are summed so replicated state stays equal."""

@@ -1,0 +1,162 @@
+"""A family-agnostic Mixture-of-Experts feed-forward layer: router -> dispatch -> grouped experts -> combine
+(+ optional shared experts), with both load-balancing schemes.
+
+Replaceable parts, so that later work plugs in without touching this module:
+  * ``experts.grouped_mm`` (models/common/experts.py): the GEMM a low-precision converter swaps;
+  * ``dispatcher`` (models/common/dispatch.py): local sort/unsort today, all-to-all over an expert-parallel
+    mesh later (``dispatch`` / ``combine`` with the same signatures);
+  * the balancing state is two buffers: ``expert_bias`` (persistent: it checkpoints and, being [E],
+    reshards with the experts) and ``tokens_per_expert`` (this step's loads, zeroed by the update).
+
+What the trainer calls (see ``models/common/moe_hooks.py`` for the model-wide forms):
+  * ``aux_loss`` after a forward: this layer's coefficient-weighted balance loss (None when off);
+  * ``update_expert_bias()`` once after each optimizer step that changed the weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.common.dispatch import LocalTokenDispatcher, tokens_per_expert
+from models.common.experts import GroupedExperts
+from models.common.load_balance import expert_bias_delta, sequence_aux_loss
+from models.common.router import SCORE_FUNCS, ScoreFunc, TokenChoiceRouter
+from models.llama3.model import FeedForward
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """Shape and behaviour of one MoE layer (a family's model args hold one)."""
+
+    num_experts: int = 8
+    """Routed experts per layer."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    hidden_dim: int = 256
+    """SwiGLU width of each routed expert."""
+    score_func: ScoreFunc = "softmax"
+    """'softmax' over all experts (Qwen3-MoE, Mixtral) or an independent 'sigmoid' per expert (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Rescale the k chosen scores to sum to 1 before combining."""
+    route_scale: float = 1.0
+    """Multiplies the combine weights (DeepSeek-V3 uses 2.5)."""
+    num_shared_experts: int = 0
+    """Dense SwiGLU experts every token passes through, of width num_shared_experts * hidden_dim; 0: none."""
+    bias_update_rate: float = 0.0
+    """Aux-loss-free balancing: step of the expert-bias update after each optimizer step (DeepSeek-V3: 1e-3);
+    0 keeps the bias at zero and stops counting loads."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the sequence-level balance loss added to the training loss (DeepSeek-V3: 1e-4); 0: off."""
+    use_grouped_mm: bool = True
+    """Run the experts as torch._grouped_mm GEMMs; False runs the per-expert loop (the reference)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "hidden_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"moe args: {name}={value!r} must be a positive integer")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe args: top_k={self.top_k} must not exceed num_experts={self.num_experts}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"moe args: score_func={self.score_func!r} must be one of {', '.join(SCORE_FUNCS)}")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"moe args: num_shared_experts={self.num_shared_experts} must be >= 0")
+        if self.route_scale <= 0:
+            raise ValueError(f"moe args: route_scale={self.route_scale} must be positive")
+        for name in ("bias_update_rate", "aux_loss_coeff"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"moe args: {name}={getattr(self, name)} must be >= 0 (0 turns it off)")
+
+    @property
+    def active_hidden_dim(self) -> int:
+        """SwiGLU width each token passes through: its k routed experts plus the shared ones."""
+        return (self.top_k + self.num_shared_experts) * self.hidden_dim
+
+
+class MoE(nn.Module):
+    """x [batch, seq, dim] -> [batch, seq, dim]."""
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.router = TokenChoiceRouter(dim, args.num_experts, args.top_k, score_func=args.score_func,
+                                        norm_topk_prob=args.norm_topk_prob, route_scale=args.route_scale)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, use_grouped_mm=args.use_grouped_mm)
+        self.shared_experts = (FeedForward(dim, args.num_shared_experts * args.hidden_dim)
+                               if args.num_shared_experts else None)
+        self.dispatcher = LocalTokenDispatcher(args.num_experts)
+        # float32 whatever the model's dtype: a bf16 bias could not hold 1e-3 steps on top of scores ~0.5.
+        self.expert_bias: torch.Tensor
+        self.tokens_per_expert: torch.Tensor
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
+                             persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+        """The coefficient-weighted balance loss of the latest training forward (None when off or in eval)."""
+
+    @property
+    def uses_expert_bias(self) -> bool:
+        return self.args.bias_update_rate > 0
+
+    def init_weights(self, out_proj_std: float, router_std: float = 0.02) -> None:
+        self.router.init_weights(router_std)
+        self.experts.init_weights(out_proj_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(out_proj_std)
+        # Buffers too: after to_empty they hold garbage. The dtype is re-asserted for models cast as a whole.
+        self.expert_bias = torch.zeros_like(self.expert_bias, dtype=torch.float32)
+        self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        routing = self.router(tokens, self.expert_bias if self.uses_expert_bias else None)
+        if self.training:
+            self._record(routing.experts, routing.scores, batch, seq_len, recomputing=_recomputing())
+        rows, counts, handle = self.dispatcher.dispatch(tokens, routing.experts)
+        out = self.dispatcher.combine(self.experts(rows, counts), handle, routing.weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view(batch, seq_len, dim)
+
+    def _record(self, experts: torch.Tensor, scores: torch.Tensor, batch: int, seq_len: int, *,
+                recomputing: bool) -> None:
+        """Count the loads and compute the aux loss of a training forward. An activation-checkpointing
+        recomputation counts nothing (the original forward did) but computes the aux loss again, unused:
+        checkpointing requires the recomputation to save the same tensors as the original forward."""
+        if self.uses_expert_bias and not recomputing:
+            with torch.no_grad():
+                self.tokens_per_expert += tokens_per_expert(experts, self.args.num_experts)
+        if self.args.aux_loss_coeff > 0:
+            aux_loss = self.args.aux_loss_coeff * sequence_aux_loss(
+                scores.view(batch, seq_len, -1), experts.view(batch, seq_len, -1), self.args.num_experts)
+            if not recomputing:
+                self.aux_loss = aux_loss
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
+        """Move the bias toward balance from the loads counted since the last update, then zero them.
+
+        Call once after each optimizer step that applied (not after one the FP16 scaler or the spike
+        policy skipped). ``group``: the data-parallel ranks, whose loads are summed first so that every
+        rank applies the same update and the bias stays replicated.
+        """
+        if not self.uses_expert_bias:
+            return
+        loads = self.tokens_per_expert
+        if group is not None:
+            dist.all_reduce(loads, group=group)
+        self.expert_bias += expert_bias_delta(loads, self.args.bias_update_rate)
+        loads.zero_()
+
+
+def _recomputing() -> bool:
+    """True while autograd runs a backward pass, i.e. when activation checkpointing recomputes this forward:
+    the loads and the aux loss of that recomputation were already recorded by the original forward.
+    A compiled block never re-runs its Python forward (the compiled backward recomputes inside the graph)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1

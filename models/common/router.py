@@ -1,0 +1,73 @@
+"""Token-choice top-k router: each token picks its k experts from a linear gate computed in float32.
+
+The gate stays in float32 whatever the run's precision: the scores decide a discrete choice, and a
+bf16 rounding of near-tied logits would flip experts from one step to the next.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.llama3.init import trunc_normal_
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What the router decided for T tokens (all float32 but the indices)."""
+
+    scores: torch.Tensor
+    """[T, num_experts] affinity of every token to every expert (softmax or sigmoid of the gate logits);
+    the auxiliary loss reads it."""
+    weights: torch.Tensor
+    """[T, top_k] combine weights of the chosen experts: their scores (not the bias), normalised if asked,
+    times route_scale."""
+    experts: torch.Tensor
+    """[T, top_k] int64 chosen expert ids, in decreasing order of selection score."""
+
+
+class TokenChoiceRouter(nn.Module):
+    """x [T, dim] -> Routing. ``expert_bias`` (aux-loss-free balancing) shifts which experts are chosen,
+    never the weights they are combined with (DeepSeek-V3)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, *, score_func: ScoreFunc = "softmax",
+                 norm_topk_prob: bool = True, route_scale: float = 1.0) -> None:
+        super().__init__()
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"router score_func={score_func!r} must be one of {', '.join(SCORE_FUNCS)}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"router top_k={top_k} must be between 1 and num_experts={num_experts}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_func = score_func
+        self.norm_topk_prob = norm_topk_prob
+        self.route_scale = route_scale
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+    def init_weights(self, std: float) -> None:
+        trunc_normal_(self.gate.weight, std=std)
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None) -> Routing:
+        # Autocast would run the gate in bf16/fp16; the float32 copy of x keeps the logits exact.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
+        scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        selection = scores if expert_bias is None else scores + expert_bias.float()
+        experts = torch.topk(selection, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.norm_topk_prob:
+            # The tiny epsilon only guards sigmoid scores that all underflow; it cannot move a float32 sum >= 1e-7.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
+        return Routing(scores=scores, weights=weights, experts=experts)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, score_func={self.score_func}, "
+                f"norm_topk_prob={self.norm_topk_prob}, route_scale={self.route_scale}")

@@ -1,0 +1,273 @@
+"""Hugging Face `Qwen3MoeForCausalLM` <-> our state-dict names, and the matching config.json.
+
+Experts: we hold each layer's experts as three 3-D tensors (w1 = gate, w3 = up [E, hidden, dim]; w2 = down
+[E, dim, hidden]); a Hugging Face checkpoint holds one Linear per expert (``mlp.experts.<j>.gate_proj``
+...). ``to_hf`` writes that per-expert layout, which every transformers version and serving stack reads;
+``from_hf`` also accepts the fused in-memory layout of transformers 5 (``mlp.experts.gate_up_proj``
+[E, 2 * hidden, dim], ``mlp.experts.down_proj``), so a live model's ``state_dict()`` converts too.
+
+Rotary layout: as for Llama 3 (models/llama3/state_dict_adapter.py), our rotary pairs channels (2i, 2i+1)
+and HF's pairs i with i + head_dim / 2, so the rows of wq / wk are permuted per head. Qwen3 normalises q
+and k per head *before* the rotary embedding, so the q_norm / k_norm weights (one per head channel) get
+the same permutation; the RMS itself does not depend on the channel order.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from models.llama3.state_dict_adapter import permute_from_hf, permute_to_hf
+from models.qwen3_moe.args import Qwen3MoeModelArgs
+
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "moe.router.gate.weight": "mlp.gate.weight",
+}
+_EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
+_EXPERT_BIAS = "moe.expert_bias"
+_OUR_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERT_KEY = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_HF_FUSED = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+
+
+def hf_config_dict(args: Qwen3MoeModelArgs, *, torch_dtype: str = "bfloat16", bos_token_id: int | None = None,
+                   eos_token_id: int | None = None) -> dict[str, Any]:
+    """config.json content for `Qwen3MoeForCausalLM`; token ids are written only when given."""
+    m = args.moe
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": args.dim,
+        # Width of HF's dense MLP, used only by layers listed in mlp_only_layers (none here); the published
+        # configs set it to top_k * moe_intermediate_size, as this does.
+        "intermediate_size": m.active_hidden_dim,
+        "moe_intermediate_size": m.hidden_dim,
+        "num_experts": m.num_experts,
+        "num_experts_per_tok": m.top_k,
+        "norm_topk_prob": m.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "num_hidden_layers": args.n_layers,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None,
+        "vocab_size": args.vocab_size,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "max_position_embeddings": args.max_seq_len,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": torch_dtype,
+    }
+    if bos_token_id is not None:
+        config["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+        config["eos_token_id"] = eos_token_id
+    return config
+
+
+class Qwen3MoeStateDictAdapter:
+    """Renames, splits / stacks experts and re-permutes q/k between our full state dict and HF's. Tensors must
+    be whole: gather DTensor-sharded state (get_model_state_dict with full_state_dict=True) first."""
+
+    def __init__(self, args: Qwen3MoeModelArgs) -> None:
+        self.args = args
+
+    def _check_representable(self) -> None:
+        m = self.args.moe
+        unsupported = [f"{name}={value!r}" for name, value, hf in (
+            ("score_func", m.score_func, "softmax"), ("route_scale", m.route_scale, 1.0),
+            ("num_shared_experts", m.num_shared_experts, 0)) if value != hf]
+        if unsupported:
+            raise ValueError(f"Qwen3MoeForCausalLM has a softmax router without route scale or shared experts, "
+                             f"but these model args set {', '.join(unsupported)}; such a model has no Hugging Face "
+                             "Qwen3-MoE form")
+
+    def hf_config_dict(self, **kwargs: Any) -> dict[str, Any]:
+        self._check_representable()
+        return hf_config_dict(self.args, **kwargs)
+
+    # -- names and shapes ----------------------------------------------------------------------------
+
+    def our_keys(self) -> list[str]:
+        """Every key of Qwen3MoeModel(args).state_dict(), tied output included."""
+        per_layer = [*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS]
+        keys = ["tok_embeddings.weight"]
+        for i in range(self.args.n_layers):
+            keys += [f"layers.{i}.{name}" for name in per_layer]
+        return keys + ["norm.weight", "output.weight"]
+
+    def _expected_shape(self, key: str) -> tuple[int, ...]:
+        a, m = self.args, self.args.moe
+        q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        layer_key = _OUR_LAYER_KEY.match(key)
+        name = layer_key.group(2) if layer_key else key
+        return {
+            "tok_embeddings.weight": (a.vocab_size, a.dim),
+            "output.weight": (a.vocab_size, a.dim),
+            "norm.weight": (a.dim,),
+            "attention.wq.weight": (q_out, a.dim),
+            "attention.wk.weight": (kv_out, a.dim),
+            "attention.wv.weight": (kv_out, a.dim),
+            "attention.wo.weight": (a.dim, q_out),
+            "attention.q_norm.weight": (a.head_dim,),
+            "attention.k_norm.weight": (a.head_dim,),
+            "attention_norm.weight": (a.dim,),
+            "ffn_norm.weight": (a.dim,),
+            "moe.router.gate.weight": (m.num_experts, a.dim),
+            "moe.experts.w1": (m.num_experts, m.hidden_dim, a.dim),
+            "moe.experts.w3": (m.num_experts, m.hidden_dim, a.dim),
+            "moe.experts.w2": (m.num_experts, a.dim, m.hidden_dim),
+            _EXPERT_BIAS: (m.num_experts,),
+        }[name]
+
+    def _checked(self, key: str, tensor: torch.Tensor, shown_as: str) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            raise TypeError(f"{shown_as} is a DTensor: gather a full state dict before converting")
+        expected = self._expected_shape(key)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"{shown_as} has shape {tuple(tensor.shape)}, expected {expected} for these model args; "
+                "the checkpoint was saved from a different flavor"
+            )
+        return tensor
+
+    def _check_complete(self, present: set[str], expected: list[str], what: str) -> None:
+        missing = [k for k in expected if k not in present]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise KeyError(f"{what} lacks {len(missing)} expected key(s) (our names): {shown}; pass strict=False "
+                           "for a partial dict")
+
+    def _layer(self, match: re.Match[str] | None, key: str, kind: str) -> tuple[int, str]:
+        if match is None or int(match.group(1)) >= self.args.n_layers:
+            raise KeyError(f"unexpected {kind} key {key!r} for a {self.args.n_layers}-layer Qwen3-MoE model; "
+                           "check that the checkpoint matches the flavor")
+        return int(match.group(1)), match.group(2)
+
+    def _permute(self, name: str, tensor: torch.Tensor, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+        a = self.args
+        if name in ("attention.wq.weight", "attention.wk.weight"):
+            return fn(tensor, a.n_heads if name == "attention.wq.weight" else a.n_kv_heads)
+        if name in ("attention.q_norm.weight", "attention.k_norm.weight"):
+            return fn(tensor.view(a.head_dim, 1), 1).view(a.head_dim)
+        return tensor
+
+    # -- conversions -----------------------------------------------------------------------------------
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> dict[str, torch.Tensor]:
+        """Our names -> HF's per-expert checkpoint layout. A tied model writes no lm_head.weight.
+
+        The expert bias has no HF form: it must be zero (Qwen3-MoE balances with an auxiliary loss), else
+        the export would change which experts the model picks."""
+        self._check_representable()
+        tied = self.args.tie_word_embeddings
+        if strict:
+            expected = [k for k in self.our_keys() if not (tied and k == "output.weight")]
+            self._check_complete(set(state_dict), expected, "state dict")
+        hf: dict[str, torch.Tensor] = {}
+        for key, tensor in state_dict.items():
+            if key in _TOP_LEVEL:
+                if not (tied and key == "output.weight"):
+                    hf[_TOP_LEVEL[key]] = self._checked(key, tensor, key)
+                continue
+            i, name = self._layer(_OUR_LAYER_KEY.match(key), key, "state dict")
+            tensor = self._checked(key, tensor, key) if name in (*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS) else tensor
+            prefix = f"model.layers.{i}."
+            if name in _PER_LAYER:
+                hf[prefix + _PER_LAYER[name]] = self._permute(name, tensor, permute_to_hf)
+            elif name in _EXPERTS:
+                # Clones: slices of one tensor share storage, which safetensors refuses to write.
+                for j in range(tensor.shape[0]):
+                    hf[f"{prefix}mlp.experts.{j}.{_EXPERTS[name]}.weight"] = tensor[j].clone()
+            elif name == _EXPERT_BIAS:
+                if bool(tensor.ne(0).any()):
+                    raise ValueError(f"{key} is not zero: Hugging Face Qwen3-MoE has no expert bias, so the exported "
+                                     "model would route differently; export a model trained with bias_update_rate=0")
+            else:
+                raise KeyError(f"no Hugging Face name for {key!r}: not a Qwen3-MoE weight")
+        return hf
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> dict[str, torch.Tensor]:
+        """HF names (per-expert or transformers 5's fused experts) -> ours; the expert bias is set to zero.
+        With tied embeddings output.weight maps to the embedding tensor; a saved lm_head.weight must equal it."""
+        self._check_representable()
+        a, tied = self.args, self.args.tie_word_embeddings
+        ours: dict[str, torch.Tensor] = {}
+        per_expert: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        lm_head = None
+        for hf_key, tensor in hf_state_dict.items():
+            top = next((k for k, v in _TOP_LEVEL.items() if v == hf_key), None)
+            if top is not None:
+                if top == "output.weight" and tied:
+                    lm_head = tensor
+                else:
+                    ours[top] = self._checked(top, tensor, hf_key)
+                continue
+            i, name = self._layer(_HF_LAYER_KEY.match(hf_key), hf_key, "Hugging Face")
+            prefix = f"layers.{i}."
+            ours_name = next((k for k, v in _PER_LAYER.items() if v == name), None)
+            expert = _HF_EXPERT_KEY.match(name)
+            if ours_name is not None:
+                ours[prefix + ours_name] = self._permute(
+                    ours_name, self._checked(prefix + ours_name, tensor, hf_key), permute_from_hf)
+            elif expert is not None:
+                w = {"gate_proj": "moe.experts.w1", "up_proj": "moe.experts.w3", "down_proj": "moe.experts.w2"}
+                per_expert.setdefault((i, w[expert.group(2)]), {})[int(expert.group(1))] = tensor
+            elif name in _HF_FUSED:
+                for ours_name, part in self._split_fused(name, tensor, hf_key).items():
+                    ours[prefix + ours_name] = self._checked(prefix + ours_name, part, hf_key)
+            else:
+                raise KeyError(f"unexpected Hugging Face key {hf_key!r} for a Qwen3-MoE model")
+        for (i, ours_name), experts in per_expert.items():
+            key = f"layers.{i}.{ours_name}"
+            if sorted(experts) != list(range(a.moe.num_experts)):
+                missing = sorted(set(range(a.moe.num_experts)) - set(experts))
+                raise KeyError(f"layer {i} {_EXPERTS[ours_name]}: experts {missing[:5]} are missing or numbered beyond "
+                               f"num_experts={a.moe.num_experts}; the checkpoint does not match the flavor")
+            ours[key] = self._checked(key, torch.stack([experts[j] for j in range(a.moe.num_experts)]), key)
+        for i in {int(k.split(".")[1]) for k in ours if k.startswith("layers.")}:
+            ours[f"layers.{i}.{_EXPERT_BIAS}"] = torch.zeros(a.moe.num_experts, dtype=torch.float32)
+        if tied:
+            if lm_head is not None and "tok_embeddings.weight" in ours and not torch.equal(
+                    lm_head, ours["tok_embeddings.weight"]):
+                raise ValueError("lm_head.weight differs from model.embed_tokens.weight but the model args tie them; "
+                                 "use a flavor with tie_word_embeddings=False for this checkpoint")
+            if "tok_embeddings.weight" in ours:
+                ours["output.weight"] = ours["tok_embeddings.weight"]
+        if strict:
+            self._check_complete(set(ours), self.our_keys(), "Hugging Face state dict")
+        return ours
+
+    def _split_fused(self, name: str, tensor: torch.Tensor, hf_key: str) -> dict[str, torch.Tensor]:
+        if name == "mlp.experts.down_proj":
+            return {"moe.experts.w2": tensor}
+        hidden = self.args.moe.hidden_dim
+        if tensor.dim() != 3 or tensor.shape[1] != 2 * hidden:
+            raise ValueError(f"{hf_key} has shape {tuple(tensor.shape)}, expected (num_experts, {2 * hidden}, dim) "
+                             "for these model args; the checkpoint was saved from a different flavor")
+        # transformers 5 computes gate, up = (x @ gate_up_proj[e].T).chunk(2): gate rows first.
+        return {"moe.experts.w1": tensor[:, :hidden], "moe.experts.w3": tensor[:, hidden:]}

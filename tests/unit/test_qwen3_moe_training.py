@@ -1,0 +1,121 @@
+"""qwen3_moe through the trainer, in process: it trains, the expert bias moves exactly once per applied step
+(gradient accumulation and full activation checkpointing included, none on a skipped step) and the
+balance loss reaches the gradients."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from config_registry import DEFAULT_REGISTRY
+from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel
+from tests._spike_runs import plant, record_steps, reference_labels
+from torchtitan_lite.config import parse_cli
+from torchtitan_lite.trainer import Trainer
+
+# 2 micro-batches of 2 x 32 tokens per step (global batch 4 on one process), 2 blocks, no validation.
+TINY = ["--model.n_layers", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.global_batch_size", "4", "--validation.enable", "false", "--metrics.log_freq", "1",
+        "--metrics.cpu_peak_tflops", "1", "--checkpoint.enable", "false"]
+TOKENS_PER_STEP = 4 * 32
+
+
+def _flavor(monkeypatch, **moe) -> None:
+    debug = QWEN3_MOE_FLAVORS["debug"]
+    monkeypatch.setitem(QWEN3_MOE_FLAVORS, "debug", dataclasses.replace(debug, moe=dataclasses.replace(debug.moe, **moe)))
+
+
+def _trainer(folder, steps: int, *extra: str) -> Trainer:
+    argv = ["--config", "qwen3_moe_debug", *TINY, "--training.steps", str(steps), "--job.dump_folder", str(folder),
+            *extra]
+    return parse_cli(argv, registry=DEFAULT_REGISTRY).config.build()
+
+
+def _spy_bias_updates(monkeypatch) -> list[float]:
+    """Each call of the post-step hook records the loads layer 0 counted since the previous one."""
+    loads: list[float] = []
+    original = Qwen3MoeModel.post_optimizer_step
+
+    def spy(self, dp_group):
+        loads.append(float(self.layers["0"].moe.tokens_per_expert.sum()))
+        original(self, dp_group)
+
+    monkeypatch.setattr(Qwen3MoeModel, "post_optimizer_step", spy)
+    return loads
+
+
+def test_trains_and_updates_the_bias_once_per_step_with_accumulation_and_full_ac(tmp_path, monkeypatch):
+    _flavor(monkeypatch, bias_update_rate=1e-3)
+    loads = _spy_bias_updates(monkeypatch)
+    trainer = _trainer(tmp_path, 3, "--activation_checkpoint.mode", "full")
+    records = record_steps(trainer)
+    trainer.train()
+    model = trainer.model_parts[0]
+    assert isinstance(model, Qwen3MoeModel) and trainer.n_microbatches == 2
+    # One update per step, each from both micro-batches' tokens counted once (top-2 routing), although full
+    # activation checkpointing re-runs every block's forward in backward.
+    assert loads == [2.0 * TOKENS_PER_STEP] * 3
+    bias = model.layers["0"].moe.expert_bias
+    assert bias.abs().max() > 0 and abs(float(bias.sum())) < 1e-6
+    assert all(torch.isfinite(torch.tensor(r.loss)) for r in records)
+
+
+def test_no_bias_update_on_a_step_the_spike_policy_skipped(tmp_path, monkeypatch):
+    _flavor(monkeypatch, bias_update_rate=1e-3)
+    loads = _spy_bias_updates(monkeypatch)
+    trainer = _trainer(tmp_path, 6, "--training.spike_policy.enable", "true", "--training.spike_policy.min_history",
+                       "3", "--training.spike_policy.max_rollbacks", "0")
+    plant(trainer, reference_labels(trainer, 10)[8:10])  # the two micro-batches of step 5
+    records = record_steps(trainer)
+    trainer.train()
+    assert [r.action for r in records][4] == "skip"
+    assert len(loads) == 5  # 6 steps, one skipped
+    # The skipped step's loads carry into the next applied step's update.
+    assert loads[:4] == [2.0 * TOKENS_PER_STEP] * 4 and loads[4] == 4.0 * TOKENS_PER_STEP
+
+
+def _gate_after_one_step(tmp_path, aux_loss_coeff: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router gate of the last layer before and after one step whose language-model loss is zeroed: only the
+    balance loss can move it. (Earlier layers' experts feed later routers, so only the last layer's experts
+    are out of the balance loss's reach.)"""
+    trainer = _trainer(tmp_path, 1, "--optimizer.weight_decay", "0", "--activation_checkpoint.mode", "full")
+    original = trainer.loss_fn
+    trainer.loss_fn = lambda logits, labels: (lambda s, n: (s * 0.0, n))(*original(logits, labels))
+    moe = trainer.model_parts[0].layers["1"].moe
+    gate, experts = moe.router.gate.weight.detach().clone(), moe.experts.w1.detach().clone()
+    trainer.train()
+    assert torch.equal(moe.experts.w1, experts)  # no gradient reaches the experts from the balance loss
+    return gate, moe.router.gate.weight.detach().clone()
+
+
+@pytest.mark.parametrize("aux_loss_coeff", [0.0, 1e-2])
+def test_the_balance_loss_reaches_the_router(tmp_path, monkeypatch, aux_loss_coeff):
+    _flavor(monkeypatch, aux_loss_coeff=aux_loss_coeff)
+    before, after = _gate_after_one_step(tmp_path, aux_loss_coeff)
+    assert torch.equal(before, after) == (aux_loss_coeff == 0.0)
+
+
+def test_compiling_float32_grouped_experts_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"needs bfloat16 compute, but precision.param_dtype is float32 .* set "
+                                         r"--precision.param_dtype bfloat16 or --compile.enable false"):
+        _trainer(tmp_path, 1, "--compile.enable", "true")
+
+
+def test_a_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_path):
+    """scripts/convert_to_hf.py on a qwen3_moe run: the folder loads in Qwen3MoeForCausalLM and its float32
+    logits equal our model's from the DCP checkpoint (tolerance as in test_qwen3_moe_hf: rounding only)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.unit.test_hf_export_run import _script
+    from torchtitan_lite.components.checkpoint.run_config import config_for_checkpoint
+    from torchtitan_lite.components.generation import load_from_dcp
+
+    trainer = _trainer(tmp_path, 1, "--checkpoint.enable", "true", "--checkpoint.interval", "1")
+    trainer.train()
+    checkpoint = str(tmp_path / "checkpoint" / "step-1")
+    _script("convert_to_hf").main(["--checkpoint", checkpoint, "--output", str(tmp_path / "hf")])
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ours = load_from_dcp(checkpoint, config_for_checkpoint(checkpoint, registry=DEFAULT_REGISTRY)).model
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-5
