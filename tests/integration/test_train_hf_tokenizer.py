@@ -2,6 +2,7 @@
 vocabulary is the tokenizer's."""
 from __future__ import annotations
 
+import math
 import re
 
 from _cli import TINY
@@ -23,5 +24,7 @@ def test_hf_tokenizer_folder_trains_llama3_debug(cli, tmp_path):
     assert logged, out[-3000:]
     assert (int(logged.group(1)), int(logged.group(2))) == (vocab, vocab)
     losses = [float(x) for x in re.findall(r"step +\d+\S*  \S*loss +([\d.]+)", out)]
-    # A fresh model starts near ln(2300) = 7.74 nats: it sees tokens of the whole vocabulary.
-    assert len(losses) == 3 and 7.0 < losses[0] < 8.5, out[-3000:]
+    # A fresh model starts near ln(2300) = 7.74 nats: it sees tokens of the whole vocabulary. The spread of
+    # the initial logits adds up to ~0.8 nats on top, and the tokenizer is trained on the project's own
+    # sources, so the exact figure moves with every change of them: 1 nat either side of ln(2300).
+    assert len(losses) == 3 and abs(losses[0] - math.log(vocab)) < 1.0, out[-3000:]
