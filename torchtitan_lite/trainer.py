@@ -326,8 +326,10 @@ class Trainer(Configurable):
                     logger.info("first step took %.1fs (%.1fs loading data%s)", time.perf_counter() - t0,
                                 data_s, compiled)
                 if values is not None:
+                    model_scalars, model_summary = self._model_stats()
                     self.metrics.log(step, loss=values.loss, grad_norm=values.grad_norm,
-                                     lr=self.lr_schedulers.last_lr, extra=self._extra_metrics())
+                                     lr=self.lr_schedulers.last_lr, extra=self._extra_metrics(),
+                                     scalars=model_scalars, summary=model_summary)
                 if self.spikes is not None and verdict is not None:
                     self.spikes.report(step, verdict, logged=logged)
                     if verdict.action == "rollback":
@@ -475,6 +477,19 @@ class Trainer(Configurable):
             extra["loss_scale"] = float(self.grad_scaler.scale_value)
             extra["skipped_steps"] = float(self.grad_scaler.skipped_steps)
         return extra
+
+    def _model_stats(self) -> tuple[dict[str, float], str | None]:
+        """The models' own statistics since the previous log step (MoE router balance), read in one transfer,
+        and their console summary. Collective: every rank calls it at every log step."""
+        stats: dict[str, torch.Tensor] = {}
+        for part in self.model_parts:
+            stats |= part.training_stats(self._dp_group())
+        if not stats:
+            return {}, None
+        read = torch.stack([value.detach().float().reshape(()) for value in stats.values()]).tolist()
+        values = dict(zip(stats, read, strict=True))
+        summaries = [s for part in self.model_parts if (s := part.training_stats_summary(values))]
+        return values, "  ".join(summaries) or None
 
     def _maybe_validate(self, *, force: bool) -> None:
         if self.validator is None:

@@ -6,7 +6,10 @@ Replaceable parts, so that later work plugs in without touching this module:
   * ``dispatcher`` (models/common/dispatch.py): local sort/unsort today, all-to-all over an expert-parallel
     mesh later (``dispatch`` / ``combine`` with the same signatures);
   * the balancing state is two buffers: ``expert_bias`` (persistent: it checkpoints and, being [E],
-    reshards with the experts) and ``tokens_per_expert`` (this step's loads, zeroed by the update).
+    reshards with the experts) and ``tokens_per_expert`` (this step's loads, zeroed by the update);
+  * what the router metrics read (models/common/router_stats.py) is kept apart, so reading it never disturbs
+    the bias update: ``routed_tokens`` (loads of every training forward since the previous read) and
+    ``aux_loss_window`` (summed balance loss and forwards since then).
 
 What the trainer calls (see ``models/common/moe_hooks.py`` for the model-wide forms):
   * ``aux_loss`` after a forward: this layer's coefficient-weighted balance loss (None when off);
@@ -94,6 +97,12 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
                              persistent=False)
+        # For the metrics, counted whether or not the bias is on. int64: exact over any log interval, and
+        # untouched when a model is cast to a low-precision dtype.
+        self.routed_tokens: torch.Tensor
+        self.aux_loss_window: torch.Tensor
+        self.register_buffer("routed_tokens", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_loss_window", torch.zeros(2, dtype=torch.float32), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         """The coefficient-weighted balance loss of the latest training forward (None when off or in eval)."""
 
@@ -109,6 +118,8 @@ class MoE(nn.Module):
         # Buffers too: after to_empty they hold garbage. The dtype is re-asserted for models cast as a whole.
         self.expert_bias = torch.zeros_like(self.expert_bias, dtype=torch.float32)
         self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, dtype=torch.float32)
+        self.routed_tokens = torch.zeros_like(self.routed_tokens, dtype=torch.int64)
+        self.aux_loss_window = torch.zeros_like(self.aux_loss_window, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, dim = x.shape
@@ -127,14 +138,19 @@ class MoE(nn.Module):
         """Count the loads and compute the aux loss of a training forward. An activation-checkpointing
         recomputation counts nothing (the original forward did) but computes the aux loss again, unused:
         checkpointing requires the recomputation to save the same tensors as the original forward."""
-        if self.uses_expert_bias and not recomputing:
+        if not recomputing:
             with torch.no_grad():
-                self.tokens_per_expert += tokens_per_expert(experts, self.args.num_experts)
+                loads = tokens_per_expert(experts, self.args.num_experts)
+                self.routed_tokens.add_(loads)
+                if self.uses_expert_bias:
+                    self.tokens_per_expert.add_(loads)
         if self.args.aux_loss_coeff > 0:
             aux_loss = self.args.aux_loss_coeff * sequence_aux_loss(
                 scores.view(batch, seq_len, -1), experts.view(batch, seq_len, -1), self.args.num_experts)
             if not recomputing:
                 self.aux_loss = aux_loss
+                with torch.no_grad():  # [sum of the loss, forwards], read by the metrics
+                    self.aux_loss_window.add_(torch.stack([aux_loss.detach().float(), aux_loss.new_ones(())]))
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from models.common.moe import MoE
 from models.common.moe_hooks import moe_aux_loss, update_expert_biases
+from models.common.router_stats import router_stats, router_summary
 from models.llama3.init import trunc_normal_
 from models.llama3.model import RMSNorm
 from models.llama3.rope import RotaryEmbedding
@@ -100,6 +101,13 @@ class Qwen3MoeModel(BaseModel):
     def post_optimizer_step(self, dp_group: dist.ProcessGroup | None) -> None:
         """Move every layer's expert bias toward balance from the loads of the step (when the bias is on)."""
         update_expert_biases(self, dp_group)
+
+    def training_stats(self, dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+        """The routers' load balance since the previous call (models/common/router_stats.py)."""
+        return router_stats(self, dp_group)
+
+    def training_stats_summary(self, values: dict[str, float]) -> str | None:
+        return router_summary(values)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count, every expert included (a tied matrix counted once)."""

@@ -119,3 +119,27 @@ def test_a_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_p
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-5
+
+
+def test_router_metrics_reach_tensorboard_and_the_console(tmp_path, monkeypatch, caplog):
+    from tests.integration._cli import read_scalars
+
+    _flavor(monkeypatch, bias_update_rate=1e-3)
+    trainer = _trainer(tmp_path, 3, "--metrics.log_freq", "2")
+    with caplog.at_level("INFO", logger="torchtitan_lite"):
+        trainer.train()
+    scalars = read_scalars(tmp_path / "tb")
+    layers = ("layers.0", "layers.1")
+    per_layer = [f"moe/{layer}/{stat}" for layer in layers for stat in ("imbalance", "dead_share", "bias_min", "bias_max")]
+    for tag in [*per_layer, "moe/imbalance_max", "moe/dead_share", "moe/aux_loss"]:
+        assert sorted(scalars[tag]) == [1, 2, 3], tag  # the log steps: 1, every log_freq, the last
+    for step in (1, 2, 3):
+        imbalances = [scalars[f"moe/{layer}/imbalance"][step] for layer in layers]
+        # Between balanced (1) and one expert taking every token of its top-2 slots (8 experts / 2 = 4).
+        assert all(1.0 <= value <= 4.0 for value in imbalances)
+        assert scalars["moe/imbalance_max"][step] == max(imbalances)
+        assert scalars["moe/aux_loss"][step] > 0  # the debug flavor's balance loss (coefficient 1e-3)
+    # The bias moved after the first applied step (centred: some experts down, some up).
+    assert scalars["moe/layers.0/bias_min"][3] < 0 < scalars["moe/layers.0/bias_max"][3]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == 3 and all(" moe imb " in line and " dead " in line and " aux " in line for line in lines)

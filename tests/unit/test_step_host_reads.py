@@ -65,6 +65,14 @@ def test_host_reads_per_step(tmp_path, monkeypatch, flags, expected):
     assert reads_per_step(trainer, monkeypatch) == expected
 
 
+def test_moe_router_metrics_are_read_at_log_steps_only(tmp_path, monkeypatch):
+    # The router counts stay on the device between log steps; each log step reads all of them in one more transfer.
+    from tests.unit.test_qwen3_moe_training import _trainer
+
+    trainer = _trainer(tmp_path, STEPS, "--metrics.log_freq", str(LOG_FREQ))
+    assert reads_per_step(trainer, monkeypatch) == {1: 2, 4: 2, 5: 2}
+
+
 def _diverging_at(trainer: Trainer, step: int) -> None:
     """The loss of every step from ``step`` on is NaN."""
     loss_fn = trainer.loss_fn

@@ -12,6 +12,8 @@ TensorBoard tags: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tok
 ``train/tflops``, ``train/mfu`` (percent; omitted when the peak is unknown), ``train/memory_gib``,
 ``train/<key>`` for each extra value, and ``val/loss``; other components add their own tags through
 ``log_scalars`` (the loss-spike policy's ``spike/skipped_steps``, ``spike/rollbacks``, ``spike/z_score``).
+The model's own statistics (MoE router balance: ``moe/<layer>/imbalance`` ..., see
+models/common/router_stats.py) come with each log as full tags and a short summary for the console line.
 With ``fp8_stats_freq``, every FP8 / MX Linear's health on those steps goes to ``fp8/<layer fqn>/<stat>``
 (components/quantization/fp8_stats.py), with the worst layers on the console and a warning naming each
 layer whose cast crosses a threshold.
@@ -266,9 +268,12 @@ class MetricsProcessor(Configurable):
         return logged
 
     def log(
-        self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None
+        self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None,
+        scalars: dict[str, float] | None = None, summary: str | None = None,
     ) -> dict[str, float]:
         """Log one step's numbers with the throughput since the previous log; returns what was computed.
+        ``scalars`` (full tags, e.g. ``moe/imbalance_max``) are written as they are; ``summary`` ends the
+        console line.
 
         Every rank must call it on the same steps (it resets the throughput window and CUDA peak
         memory stats); only rank 0 prints and, unless rank_0_only=False, writes TensorBoard.
@@ -300,11 +305,12 @@ class MetricsProcessor(Configurable):
                 raise ValueError(f"extra metric {key!r} clashes with a built-in train/{key} metric; rename it")
             values[key] = float(value)
 
-        self._write_scalars({f"train/{key}": value for key, value in values.items()}, step)
+        self._write_scalars({f"train/{key}": value for key, value in values.items()} | (scalars or {}), step)
         if self.console:
             global_tokens_per_s = self._tokens * self.dp_degree / elapsed
-            logger.info(self._console_line(step, values, global_tokens_per_s, reserved, extra or {},
-                                           self._eta_seconds(step, now)))
+            line = self._console_line(step, values, global_tokens_per_s, reserved, extra or {},
+                                      self._eta_seconds(step, now))
+            logger.info(f"{line}  {summary}" if summary else line)
 
         self._tokens = 0
         self._excluded_s = 0.0

@@ -39,3 +39,14 @@ class BaseModel(nn.Module):
         """Called once after every optimizer step that changed the weights (not after one the FP16 scaler
         or the spike policy skipped), e.g. to move MoE expert biases toward balance. ``dp_group``: the
         data-parallel ranks, over which per-rank statistics are summed so replicated state stays equal."""
+
+    def training_stats(self, dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+        """Statistics the model gathered over its training forwards since the previous call (e.g. MoE router
+        load balance), as TensorBoard tag -> device scalar, reduced over ``dp_group``; each call starts a new
+        interval. The trainer calls it at log steps only, on every rank (it may be collective), and reads all
+        the values in one transfer. Empty when the model has none."""
+        return {}
+
+    def training_stats_summary(self, values: dict[str, float]) -> str | None:
+        """A short console form of read ``training_stats`` values, appended to the log line; None: nothing."""
+        return None
