@@ -46,17 +46,32 @@ def to_e4m3_saturated(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.float32) * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_1x128(x: torch.Tensor, *, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D tensor (rows x cols) in 1x128 tiles along its last dim: (E4M3 data of the same shape,
-    float32 scales rows x ceil(cols / 128)). A last tile shorter than 128 is scaled by its own amax (zero
-    padding changes neither the amax nor any product)."""
+def _tiles_1x128(x: torch.Tensor, *, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 tiles rows x ceil(cols/128) x 128, their scales rows x ceil(cols/128)) of a 2-D tensor."""
     rows, cols = x.shape
     pad = -cols % BLOCK
     padded = F.pad(x, (0, pad)) if pad else x
     tiles = padded.reshape(rows, -1, BLOCK)
     scale = tile_scales(tiles.abs().amax(dim=-1), power_of_2=power_of_2)
-    data = to_e4m3_saturated(tiles, scale.unsqueeze(-1)).reshape(rows, -1)[:, :cols]
-    return data, scale
+    return to_e4m3_saturated(tiles, scale.unsqueeze(-1)), scale
+
+
+def _blocks_128x128(w: torch.Tensor, *, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 blocks N/128 x 128 x K/128 x 128, their scales N/128 x K/128) of a weight N x K."""
+    n, k = w.shape
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"a 128x128-block weight needs both dims multiples of {BLOCK}, got {n} x {k}")
+    blocks = w.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    scale = tile_scales(blocks.abs().amax(dim=(1, 3)), power_of_2=power_of_2)
+    return to_e4m3_saturated(blocks, scale[:, None, :, None]), scale
+
+
+def quantize_1x128(x: torch.Tensor, *, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor (rows x cols) in 1x128 tiles along its last dim: (E4M3 data of the same shape,
+    float32 scales rows x ceil(cols / 128)). A last tile shorter than 128 is scaled by its own amax (zero
+    padding changes neither the amax nor any product)."""
+    tiles, scale = _tiles_1x128(x, power_of_2=power_of_2)
+    return tiles.reshape(x.shape[0], -1)[:, :x.shape[1]], scale
 
 
 def dequantize_1x128(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -68,13 +83,8 @@ def dequantize_1x128(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_128x128(w: torch.Tensor, *, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight (N x K, both multiples of 128) in 128x128 blocks: (E4M3 data N x K, float32 scales
     N/128 x K/128)."""
-    n, k = w.shape
-    if n % BLOCK or k % BLOCK:
-        raise ValueError(f"a 128x128-block weight needs both dims multiples of {BLOCK}, got {n} x {k}")
-    blocks = w.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    scale = tile_scales(blocks.abs().amax(dim=(1, 3)), power_of_2=power_of_2)
-    data = to_e4m3_saturated(blocks, scale[:, None, :, None]).reshape(n, k)
-    return data, scale
+    blocks, scale = _blocks_128x128(w, power_of_2=power_of_2)
+    return blocks.reshape(w.shape), scale
 
 
 def dequantize_128x128(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -83,14 +93,18 @@ def dequantize_128x128(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return data.to(torch.float32) / per_element
 
 
+# The emulated GEMMs dequantize tile by tile (a broadcast division, no per-element scale tensor): fewer ops, and
+# a form inductor's CPU code generator compiles.
 def fake_1x128(x: torch.Tensor, *, power_of_2: bool) -> torch.Tensor:
     """``x`` quantized in 1x128 tiles along its last dim and dequantized (float32)."""
-    return dequantize_1x128(*quantize_1x128(x, power_of_2=power_of_2))
+    tiles, scale = _tiles_1x128(x, power_of_2=power_of_2)
+    return (tiles.to(torch.float32) / scale.unsqueeze(-1)).reshape(x.shape[0], -1)[:, :x.shape[1]]
 
 
 def fake_128x128(w: torch.Tensor, *, power_of_2: bool) -> torch.Tensor:
     """``w`` quantized in 128x128 blocks and dequantized (float32)."""
-    return dequantize_128x128(*quantize_128x128(w, power_of_2=power_of_2))
+    blocks, scale = _blocks_128x128(w, power_of_2=power_of_2)
+    return (blocks.to(torch.float32) / scale[:, None, :, None]).reshape(w.shape)
 
 
 class _EmulatedBlockwiseMatmul(torch.autograd.Function):
