@@ -34,6 +34,7 @@ from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
     ("auto", "cuda", (9, 0), {"param_dtype": torch.float32}, True, "writes bfloat16 only, and this run computes in "
                                                                    "float32"),
     ("auto", "cuda", (9, 0), {"missing": "no triton"}, True, "blockwise GEMMs emulated: no triton;"),
+    ("auto", "cuda", (9, 0), {"seq_len": 200}, True, "training.seq_len=200 is not a multiple of 128"),
     ("auto", "cuda", None, {}, None, "decided on the GPU at launch (kernel='auto': torchao's kernels on compute "
                                      "capability 9.0, Hopper, else emulated)"),
 ])
@@ -76,7 +77,7 @@ def test_converter_logs_its_choice_once_and_the_plan_shows_it(caplog):
 def test_converter_chooses_torchaos_kernels_on_hopper(monkeypatch):
     _fake_gpu(monkeypatch, (9, 0))
     monkeypatch.setattr(blockwise_module, "native_kernels_missing", lambda: "")
-    converter = Float8BlockwiseConverter.Config(kernel="native").build(context=context(device_type="cuda"))
+    converter = Float8BlockwiseConverter.Config(kernel="native").build(context=context(device_type="cuda", seq_len=256))
     assert converter.kernel.emulate is False
     model = _meta_llama()
     converter.convert(model)

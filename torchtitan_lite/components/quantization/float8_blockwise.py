@@ -10,8 +10,9 @@ Kernels (``kernel``):
 - ``native``: torchao 0.18's ``prototype.blockwise_fp8_training`` GEMM (``torch.nn.functional.scaled_mm``
   with BlockWise1x128 / BlockWise128x128 scales, Triton quantization kernels). Chosen conservatively: only
   on an sm_90 GPU (Hopper, where torchao's prototype is written for), with bfloat16 compute (its GEMM writes
-  bfloat16), float32 scales (its kernels do not round scales to powers of two) and both torchao's module and
-  ``F.scaled_mm`` importable; an error anywhere else. Not testable on a CPU.
+  bfloat16), float32 scales (its kernels do not round scales to powers of two), ``training.seq_len`` a multiple
+  of 128 (whole token tiles for the weight gradient) and both torchao's module and ``F.scaled_mm``
+  importable; an error anywhere else. Not testable on a CPU.
 - ``emulated``: quantizes and dequantizes the same tiles and multiplies in float32, on any device: the same
   numbers as the kernels up to accumulation order, slower than BF16.
 - ``auto`` (default): native where it can run, emulated elsewhere, with the reason logged once and shown at
@@ -65,7 +66,8 @@ def native_kernels_missing() -> str:
 
 def decide_blockwise_kernel(kernel: str, *, device_type: str, capability: tuple[int, int] | None,
                             device_name: str = "the GPU", param_dtype: torch.dtype = torch.bfloat16,
-                            power_of_2: bool = False, missing: str = "") -> BlockwiseKernelDecision:
+                            power_of_2: bool = False, seq_len: int = BLOCK,
+                            missing: str = "") -> BlockwiseKernelDecision:
     """Whether the blockwise GEMMs are emulated; ValueError when ``kernel='native'`` cannot be honoured.
     ``missing`` is ``native_kernels_missing()`` (passed in so the decision is testable without a GPU)."""
     if kernel == "emulated":
@@ -88,6 +90,9 @@ def decide_blockwise_kernel(kernel: str, *, device_type: str, capability: tuple[
                     f"{str(param_dtype).removeprefix('torch.')}")
     elif power_of_2:
         obstacle = "torchao's blockwise kernels compute float32 scales; power_of_2_scales=true needs the emulation"
+    elif seq_len % BLOCK:
+        obstacle = (f"training.seq_len={seq_len} is not a multiple of {BLOCK}: torchao's weight-gradient kernels take "
+                    f"the tokens in whole 1x{BLOCK} tiles (the emulation pads the last one)")
     else:
         return BlockwiseKernelDecision(False, f"torchao's blockwise FP8 kernels on {device_name} ({hopper})")
     if kernel == "native":
@@ -150,7 +155,7 @@ class Float8BlockwiseConverter(LinearQuantizer):
             config.kernel, device_type=context.device_type,
             capability=torch.cuda.get_device_capability() if on_gpu else None,
             device_name=torch.cuda.get_device_name() if on_gpu else "the GPU", param_dtype=context.param_dtype,
-            power_of_2=config.power_of_2_scales,
+            power_of_2=config.power_of_2_scales, seq_len=context.seq_len,
             missing=native_kernels_missing() if on_gpu and config.kernel != "emulated" else "")
         logger.info("%s: %s", _FIELD, self.kernel.why)
 
