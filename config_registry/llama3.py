@@ -11,6 +11,7 @@ from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter, Float8Recipe
+from torchtitan_lite.components.quantization.float8_blockwise import Float8BlockwiseConverter
 from torchtitan_lite.components.quantization.mx import MXLinearConverter
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
@@ -81,6 +82,17 @@ def llama3_debug_mxfp8() -> Trainer.Config:
     output layer kept in BF16)."""
     cfg = llama3_debug_bf16()
     cfg.model_converters = ModelConvertersContainer.Config(converters=[MXLinearConverter.Config(recipe_name="mxfp8")])
+    return cfg
+
+
+@register
+def llama3_debug_fp8_blockwise() -> Trainer.Config:
+    """llama3_debug_bf16 + DeepSeek-V3 blockwise FP8 Linears (1x128 tiles, 128x128 weight blocks, power-of-2
+    scales; emulated on CPU; output layer kept in BF16). Every block Linear of the debug flavor (dims 128, 256,
+    768) is a multiple of 128."""
+    cfg = llama3_debug_bf16()
+    cfg.model_converters = ModelConvertersContainer.Config(
+        converters=[Float8BlockwiseConverter.Config(power_of_2_scales=True)])
     return cfg
 
 
@@ -177,6 +189,16 @@ def llama3_8b_mxfp8() -> Trainer.Config:
     cfg = llama3_8b()
     cfg.compile = CompileConfig(enable=True)
     cfg.model_converters = ModelConvertersContainer.Config(converters=[MXLinearConverter.Config(recipe_name="mxfp8")])
+    return cfg
+
+
+@register
+def llama3_8b_fp8_blockwise() -> Trainer.Config:
+    """llama3_8b + compile + blockwise FP8 on every Linear but the output projection (torchao's kernels on an
+    sm_90 GPU, float32 scales as they compute them; BF16 all-gather)."""
+    cfg = llama3_8b()
+    cfg.compile = CompileConfig(enable=True)
+    cfg.model_converters = ModelConvertersContainer.Config(converters=[Float8BlockwiseConverter.Config()])
     return cfg
 
 

@@ -57,7 +57,8 @@ def test_auto_filter_has_no_rule_for_rowwise_with_gw_hp():
 
 def test_bad_recipe_and_empty_filter_entry():
     with _raises("model_converters.converters[float8].recipe_name='blockwise' is not one of: tensorwise, rowwise, "
-                 "rowwise_with_gw_hp"):
+                 "rowwise_with_gw_hp; DeepSeek-V3 blockwise FP8 is its own converter: --model_converters.converters "
+                 "float8_blockwise"):
         Float8LinearConverter.Config(recipe_name="blockwise")
     with _raises("model_converters.converters[float8].filter_fqns entry '' would match every module"):
         Float8LinearConverter.Config(filter_fqns=["output", ""])

@@ -13,11 +13,9 @@ from _conversion import context
 
 from models.llama3.model import Llama3ModelArgs, Transformer
 from torchtitan_lite.components.quantization import Float8LinearConverter, MXLinearConverter
-from torchtitan_lite.components.quantization.float8_blockwise import REFUSAL
 from torchtitan_lite.components.quantization.float8_plan import float8_plan
 from torchtitan_lite.components.quantization.mx import decide_mx_kernel
 from torchtitan_lite.components.quantization.mx_linear import MXLinear
-from torchtitan_lite.config import ConfigError, parse_cli
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 
 TINY = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
@@ -122,17 +120,6 @@ def test_float8_and_mx_cannot_be_combined():
         ModelConvertersContainer.Config(converters=[Float8LinearConverter.Config(), MXLinearConverter.Config()])
 
 
-def test_blockwise_fp8_is_refused_with_the_reason_and_the_alternatives():
-    with pytest.raises(ConfigError) as err:
-        parse_cli(["--model_converters.converters", "float8_blockwise"], registry=_registry())
-    assert REFUSAL in str(err.value)
-    assert "no CPU path, no emulation" in REFUSAL and "--model_converters.converters mx" in REFUSAL
-
-
-def _registry():
-    from config_registry import DEFAULT_REGISTRY
-
-    return DEFAULT_REGISTRY
 
 
 # --------------------------------------------------------------------------------------------------

@@ -79,7 +79,10 @@ class Float8LinearConverter(LinearQuantizer):
         def __post_init__(self) -> None:
             check_edge_fields(self, _FIELD)
             if self.recipe_name not in RECIPES:
-                raise ValueError(f"{_FIELD}.recipe_name={self.recipe_name!r} is not one of: {', '.join(RECIPES)}")
+                blockwise = ("; DeepSeek-V3 blockwise FP8 is its own converter: --model_converters.converters "
+                             "float8_blockwise" if self.recipe_name == "blockwise" else "")
+                raise ValueError(f"{_FIELD}.recipe_name={self.recipe_name!r} is not one of: {', '.join(RECIPES)}"
+                                 f"{blockwise}")
             check_filter_fqns(self, _FIELD)
             if self.enable_fsdp_float8_all_gather and self.recipe_name != "tensorwise":
                 raise ValueError(

@@ -44,7 +44,12 @@ def is_mx_linear(module: nn.Module) -> bool:
 def high_precision_linears(model_parts: Iterable[nn.Module]) -> Iterator[int]:
     """Inside, every FP8 / MX Linear computes ``nn.Linear.forward`` (F.linear on its own weight, so autocast
     or FSDP's parameter casts decide the dtype); yields how many were switched. Restored on exit."""
+    from torchtitan_lite.components.quantization.blockwise_linear import BlockwiseFP8Linear
+
+    # Blockwise Linears are switched too (they are not in low_precision_linears: FP8 statistics do not measure
+    # them yet).
     switched = [module for part in model_parts for _, module in low_precision_linears(part)]
+    switched += [module for part in model_parts for module in part.modules() if isinstance(module, BlockwiseFP8Linear)]
     for module in switched:
         # An instance attribute shadows the class's forward; deleting it restores the FP8 / MX one.
         module.forward = types.MethodType(nn.Linear.forward, module)  # type: ignore[method-assign]
