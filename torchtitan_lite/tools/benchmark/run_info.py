@@ -4,10 +4,10 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import os
-import platform
 import subprocess
 from dataclasses import dataclass
 
+from torchtitan_lite.components.device_peaks import cpu_model_name
 from torchtitan_lite.tools.repo import REPO_ROOT
 
 
@@ -70,18 +70,6 @@ def git_commit() -> str:
     return head.stdout.strip() + (" + uncommitted changes" if dirty else "")
 
 
-def cpu_name() -> str:
-    """CPU model from /proc/cpuinfo (platform.processor() is often empty on Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cpu_description(threads: int) -> str:
     """CPU model, core count and torch thread count, as the benchmark tables state the device."""
-    return f"{cpu_name()} ({os.cpu_count()} cores, {threads} torch thread{'s' if threads != 1 else ''})"
+    return f"{cpu_model_name()} ({os.cpu_count()} cores, {threads} torch thread{'s' if threads != 1 else ''})"
