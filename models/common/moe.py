@@ -12,7 +12,7 @@ Replaceable parts, so that later work plugs in without touching this module:
     ``aux_loss_window`` (summed balance loss and forwards since then).
 
 What the trainer calls (see ``models/common/moe_hooks.py`` for the model-wide forms):
-  * ``aux_loss`` after a forward: this layer's coefficient-weighted balance loss (None when off);
+  * ``take_aux_loss()`` after a forward: this layer's coefficient-weighted balance loss (None when off);
   * ``update_expert_bias()`` once after each optimizer step that changed the weights.
 """
 from __future__ import annotations
@@ -103,8 +103,12 @@ class MoE(nn.Module):
         self.aux_loss_window: torch.Tensor
         self.register_buffer("routed_tokens", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_window", torch.zeros(2, dtype=torch.float32), persistent=False)
-        self.aux_loss: torch.Tensor | None = None
-        """The coefficient-weighted balance loss of the latest training forward (None when off or in eval)."""
+        # The coefficient-weighted balance loss of the latest training forward, with its
+        # autograd history: a buffer updated in place rather than an attribute assigned in forward, because
+        # torch.compile cannot trace an attribute write inside an activation-checkpointed block. It holds a
+        # loss to read exactly when it requires grad (``take_aux_loss``), which needs no host read.
+        self.aux_loss_pending: torch.Tensor
+        self.register_buffer("aux_loss_pending", torch.zeros((), dtype=torch.float32), persistent=False)
 
     @property
     def uses_expert_bias(self) -> bool:
@@ -120,6 +124,7 @@ class MoE(nn.Module):
         self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, dtype=torch.float32)
         self.routed_tokens = torch.zeros_like(self.routed_tokens, dtype=torch.int64)
         self.aux_loss_window = torch.zeros_like(self.aux_loss_window, dtype=torch.float32)
+        self.aux_loss_pending = torch.zeros_like(self.aux_loss_pending, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, dim = x.shape
@@ -148,9 +153,19 @@ class MoE(nn.Module):
             aux_loss = self.args.aux_loss_coeff * sequence_aux_loss(
                 scores.view(batch, seq_len, -1), experts.view(batch, seq_len, -1), self.args.num_experts)
             if not recomputing:
-                self.aux_loss = aux_loss
+                self.aux_loss_pending.copy_(aux_loss)
                 with torch.no_grad():  # [sum of the loss, forwards], read by the metrics
                     self.aux_loss_window.add_(torch.stack([aux_loss.detach().float(), aux_loss.new_ones(())]))
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The balance loss of the latest training forward (None: none since the previous call, or the loss is off),
+        with its gradient to the router; the layer starts over."""
+        pending = self.aux_loss_pending
+        if not pending.requires_grad:
+            return None
+        loss = pending.clone()
+        pending.detach_().zero_()
+        return loss
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:

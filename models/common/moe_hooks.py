@@ -15,11 +15,7 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
     """Sum of the layers' coefficient-weighted balance losses from the latest training forward; None when
     no layer has one. Each layer's loss is consumed: a second call without a forward in between returns None."""
-    losses = []
-    for layer in moe_layers(model):
-        if layer.aux_loss is not None:
-            losses.append(layer.aux_loss)
-            layer.aux_loss = None
+    losses = [loss for layer in moe_layers(model) if (loss := layer.take_aux_loss()) is not None]
     return torch.stack(losses).sum() if losses else None
 
 
