@@ -7,7 +7,7 @@ from models.llama3.kv_cache import Llama3KVCache
 from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN, parallelize_llama
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel, Qwen3MoeModelArgs
-from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, parallelize_qwen3_moe
+from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, check_qwen3_moe_run, parallelize_qwen3_moe
 from models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
 from torchtitan_lite.protocols.model_spec import (
     ModelSpec,
@@ -36,6 +36,7 @@ QWEN3_MOE_SPEC = register_model_spec(ModelSpec(
     parallel_plan=QWEN3_MOE_PARALLEL_PLAN,
     parallelize_fn=parallelize_qwen3_moe,
     state_dict_adapter_cls=Qwen3MoeStateDictAdapter,
+    check_run=check_qwen3_moe_run,
 ))
 
 MODEL_SPECS: dict[str, ModelSpec] = model_specs()

@@ -27,7 +27,7 @@ from torchtitan_lite.config.sections import (
 )
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConvertersContainer
-from torchtitan_lite.protocols.model_spec import ModelSpec, build_model_args, get_model_spec
+from torchtitan_lite.protocols.model_spec import ModelSpec, RunFacts, build_model_args, get_model_spec
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 if TYPE_CHECKING:
@@ -140,6 +140,8 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
                                   cuda_available=cuda_available)
     compile_model = config.compile.enable and "model" in config.compile.components
+    if spec.check_run is not None:
+        spec.check_run(RunFacts(model_args=args, compile_model=compile_model, param_dtype=precision.param_dtype))
     context = ConversionContext(
         device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
         fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,

@@ -12,7 +12,7 @@ import torch
 
 from models.common.experts import GroupedExperts
 from torchtitan_lite.protocols.model import BaseModel
-from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, TPInput, build_tp_plan
+from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, RunFacts, TPInput, build_tp_plan
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,10 @@ def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> Base
     if dims.tp_mesh is not None:
         raise ValueError(f"qwen3_moe does not support tensor parallelism yet (parallelism.tp={dims.tp}): its MoE "
                          "feed-forward has no TP plan; set --parallelism.tp 1 and use data parallelism (dp_shard)")
-    _check_compile_dtype(model, context.compile_model, context.mp_policy.param_dtype)
+    # Also checked by resolve_run (check_qwen3_moe_run); repeated on the built model for a caller that
+    # parallelizes without resolving a run.
+    grouped_mm = any(isinstance(m, GroupedExperts) and m.use_grouped_mm for m in model.modules())
+    _check_compile_dtype(grouped_mm, context.compile_model, context.mp_policy.param_dtype)
     layouts = [dims.describe()]
     ac = apply_ac(model, context.activation_checkpoint.mode, context.activation_checkpoint.selective_option,
                   compiled_tp=False)
@@ -54,11 +57,15 @@ def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> Base
     return model
 
 
-def _check_compile_dtype(model: BaseModel, compile_model: bool, compute_dtype: torch.dtype | None) -> None:
+def check_qwen3_moe_run(facts: RunFacts) -> None:
+    """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config."""
+    _check_compile_dtype(facts.model_args.moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
+
+
+def _check_compile_dtype(grouped_mm: bool, compile_model: bool, compute_dtype: torch.dtype | None) -> None:
     """torch._grouped_mm runs in any float dtype eagerly, but its traced (meta) form in torch 2.13 accepts only
     bfloat16 operands: a compiled float32 / float16 model would fail inside the compiler."""
-    grouped = any(isinstance(m, GroupedExperts) and m.use_grouped_mm for m in model.modules())
-    if compile_model and grouped and compute_dtype not in (None, torch.bfloat16):
+    if compile_model and grouped_mm and compute_dtype not in (None, torch.bfloat16):
         raise ValueError(
             f"compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype is "
             f"{str(compute_dtype).removeprefix('torch.')} (torch._grouped_mm is traced for bfloat16 only); set "

@@ -218,3 +218,18 @@ def test_a_configuration_for_the_embedded_corpus_is_still_refused_before_launch(
     assert status == 1
     assert ("  - data.dataset_config='en' selects a configuration of a hub dataset or dataset folder; the embedded "
             "corpus has none, so leave it unset") in out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_compiling_grouped_moe_experts_outside_bfloat16_is_refused_before_launch(check, dtype):
+    """The family's own rule (ModelSpec.check_run), applied by resolve_run: refused by --check-config, not
+    after torchrun and the model build."""
+    args = ["--config", "qwen3_moe_debug", "--tokenizer.path", "none", "--data.dataset", "embedded",
+            "--compile.enable", "true", "--precision.param_dtype", dtype]
+    status, _, err = check(args)
+    assert status == 2
+    assert (f"error: compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype is {dtype} "
+            f"(torch._grouped_mm is traced for bfloat16 only); set --precision.param_dtype bfloat16 or "
+            f"--compile.enable false") in err
+    assert check([*args[:-1], "bfloat16"])[0] == 0
+    assert check([*args[:-4], "--precision.param_dtype", dtype])[0] == 0  # eager: any dtype

@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.parallelize import ParallelizeFn
@@ -98,6 +101,21 @@ def build_tp_plan(block_tp: BlockTPPlan, **root: str) -> ParallelPlan:
 
 
 @dataclass(frozen=True)
+class RunFacts:
+    """What a family's ``check_run`` may read of a resolved run."""
+
+    model_args: Any
+    """The family's args, as the run builds them."""
+    compile_model: bool
+    """The blocks are compiled."""
+    param_dtype: torch.dtype
+    """The compute dtype of the parameters (precision.param_dtype, 'auto' decided)."""
+
+
+RunCheck = Callable[[RunFacts], None]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     """Family name, the value of model.name in the config."""
@@ -117,6 +135,9 @@ class ModelSpec:
     """Incremental decoding for generation, called as kv_cache_cls(model, batch_size=, max_len=); the
     instance maps (new tokens, start position) to their logits, caching keys and values. None: generation
     reruns the whole prefix for each new token."""
+    check_run: RunCheck | None = None
+    """Refuses a run the family cannot train (raises ValueError naming the fix). resolve_run calls it, so
+    --check-config refuses before launch what the family's build would refuse after it; None: no rule."""
 
 
 _MODEL_SPECS: dict[str, ModelSpec] = {}
