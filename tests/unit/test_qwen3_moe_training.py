@@ -75,11 +75,13 @@ def test_no_bias_update_on_a_step_the_spike_policy_skipped(tmp_path, monkeypatch
     assert loads[:4] == [2.0 * TOKENS_PER_STEP] * 4 and loads[4] == 4.0 * TOKENS_PER_STEP
 
 
-def _gate_after_one_step(tmp_path, aux_loss_coeff: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _gate_after_one_step(tmp_path, config: str, *extra: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Router gate of the last layer before and after one step whose language-model loss is zeroed: only the
     balance loss can move it. (Earlier layers' experts feed later routers, so only the last layer's experts
     are out of the balance loss's reach.)"""
-    trainer = _trainer(tmp_path, 1, "--optimizer.weight_decay", "0", "--activation_checkpoint.mode", "full")
+    argv = ["--config", config, *TINY, "--training.steps", "1", "--job.dump_folder", str(tmp_path),
+            "--optimizer.weight_decay", "0", "--activation_checkpoint.mode", "full", *extra]
+    trainer = parse_cli(argv, registry=DEFAULT_REGISTRY).config.build()
     original = trainer.loss_fn
     trainer.loss_fn = lambda logits, labels: (lambda s, n: (s * 0.0, n))(*original(logits, labels))
     moe = trainer.model_parts[0].layers["1"].moe
@@ -89,10 +91,13 @@ def _gate_after_one_step(tmp_path, aux_loss_coeff: float) -> tuple[torch.Tensor,
     return gate, moe.router.gate.weight.detach().clone()
 
 
-@pytest.mark.parametrize("aux_loss_coeff", [0.0, 1e-2])
-def test_the_balance_loss_reaches_the_router(tmp_path, monkeypatch, aux_loss_coeff):
+# Compiled (bf16, full AC) only with the loss on: the buffer it lives in must carry its gradient out of the
+# compiled graph; the control without it is the eager case's.
+@pytest.mark.parametrize(("run", "aux_loss_coeff"), [("eager", 0.0), ("eager", 1e-2), ("compiled", 1e-2)])
+def test_the_balance_loss_reaches_the_router(tmp_path, monkeypatch, run, aux_loss_coeff):
     _flavor(monkeypatch, aux_loss_coeff=aux_loss_coeff)
-    before, after = _gate_after_one_step(tmp_path, aux_loss_coeff)
+    config = ("qwen3_moe_debug",) if run == "eager" else ("qwen3_moe_debug_bf16", "--compile.enable", "true")
+    before, after = _gate_after_one_step(tmp_path, *config)
     assert torch.equal(before, after) == (aux_loss_coeff == 0.0)
 
 
