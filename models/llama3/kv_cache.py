@@ -11,7 +11,8 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from models.llama3.attention import Attention, repeat_kv
+from models.common.attention import repeat_kv
+from models.llama3.attention import Attention
 from models.llama3.model import Transformer, TransformerBlock
 from models.llama3.rope import apply_rotary_emb
 

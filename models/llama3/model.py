@@ -5,47 +5,17 @@ from collections.abc import Callable
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from models.common.feed_forward import FeedForward
+from models.common.init import trunc_normal_
+from models.common.rms_norm import RMSNorm
 from models.llama3.args import Llama3ModelArgs, RopeScaling
 from models.llama3.attention import Attention
-from models.llama3.init import trunc_normal_
 from models.llama3.rope import RotaryEmbedding
 from torchtitan_lite.protocols.model import BaseModel
 
 __all__ = ["Llama3ModelArgs", "RopeScaling", "RMSNorm", "FeedForward", "TransformerBlock", "Transformer"]
-
-
-class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm whose weight is cast to the activation dtype before the call.
-
-    torch.rms_norm's fused kernel normalises and scales in float32 and rounds once, but it is only taken
-    when input and weight share a dtype. Under autocast the weight stays float32 while activations are
-    bf16/fp16, which would fall back to a slower, double-rounding path; casting the weight (as FSDP's
-    mixed-precision policy does anyway) gives every precision path the same numerics.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def init_weights(self, out_proj_std: float) -> None:
-        trunc_normal_(self.w1.weight, std=0.02)
-        for linear in (self.w2, self.w3):
-            trunc_normal_(linear.weight, std=out_proj_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

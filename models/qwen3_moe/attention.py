@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.llama3.attention import causal_attention, repeat_kv
-from models.llama3.init import trunc_normal_
-from models.llama3.model import RMSNorm
+from models.common.attention import grouped_query_attention
+from models.common.init import trunc_normal_
+from models.common.rms_norm import RMSNorm
 from models.llama3.rope import apply_rotary_emb
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 
@@ -37,11 +37,4 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q = apply_rotary_emb(q, rope_cache)
         k = apply_rotary_emb(k, rope_cache)
-        n_rep = q.shape[2] // k.shape[2]
-        # As Llama 3's attention: the CPU flash kernel reads shared key/value heads itself (enable_gqa).
-        gqa = n_rep > 1 and q.device.type == "cpu"
-        if not gqa:
-            k = repeat_kv(k, n_rep)
-            v = repeat_kv(v, n_rep)
-        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return self.wo(grouped_query_attention(q, k, v))

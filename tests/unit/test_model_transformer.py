@@ -191,7 +191,7 @@ def test_backward_reaches_every_parameter():
 def test_cpu_reduced_precision_attention_runs_in_float32_and_returns_the_input_dtype():
     # bf16 inputs attended in float32 (CPU autocast on, as in a single-process bf16 run): the result equals
     # float32 attention of the same bf16-rounded inputs, rounded once to bf16.
-    from models.llama3.attention import causal_attention
+    from models.common.attention import causal_attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, heads, 24, 16).bfloat16() for heads in (4, 2, 2))
