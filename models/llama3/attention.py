@@ -6,8 +6,8 @@ from torch import nn
 
 from models.common.attention import grouped_query_attention
 from models.common.init import trunc_normal_
+from models.common.rope import apply_rotary_emb
 from models.llama3.args import Llama3ModelArgs
-from models.llama3.rope import apply_rotary_emb
 
 
 class Attention(nn.Module):

@@ -10,9 +10,9 @@ from torch import nn
 from models.common.feed_forward import FeedForward
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
+from models.common.rope import RotaryEmbedding
 from models.llama3.args import Llama3ModelArgs, RopeScaling
 from models.llama3.attention import Attention
-from models.llama3.rope import RotaryEmbedding
 from torchtitan_lite.protocols.model import BaseModel
 
 __all__ = ["Llama3ModelArgs", "RopeScaling", "RMSNorm", "FeedForward", "TransformerBlock", "Transformer"]

@@ -8,7 +8,7 @@ from torch import nn
 from models.common.attention import grouped_query_attention
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
-from models.llama3.rope import apply_rotary_emb
+from models.common.rope import apply_rotary_emb
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 
 

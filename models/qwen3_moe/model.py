@@ -17,8 +17,8 @@ from models.common.init import trunc_normal_
 from models.common.moe import MoE
 from models.common.moe_hooks import moe_aux_loss, update_expert_biases
 from models.common.rms_norm import RMSNorm
+from models.common.rope import RotaryEmbedding
 from models.common.router_stats import router_stats, router_summary
-from models.llama3.rope import RotaryEmbedding
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 from models.qwen3_moe.attention import Attention
 from torchtitan_lite.protocols.model import BaseModel
