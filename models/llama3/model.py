@@ -1,11 +1,9 @@
 """Llama 3 decoder-only transformer with torchtitan module names (see the HF adapter for the mapping)."""
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from models.common.decoder import Decoder
 from models.common.feed_forward import FeedForward
+from models.common.pre_norm_block import PreNormBlock
 from models.common.rms_norm import RMSNorm
 from models.llama3.args import Llama3ModelArgs, RopeScaling
 from models.llama3.attention import Attention
@@ -13,27 +11,14 @@ from models.llama3.attention import Attention
 __all__ = ["Llama3ModelArgs", "RopeScaling", "RMSNorm", "FeedForward", "TransformerBlock", "Transformer"]
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
+    """Attention and a SwiGLU feed-forward (`feed_forward`), each behind an RMSNorm on a residual branch."""
+
+    attention: Attention
+    feed_forward: FeedForward
+
     def __init__(self, layer_id: int, args: Llama3ModelArgs) -> None:
-        super().__init__()
-        self.attention = Attention(args)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        # Smaller init for the projections that write into the residual stream keeps its variance from
-        # growing with depth (GPT-2 / torchtitan scheme).
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_proj_std = 0.02 / (2 * depth) ** 0.5
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.out_proj_std)
-        self.feed_forward.init_weights(self.out_proj_std)
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        super().__init__(layer_id, args, Attention(args), "feed_forward", FeedForward(args.dim, args.ffn_hidden_dim))
 
 
 class Transformer(Decoder[Llama3ModelArgs]):

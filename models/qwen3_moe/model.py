@@ -8,36 +8,24 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from models.common.decoder import Decoder
 from models.common.moe import MoE
 from models.common.moe_hooks import moe_aux_loss, update_expert_biases
-from models.common.rms_norm import RMSNorm
+from models.common.pre_norm_block import PreNormBlock
 from models.common.router_stats import router_stats, router_summary
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 from models.qwen3_moe.attention import Attention
 
 
-class Qwen3MoeBlock(nn.Module):
+class Qwen3MoeBlock(PreNormBlock):
+    """QK-norm attention and an MoE feed-forward (`moe`), each behind an RMSNorm on a residual branch."""
+
+    attention: Attention
+    moe: MoE
+
     def __init__(self, layer_id: int, args: Qwen3MoeModelArgs) -> None:
-        super().__init__()
-        self.attention = Attention(args)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe = MoE(args.dim, args.moe)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_proj_std = 0.02 / (2 * depth) ** 0.5
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.out_proj_std)
-        self.moe.init_weights(self.out_proj_std)
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
-        return h + self.moe(self.ffn_norm(h))
+        super().__init__(layer_id, args, Attention(args), "moe", MoE(args.dim, args.moe))
 
 
 class Qwen3MoeModel(Decoder[Qwen3MoeModelArgs]):
