@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from models.common.hf_config import attention_fields, with_token_ids
 from models.common.hf_names import (
     ATTENTION,
     BLOCK_NORMS,
@@ -55,13 +56,7 @@ def hf_config_dict(args: Llama3ModelArgs, *, torch_dtype: str = "bfloat16", bos_
         "model_type": "llama",
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "num_hidden_layers": args.n_layers,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
+        **attention_fields(args),
         "rope_scaling": rope_scaling,
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_word_embeddings,
@@ -74,11 +69,7 @@ def hf_config_dict(args: Llama3ModelArgs, *, torch_dtype: str = "bfloat16", bos_
         "use_cache": True,
         "torch_dtype": torch_dtype,
     }
-    if bos_token_id is not None:
-        config["bos_token_id"] = bos_token_id
-    if eos_token_id is not None:
-        config["eos_token_id"] = eos_token_id
-    return config
+    return with_token_ids(config, bos_token_id, eos_token_id)
 
 
 class Llama3StateDictAdapter:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from models.common.hf_config import attention_fields, with_token_ids
 from models.common.hf_names import (
     ATTENTION,
     BLOCK_NORMS,
@@ -63,13 +64,7 @@ def hf_config_dict(args: Qwen3MoeModelArgs, *, torch_dtype: str = "bfloat16", bo
         "norm_topk_prob": m.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "num_hidden_layers": args.n_layers,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
+        **attention_fields(args),
         "rope_scaling": None,
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_word_embeddings,
@@ -81,11 +76,7 @@ def hf_config_dict(args: Qwen3MoeModelArgs, *, torch_dtype: str = "bfloat16", bo
         "use_cache": True,
         "torch_dtype": torch_dtype,
     }
-    if bos_token_id is not None:
-        config["bos_token_id"] = bos_token_id
-    if eos_token_id is not None:
-        config["eos_token_id"] = eos_token_id
-    return config
+    return with_token_ids(config, bos_token_id, eos_token_id)
 
 
 class Qwen3MoeStateDictAdapter:
