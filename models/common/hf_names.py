@@ -6,7 +6,8 @@ ffn_norm, norm, output); HF's decoders share theirs (model.embed_tokens, model.l
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 
@@ -33,6 +34,53 @@ BLOCK_NORMS = {
 
 OUR_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class ShapeArgs(Protocol):
+    """The model arguments the shared shapes read."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def decoder_keys(n_layers: int, per_layer: Iterable[str]) -> list[str]:
+    """Every state-dict key of a decoder whose blocks hold `per_layer`, tied output included, in module order."""
+    names = list(per_layer)
+    keys = ["tok_embeddings.weight"]
+    for i in range(n_layers):
+        keys += [f"layers.{i}.{name}" for name in names]
+    return keys + ["norm.weight", "output.weight"]
+
+
+def block_name(key: str) -> str:
+    """The name inside its block of a layers.<i>.<name> key; any other key unchanged."""
+    layer_key = OUR_LAYER_KEY.match(key)
+    return layer_key.group(2) if layer_key else key
+
+
+def decoder_shapes(args: ShapeArgs) -> dict[str, tuple[int, ...]]:
+    """Shapes of the top-level weights, the attention projections and the block norms (block names)."""
+    a = args
+    q_out, kv_out = a.n_heads * a.head_dim, a.kv_heads * a.head_dim
+    return {
+        "tok_embeddings.weight": (a.vocab_size, a.dim),
+        "output.weight": (a.vocab_size, a.dim),
+        "norm.weight": (a.dim,),
+        "attention.wq.weight": (q_out, a.dim),
+        "attention.wk.weight": (kv_out, a.dim),
+        "attention.wv.weight": (kv_out, a.dim),
+        "attention.wo.weight": (a.dim, q_out),
+        "attention_norm.weight": (a.dim,),
+        "ffn_norm.weight": (a.dim,),
+    }
 
 
 def check_shape(tensor: torch.Tensor, expected: tuple[int, ...], shown_as: str) -> torch.Tensor:

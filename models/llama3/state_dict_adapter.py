@@ -18,8 +18,11 @@ from models.common.hf_names import (
     HF_LAYER_KEY,
     OUR_LAYER_KEY,
     TOP_LEVEL,
+    block_name,
     check_complete,
     check_shape,
+    decoder_keys,
+    decoder_shapes,
     tie_output,
 )
 from models.common.hf_rotary import permute_from_hf, permute_to_hf
@@ -87,10 +90,7 @@ class Llama3StateDictAdapter:
 
     def our_keys(self) -> list[str]:
         """Every key of Transformer(args).state_dict(), tied output included."""
-        keys = ["tok_embeddings.weight"]
-        for i in range(self.args.n_layers):
-            keys += [f"layers.{i}.{name}" for name in _PER_LAYER]
-        return keys + ["norm.weight", "output.weight"]
+        return decoder_keys(self.args.n_layers, _PER_LAYER)
 
     def to_hf_key(self, key: str) -> str:
         if key in TOP_LEVEL:
@@ -116,23 +116,12 @@ class Llama3StateDictAdapter:
 
     def _expected_shape(self, key: str) -> tuple[int, ...]:
         a = self.args
-        q_out, kv_out = a.n_heads * a.head_dim, a.kv_heads * a.head_dim
-        layer_key = OUR_LAYER_KEY.match(key)
-        name = layer_key.group(2) if layer_key else key
         return {
-            "tok_embeddings.weight": (a.vocab_size, a.dim),
-            "output.weight": (a.vocab_size, a.dim),
-            "norm.weight": (a.dim,),
-            "attention.wq.weight": (q_out, a.dim),
-            "attention.wk.weight": (kv_out, a.dim),
-            "attention.wv.weight": (kv_out, a.dim),
-            "attention.wo.weight": (a.dim, q_out),
+            **decoder_shapes(a),
             "feed_forward.w1.weight": (a.ffn_hidden_dim, a.dim),
             "feed_forward.w2.weight": (a.dim, a.ffn_hidden_dim),
             "feed_forward.w3.weight": (a.ffn_hidden_dim, a.dim),
-            "attention_norm.weight": (a.dim,),
-            "ffn_norm.weight": (a.dim,),
-        }[name]
+        }[block_name(key)]
 
     def _checked(self, key: str, tensor: torch.Tensor, shown_as: str) -> torch.Tensor:
         return check_shape(tensor, self._expected_shape(key), shown_as)

@@ -27,8 +27,11 @@ from models.common.hf_names import (
     HF_LAYER_KEY,
     OUR_LAYER_KEY,
     TOP_LEVEL,
+    block_name,
     check_complete,
     check_shape,
+    decoder_keys,
+    decoder_shapes,
     tie_output,
 )
 from models.common.hf_rotary import permute_from_hf, permute_to_hf
@@ -104,35 +107,20 @@ class Qwen3MoeStateDictAdapter:
 
     def our_keys(self) -> list[str]:
         """Every key of Qwen3MoeModel(args).state_dict(), tied output included."""
-        per_layer = [*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS]
-        keys = ["tok_embeddings.weight"]
-        for i in range(self.args.n_layers):
-            keys += [f"layers.{i}.{name}" for name in per_layer]
-        return keys + ["norm.weight", "output.weight"]
+        return decoder_keys(self.args.n_layers, [*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS])
 
     def _expected_shape(self, key: str) -> tuple[int, ...]:
         a, m = self.args, self.args.moe
-        q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        layer_key = OUR_LAYER_KEY.match(key)
-        name = layer_key.group(2) if layer_key else key
         return {
-            "tok_embeddings.weight": (a.vocab_size, a.dim),
-            "output.weight": (a.vocab_size, a.dim),
-            "norm.weight": (a.dim,),
-            "attention.wq.weight": (q_out, a.dim),
-            "attention.wk.weight": (kv_out, a.dim),
-            "attention.wv.weight": (kv_out, a.dim),
-            "attention.wo.weight": (a.dim, q_out),
+            **decoder_shapes(a),
             "attention.q_norm.weight": (a.head_dim,),
             "attention.k_norm.weight": (a.head_dim,),
-            "attention_norm.weight": (a.dim,),
-            "ffn_norm.weight": (a.dim,),
             "moe.router.gate.weight": (m.num_experts, a.dim),
             "moe.experts.w1": (m.num_experts, m.hidden_dim, a.dim),
             "moe.experts.w3": (m.num_experts, m.hidden_dim, a.dim),
             "moe.experts.w2": (m.num_experts, a.dim, m.hidden_dim),
             _EXPERT_BIAS: (m.num_experts,),
-        }[name]
+        }[block_name(key)]
 
     def _checked(self, key: str, tensor: torch.Tensor, shown_as: str) -> torch.Tensor:
         if isinstance(tensor, DTensor):
