@@ -1,8 +1,12 @@
-"""The attention core shared by every family: causal grouped-query SDPA over rotated q / k and v."""
+"""The attention every family shares: q / k / v projections, rotary embedding, causal grouped-query SDPA."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from models.common.init import trunc_normal_
+from models.common.rope import apply_rotary_emb
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -13,6 +17,42 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, :, None, :].expand(bsz, seqlen, n_kv_heads, n_rep, head_dim).reshape(
         bsz, seqlen, n_kv_heads * n_rep, head_dim
     )
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings (wq, wk, wv, wo without bias).
+
+    head_dim is its own argument: Llama 3 derives it as dim / n_heads, Qwen3 sets it. A family that
+    normalises q and k per head overrides `norm_qk`."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def init_weights(self, out_proj_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            trunc_normal_(linear.weight, std=0.02)
+        trunc_normal_(self.wo.weight, std=out_proj_std)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [batch, seq, heads, head_dim] before the rotary embedding; unchanged here."""
+        return q, k
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # Head counts come from the projections' outputs, not from the args: under tensor parallelism each
+        # rank holds n_heads / tp query heads and n_kv_heads / tp key/value heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = self.norm_qk(q, k)
+        q = apply_rotary_emb(q, rope_cache)
+        k = apply_rotary_emb(k, rope_cache)
+        return self.wo(grouped_query_attention(q, k, v))
 
 
 def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
