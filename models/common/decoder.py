@@ -12,32 +12,12 @@ from typing import Generic, Protocol, TypeVar, cast
 import torch
 from torch import nn
 
+from models.common.decoder_args import DecoderArgs
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
 from models.common.rope import RotaryEmbedding
 from models.common.rope_scaling import RopeScaling
 from torchtitan_lite.protocols.model import BaseModel
-
-
-class DecoderArgs(Protocol):
-    """The model arguments the skeleton reads."""
-
-    @property
-    def dim(self) -> int: ...
-    @property
-    def n_layers(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def max_seq_len(self) -> int: ...
-    @property
-    def rope_theta(self) -> float: ...
-    @property
-    def norm_eps(self) -> float: ...
-    @property
-    def tie_word_embeddings(self) -> bool: ...
 
 
 class DecoderBlock(Protocol):

@@ -1,27 +1,12 @@
 """config.json fields every decoder family writes the same way for Hugging Face."""
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
+
+from models.common.decoder_args import DecoderArgs
 
 
-class HFConfigArgs(Protocol):
-    """The model arguments the shared fields read."""
-
-    @property
-    def n_heads(self) -> int: ...
-    @property
-    def kv_heads(self) -> int: ...
-    @property
-    def n_layers(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def norm_eps(self) -> float: ...
-    @property
-    def rope_theta(self) -> float: ...
-
-
-def attention_fields(args: HFConfigArgs) -> dict[str, Any]:
+def attention_fields(args: DecoderArgs) -> dict[str, Any]:
     """Head counts, depth, activation, norm epsilon and rotary base, under HF's names."""
     return {
         "num_attention_heads": args.n_heads,

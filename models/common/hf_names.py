@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 import torch
+
+from models.common.decoder_args import DecoderArgs
 
 TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -36,21 +37,6 @@ OUR_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-class ShapeArgs(Protocol):
-    """The model arguments the shared shapes read."""
-
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def dim(self) -> int: ...
-    @property
-    def n_heads(self) -> int: ...
-    @property
-    def kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-
-
 def decoder_keys(n_layers: int, per_layer: Iterable[str]) -> list[str]:
     """Every state-dict key of a decoder whose blocks hold `per_layer`, tied output included, in module order."""
     names = list(per_layer)
@@ -66,7 +52,7 @@ def block_name(key: str) -> str:
     return layer_key.group(2) if layer_key else key
 
 
-def decoder_shapes(args: ShapeArgs) -> dict[str, tuple[int, ...]]:
+def decoder_shapes(args: DecoderArgs) -> dict[str, tuple[int, ...]]:
     """Shapes of the top-level weights, the attention projections and the block norms (block names)."""
     a = args
     q_out, kv_out = a.n_heads * a.head_dim, a.kv_heads * a.head_dim

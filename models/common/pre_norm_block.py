@@ -6,20 +6,8 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from models.common.decoder_args import DecoderArgs
 from models.common.rms_norm import RMSNorm
-
-
-class BlockArgs(Protocol):
-    """The model arguments the block reads."""
-
-    @property
-    def dim(self) -> int: ...
-    @property
-    def n_layers(self) -> int: ...
-    @property
-    def norm_eps(self) -> float: ...
-    @property
-    def depth_init(self) -> bool: ...
 
 
 class BlockPart(Protocol):
@@ -34,7 +22,7 @@ class PreNormBlock(nn.Module):
     The feed-forward part is registered under the family's name for it (`feed_forward`, `moe`), between the
     two norms, so that each family keeps its state-dict keys and parameter order."""
 
-    def __init__(self, layer_id: int, args: BlockArgs, attention: nn.Module, ffn_name: str, ffn: nn.Module) -> None:
+    def __init__(self, layer_id: int, args: DecoderArgs, attention: nn.Module, ffn_name: str, ffn: nn.Module) -> None:
         super().__init__()
         self.attention = attention
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
