@@ -11,31 +11,19 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from models.common import hf_names
 from models.common.hf_config import attention_fields, with_token_ids
-from models.common.hf_names import (
-    ATTENTION,
-    BLOCK_NORMS,
-    HF_LAYER_KEY,
-    OUR_LAYER_KEY,
-    TOP_LEVEL,
-    block_name,
-    check_complete,
-    check_shape,
-    decoder_keys,
-    decoder_shapes,
-    tie_output,
-)
 from models.common.hf_rotary import permute_from_hf, permute_to_hf
 from models.llama3.args import Llama3ModelArgs
 
 __all__ = ["Llama3StateDictAdapter", "hf_config_dict", "permute_from_hf", "permute_to_hf"]
 
 _PER_LAYER = {
-    **ATTENTION,
+    **hf_names.ATTENTION,
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
-    **BLOCK_NORMS,
+    **hf_names.BLOCK_NORMS,
 }
 # Buffers that older transformers versions saved next to the weights; they carry no learned state.
 _HF_IGNORED_KEY = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -90,21 +78,21 @@ class Llama3StateDictAdapter:
 
     def our_keys(self) -> list[str]:
         """Every key of Transformer(args).state_dict(), tied output included."""
-        return decoder_keys(self.args.n_layers, _PER_LAYER)
+        return hf_names.decoder_keys(self.args.n_layers, _PER_LAYER)
 
     def to_hf_key(self, key: str) -> str:
-        if key in TOP_LEVEL:
-            return TOP_LEVEL[key]
-        m = OUR_LAYER_KEY.match(key)
+        if key in hf_names.TOP_LEVEL:
+            return hf_names.TOP_LEVEL[key]
+        m = hf_names.OUR_LAYER_KEY.match(key)
         if m and m.group(2) in _PER_LAYER and int(m.group(1)) < self.args.n_layers:
             return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}"
         raise KeyError(f"no Hugging Face name for {key!r}: not a Llama 3 weight of a {self.args.n_layers}-layer model")
 
     def from_hf_key(self, hf_key: str) -> str:
-        for ours, theirs in TOP_LEVEL.items():
+        for ours, theirs in hf_names.TOP_LEVEL.items():
             if hf_key == theirs:
                 return ours
-        m = HF_LAYER_KEY.match(hf_key)
+        m = hf_names.HF_LAYER_KEY.match(hf_key)
         if m and int(m.group(1)) < self.args.n_layers:
             for ours, theirs in _PER_LAYER.items():
                 if m.group(2) == theirs:
@@ -117,14 +105,14 @@ class Llama3StateDictAdapter:
     def _expected_shape(self, key: str) -> tuple[int, ...]:
         a = self.args
         return {
-            **decoder_shapes(a),
+            **hf_names.decoder_shapes(a),
             "feed_forward.w1.weight": (a.ffn_hidden_dim, a.dim),
             "feed_forward.w2.weight": (a.dim, a.ffn_hidden_dim),
             "feed_forward.w3.weight": (a.ffn_hidden_dim, a.dim),
-        }[block_name(key)]
+        }[hf_names.block_name(key)]
 
     def _checked(self, key: str, tensor: torch.Tensor, shown_as: str) -> torch.Tensor:
-        return check_shape(tensor, self._expected_shape(key), shown_as)
+        return hf_names.check_shape(tensor, self._expected_shape(key), shown_as)
 
     def _permute(self, key: str, tensor: torch.Tensor, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
         if key.endswith(("attention.wq.weight", "attention.wk.weight")):
@@ -140,7 +128,7 @@ class Llama3StateDictAdapter:
         """Our names -> HF names. A tied model writes no lm_head.weight (HF re-ties it from embed_tokens)."""
         if strict:
             expected = [k for k in self.our_keys() if not (self.args.tie_word_embeddings and k == "output.weight")]
-            check_complete(set(state_dict), expected, "state dict")
+            hf_names.check_complete(set(state_dict), expected, "state dict")
         hf: dict[str, torch.Tensor] = {}
         for key, tensor in state_dict.items():
             hf_key = self.to_hf_key(key)
@@ -164,7 +152,7 @@ class Llama3StateDictAdapter:
                 continue
             ours[key] = self._permute(key, self._checked(key, tensor, hf_key), permute_from_hf)
         if tied:
-            tie_output(ours, lm_head)
+            hf_names.tie_output(ours, lm_head)
         if strict:
-            check_complete(set(ours), self.our_keys(), "Hugging Face state dict", show=self.to_hf_key)
+            hf_names.check_complete(set(ours), self.our_keys(), "Hugging Face state dict", show=self.to_hf_key)
         return ours

@@ -20,28 +20,16 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from models.common import hf_names
 from models.common.hf_config import attention_fields, with_token_ids
-from models.common.hf_names import (
-    ATTENTION,
-    BLOCK_NORMS,
-    HF_LAYER_KEY,
-    OUR_LAYER_KEY,
-    TOP_LEVEL,
-    block_name,
-    check_complete,
-    check_shape,
-    decoder_keys,
-    decoder_shapes,
-    tie_output,
-)
 from models.common.hf_rotary import permute_from_hf, permute_to_hf
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 
 _PER_LAYER = {
-    **ATTENTION,
+    **hf_names.ATTENTION,
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
-    **BLOCK_NORMS,
+    **hf_names.BLOCK_NORMS,
     "moe.router.gate.weight": "mlp.gate.weight",
 }
 _EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
@@ -107,12 +95,12 @@ class Qwen3MoeStateDictAdapter:
 
     def our_keys(self) -> list[str]:
         """Every key of Qwen3MoeModel(args).state_dict(), tied output included."""
-        return decoder_keys(self.args.n_layers, [*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS])
+        return hf_names.decoder_keys(self.args.n_layers, [*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS])
 
     def _expected_shape(self, key: str) -> tuple[int, ...]:
         a, m = self.args, self.args.moe
         return {
-            **decoder_shapes(a),
+            **hf_names.decoder_shapes(a),
             "attention.q_norm.weight": (a.head_dim,),
             "attention.k_norm.weight": (a.head_dim,),
             "moe.router.gate.weight": (m.num_experts, a.dim),
@@ -120,12 +108,12 @@ class Qwen3MoeStateDictAdapter:
             "moe.experts.w3": (m.num_experts, m.hidden_dim, a.dim),
             "moe.experts.w2": (m.num_experts, a.dim, m.hidden_dim),
             _EXPERT_BIAS: (m.num_experts,),
-        }[block_name(key)]
+        }[hf_names.block_name(key)]
 
     def _checked(self, key: str, tensor: torch.Tensor, shown_as: str) -> torch.Tensor:
         if isinstance(tensor, DTensor):
             raise TypeError(f"{shown_as} is a DTensor: gather a full state dict before converting")
-        return check_shape(tensor, self._expected_shape(key), shown_as)
+        return hf_names.check_shape(tensor, self._expected_shape(key), shown_as)
 
     def _layer(self, match: re.Match[str] | None, key: str, kind: str) -> tuple[int, str]:
         if match is None or int(match.group(1)) >= self.args.n_layers:
@@ -152,14 +140,14 @@ class Qwen3MoeStateDictAdapter:
         tied = self.args.tie_word_embeddings
         if strict:
             expected = [k for k in self.our_keys() if not (tied and k == "output.weight")]
-            check_complete(set(state_dict), expected, "state dict", names=" (our names)")
+            hf_names.check_complete(set(state_dict), expected, "state dict", names=" (our names)")
         hf: dict[str, torch.Tensor] = {}
         for key, tensor in state_dict.items():
-            if key in TOP_LEVEL:
+            if key in hf_names.TOP_LEVEL:
                 if not (tied and key == "output.weight"):
-                    hf[TOP_LEVEL[key]] = self._checked(key, tensor, key)
+                    hf[hf_names.TOP_LEVEL[key]] = self._checked(key, tensor, key)
                 continue
-            i, name = self._layer(OUR_LAYER_KEY.match(key), key, "state dict")
+            i, name = self._layer(hf_names.OUR_LAYER_KEY.match(key), key, "state dict")
             tensor = self._checked(key, tensor, key) if name in (*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS) else tensor
             prefix = f"model.layers.{i}."
             if name in _PER_LAYER:
@@ -185,14 +173,14 @@ class Qwen3MoeStateDictAdapter:
         per_expert: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
         lm_head = None
         for hf_key, tensor in hf_state_dict.items():
-            top = next((k for k, v in TOP_LEVEL.items() if v == hf_key), None)
+            top = next((k for k, v in hf_names.TOP_LEVEL.items() if v == hf_key), None)
             if top is not None:
                 if top == "output.weight" and tied:
                     lm_head = tensor
                 else:
                     ours[top] = self._checked(top, tensor, hf_key)
                 continue
-            i, name = self._layer(HF_LAYER_KEY.match(hf_key), hf_key, "Hugging Face")
+            i, name = self._layer(hf_names.HF_LAYER_KEY.match(hf_key), hf_key, "Hugging Face")
             prefix = f"layers.{i}."
             ours_name = next((k for k, v in _PER_LAYER.items() if v == name), None)
             expert = _HF_EXPERT_KEY.match(name)
@@ -217,9 +205,9 @@ class Qwen3MoeStateDictAdapter:
         for i in {int(k.split(".")[1]) for k in ours if k.startswith("layers.")}:
             ours[f"layers.{i}.{_EXPERT_BIAS}"] = torch.zeros(a.moe.num_experts, dtype=torch.float32)
         if tied:
-            tie_output(ours, lm_head)
+            hf_names.tie_output(ours, lm_head)
         if strict:
-            check_complete(set(ours), self.our_keys(), "Hugging Face state dict", names=" (our names)")
+            hf_names.check_complete(set(ours), self.our_keys(), "Hugging Face state dict", names=" (our names)")
         return ours
 
     def _split_fused(self, name: str, tensor: torch.Tensor, hf_key: str) -> dict[str, torch.Tensor]:
