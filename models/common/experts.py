@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.llama3.init import trunc_normal_
+from models.common.init import trunc_normal_
 
 GROUPED_MM_ALIGN_BYTES = 16
 """torch._grouped_mm needs every operand stride to be a multiple of 16 bytes: dim and hidden must be

@@ -25,9 +25,9 @@ from torch import nn
 
 from models.common.dispatch import LocalTokenDispatcher, tokens_per_expert
 from models.common.experts import GroupedExperts
+from models.common.feed_forward import FeedForward
 from models.common.load_balance import expert_bias_delta, sequence_aux_loss
 from models.common.router import SCORE_FUNCS, ScoreFunc, TokenChoiceRouter
-from models.llama3.model import FeedForward
 
 
 @dataclass(frozen=True)

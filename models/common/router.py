@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.llama3.init import trunc_normal_
+from models.common.init import trunc_normal_
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")

@@ -3,34 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.common.arg_checks import check_head_groups, check_positive, check_positive_ints
+from models.common.rope_scaling import RopeScaling
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1 rotary frequency scaling (HF `rope_type: llama3`).
-
-    Wavelengths shorter than original_max_position_embeddings / high_freq_factor are kept, those longer
-    than original_max_position_embeddings / low_freq_factor are divided by `factor`, and the band between
-    is interpolated smoothly.
-    """
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.factor < 1.0:
-            raise ValueError(f"rope_scaling.factor={self.factor} must be >= 1 (1 means no scaling)")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(
-                f"rope_scaling needs 0 < low_freq_factor < high_freq_factor, got low_freq_factor="
-                f"{self.low_freq_factor}, high_freq_factor={self.high_freq_factor}; Llama 3.1 uses 1 and 4"
-            )
-        if self.original_max_position_embeddings < 1:
-            raise ValueError(
-                f"rope_scaling.original_max_position_embeddings={self.original_max_position_embeddings} "
-                "must be positive; Llama 3.1 uses 8192"
-            )
+__all__ = ["Llama3ModelArgs", "RopeScaling"]
 
 
 @dataclass
@@ -66,20 +42,13 @@ class Llama3ModelArgs:
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model args: {name}={value!r} must be a positive integer")
+        check_positive_ints(self, ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"))
         if self.dim % self.n_heads != 0:
             raise ValueError(
                 f"model args: dim={self.dim} must be divisible by n_heads={self.n_heads}; "
                 f"choose n_heads among the divisors of {self.dim}"
             )
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"model args: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
-                "(each key/value head serves a whole group of query heads)"
-            )
+        check_head_groups(self.n_heads, self.n_kv_heads)
         if self.head_dim % 2 != 0:
             raise ValueError(
                 f"model args: head_dim = dim / n_heads = {self.head_dim} must be even, since rotary embeddings "
@@ -87,10 +56,7 @@ class Llama3ModelArgs:
             )
         if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
             raise ValueError(f"model args: ffn_dim_multiplier={self.ffn_dim_multiplier} must be positive or None")
-        if self.norm_eps <= 0:
-            raise ValueError(f"model args: norm_eps={self.norm_eps} must be positive")
-        if self.rope_theta <= 0:
-            raise ValueError(f"model args: rope_theta={self.rope_theta} must be positive")
+        check_positive(self, ("norm_eps", "rope_theta"))
 
     @property
     def kv_heads(self) -> int:

@@ -11,9 +11,10 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from models.llama3.attention import Attention, repeat_kv
+from models.common.attention import repeat_kv
+from models.common.rope import apply_rotary_emb
+from models.llama3.attention import Attention
 from models.llama3.model import Transformer, TransformerBlock
-from models.llama3.rope import apply_rotary_emb
 
 
 class Llama3KVCache:

@@ -1,9 +1,6 @@
 """Hugging Face `LlamaForCausalLM` <-> our state-dict names, and the matching config.json.
 
-Our rotary embedding pairs channels (2i, 2i+1) of each head (Meta's original convention); HF's pairs
-channel i with i + head_dim/2 ("rotate_half"). Permuting the output rows of wq and wk, head by head, from
-[pairs, 2] to [2, pairs] order makes HF's rotary produce the same attention scores as ours; v and o are
-untouched because the permutation of q and k cancels in q . k.
+The rows of wq and wk are permuted per head between our rotary layout and HF's (models/common/hf_rotary.py).
 """
 from __future__ import annotations
 
@@ -14,40 +11,22 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from models.common import hf_names
+from models.common.hf_config import attention_fields, with_token_ids
+from models.common.hf_rotary import permute_from_hf, permute_to_hf
 from models.llama3.args import Llama3ModelArgs
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+__all__ = ["Llama3StateDictAdapter", "hf_config_dict", "permute_from_hf", "permute_to_hf"]
+
 _PER_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
+    **hf_names.ATTENTION,
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **hf_names.BLOCK_NORMS,
 }
-_OUR_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers that older transformers versions saved next to the weights; they carry no learned state.
 _HF_IGNORED_KEY = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-
-
-def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a q/k projection from interleaved-pair order to HF's rotate_half order (per head)."""
-    out_dim, in_dim = w.shape
-    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
-def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of permute_to_hf."""
-    out_dim, in_dim = w.shape
-    return w.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
 def hf_config_dict(args: Llama3ModelArgs, *, torch_dtype: str = "bfloat16", bos_token_id: int | None = None,
@@ -68,13 +47,7 @@ def hf_config_dict(args: Llama3ModelArgs, *, torch_dtype: str = "bfloat16", bos_
         "model_type": "llama",
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "num_hidden_layers": args.n_layers,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
+        **attention_fields(args),
         "rope_scaling": rope_scaling,
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_word_embeddings,
@@ -87,11 +60,7 @@ def hf_config_dict(args: Llama3ModelArgs, *, torch_dtype: str = "bfloat16", bos_
         "use_cache": True,
         "torch_dtype": torch_dtype,
     }
-    if bos_token_id is not None:
-        config["bos_token_id"] = bos_token_id
-    if eos_token_id is not None:
-        config["eos_token_id"] = eos_token_id
-    return config
+    return with_token_ids(config, bos_token_id, eos_token_id)
 
 
 class Llama3StateDictAdapter:
@@ -109,24 +78,21 @@ class Llama3StateDictAdapter:
 
     def our_keys(self) -> list[str]:
         """Every key of Transformer(args).state_dict(), tied output included."""
-        keys = ["tok_embeddings.weight"]
-        for i in range(self.args.n_layers):
-            keys += [f"layers.{i}.{name}" for name in _PER_LAYER]
-        return keys + ["norm.weight", "output.weight"]
+        return hf_names.decoder_keys(self.args.n_layers, _PER_LAYER)
 
     def to_hf_key(self, key: str) -> str:
-        if key in _TOP_LEVEL:
-            return _TOP_LEVEL[key]
-        m = _OUR_LAYER_KEY.match(key)
+        if key in hf_names.TOP_LEVEL:
+            return hf_names.TOP_LEVEL[key]
+        m = hf_names.OUR_LAYER_KEY.match(key)
         if m and m.group(2) in _PER_LAYER and int(m.group(1)) < self.args.n_layers:
             return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}"
         raise KeyError(f"no Hugging Face name for {key!r}: not a Llama 3 weight of a {self.args.n_layers}-layer model")
 
     def from_hf_key(self, hf_key: str) -> str:
-        for ours, theirs in _TOP_LEVEL.items():
+        for ours, theirs in hf_names.TOP_LEVEL.items():
             if hf_key == theirs:
                 return ours
-        m = _HF_LAYER_KEY.match(hf_key)
+        m = hf_names.HF_LAYER_KEY.match(hf_key)
         if m and int(m.group(1)) < self.args.n_layers:
             for ours, theirs in _PER_LAYER.items():
                 if m.group(2) == theirs:
@@ -138,39 +104,15 @@ class Llama3StateDictAdapter:
 
     def _expected_shape(self, key: str) -> tuple[int, ...]:
         a = self.args
-        q_out, kv_out = a.n_heads * a.head_dim, a.kv_heads * a.head_dim
-        layer_key = _OUR_LAYER_KEY.match(key)
-        name = layer_key.group(2) if layer_key else key
         return {
-            "tok_embeddings.weight": (a.vocab_size, a.dim),
-            "output.weight": (a.vocab_size, a.dim),
-            "norm.weight": (a.dim,),
-            "attention.wq.weight": (q_out, a.dim),
-            "attention.wk.weight": (kv_out, a.dim),
-            "attention.wv.weight": (kv_out, a.dim),
-            "attention.wo.weight": (a.dim, q_out),
+            **hf_names.decoder_shapes(a),
             "feed_forward.w1.weight": (a.ffn_hidden_dim, a.dim),
             "feed_forward.w2.weight": (a.dim, a.ffn_hidden_dim),
             "feed_forward.w3.weight": (a.ffn_hidden_dim, a.dim),
-            "attention_norm.weight": (a.dim,),
-            "ffn_norm.weight": (a.dim,),
-        }[name]
+        }[hf_names.block_name(key)]
 
     def _checked(self, key: str, tensor: torch.Tensor, shown_as: str) -> torch.Tensor:
-        expected = self._expected_shape(key)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"{shown_as} has shape {tuple(tensor.shape)}, expected {expected} for these model args; "
-                "the checkpoint was saved from a different flavor"
-            )
-        return tensor
-
-    def _check_complete(self, present: set[str], expected: list[str], what: str,
-                        show: Callable[[str], str] = lambda k: k) -> None:
-        missing = [show(k) for k in expected if k not in present]
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise KeyError(f"{what} lacks {len(missing)} expected key(s): {shown}; pass strict=False for a partial dict")
+        return hf_names.check_shape(tensor, self._expected_shape(key), shown_as)
 
     def _permute(self, key: str, tensor: torch.Tensor, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
         if key.endswith(("attention.wq.weight", "attention.wk.weight")):
@@ -186,7 +128,7 @@ class Llama3StateDictAdapter:
         """Our names -> HF names. A tied model writes no lm_head.weight (HF re-ties it from embed_tokens)."""
         if strict:
             expected = [k for k in self.our_keys() if not (self.args.tie_word_embeddings and k == "output.weight")]
-            self._check_complete(set(state_dict), expected, "state dict")
+            hf_names.check_complete(set(state_dict), expected, "state dict")
         hf: dict[str, torch.Tensor] = {}
         for key, tensor in state_dict.items():
             hf_key = self.to_hf_key(key)
@@ -210,15 +152,7 @@ class Llama3StateDictAdapter:
                 continue
             ours[key] = self._permute(key, self._checked(key, tensor, hf_key), permute_from_hf)
         if tied:
-            if lm_head is not None and "tok_embeddings.weight" in ours and not torch.equal(
-                lm_head, ours["tok_embeddings.weight"]
-            ):
-                raise ValueError(
-                    "lm_head.weight differs from model.embed_tokens.weight but the model args tie them; "
-                    "use a flavor with tie_word_embeddings=False for this checkpoint"
-                )
-            if "tok_embeddings.weight" in ours:
-                ours["output.weight"] = ours["tok_embeddings.weight"]
+            hf_names.tie_output(ours, lm_head)
         if strict:
-            self._check_complete(set(ours), self.our_keys(), "Hugging Face state dict", show=self.to_hf_key)
+            hf_names.check_complete(set(ours), self.our_keys(), "Hugging Face state dict", show=self.to_hf_key)
         return ours

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from models.common.arg_checks import check_head_groups, check_positive, check_positive_ints
 from models.common.moe import MoEArgs
 
 
@@ -34,22 +35,12 @@ class Qwen3MoeModelArgs:
     """The MoE feed-forward of every block (Qwen3-MoE: softmax router, normalised top-k, no shared experts)."""
 
     def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model args: {name}={value!r} must be a positive integer")
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"model args: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
-                "(each key/value head serves a whole group of query heads)"
-            )
+        check_positive_ints(self, ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "max_seq_len"))
+        check_head_groups(self.n_heads, self.n_kv_heads)
         if self.head_dim % 2 != 0:
             raise ValueError(f"model args: head_dim={self.head_dim} must be even, since rotary embeddings rotate "
                              "pairs of channels")
-        if self.norm_eps <= 0:
-            raise ValueError(f"model args: norm_eps={self.norm_eps} must be positive")
-        if self.rope_theta <= 0:
-            raise ValueError(f"model args: rope_theta={self.rope_theta} must be positive")
+        check_positive(self, ("norm_eps", "rope_theta"))
 
     @property
     def kv_heads(self) -> int:

@@ -3,45 +3,22 @@ the rotary embedding (Qwen3). head_dim is a model argument, not dim / n_heads.""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from models.llama3.attention import causal_attention, repeat_kv
-from models.llama3.init import trunc_normal_
-from models.llama3.model import RMSNorm
-from models.llama3.rope import apply_rotary_emb
+from models.common.attention import GroupedQueryAttention
+from models.common.rms_norm import RMSNorm
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 
 
-class Attention(nn.Module):
+class Attention(GroupedQueryAttention):
     def __init__(self, args: Qwen3MoeModelArgs) -> None:
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        super().__init__(args.dim, args.n_heads, args.n_kv_heads, args.head_dim)
         self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
 
     def init_weights(self, out_proj_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            trunc_normal_(linear.weight, std=0.02)
-        trunc_normal_(self.wo.weight, std=out_proj_std)
+        super().init_weights(out_proj_std)
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        bsz, seqlen, _ = x.shape
-        q = self.q_norm(self.wq(x).view(bsz, seqlen, -1, self.head_dim))
-        k = self.k_norm(self.wk(x).view(bsz, seqlen, -1, self.head_dim))
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
-        q = apply_rotary_emb(q, rope_cache)
-        k = apply_rotary_emb(k, rope_cache)
-        n_rep = q.shape[2] // k.shape[2]
-        # As Llama 3's attention: the CPU flash kernel reads shared key/value heads itself (enable_gqa).
-        gqa = n_rep > 1 and q.device.type == "cpu"
-        if not gqa:
-            k = repeat_kv(k, n_rep)
-            v = repeat_kv(v, n_rep)
-        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)

@@ -6,93 +6,36 @@ layers.<i>.moe (models/common/moe.py). The HF adapter maps the names.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import cast
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from models.common.decoder import Decoder
 from models.common.moe import MoE
 from models.common.moe_hooks import moe_aux_loss, update_expert_biases
+from models.common.pre_norm_block import PreNormBlock
 from models.common.router_stats import router_stats, router_summary
-from models.llama3.init import trunc_normal_
-from models.llama3.model import RMSNorm
-from models.llama3.rope import RotaryEmbedding
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 from models.qwen3_moe.attention import Attention
-from torchtitan_lite.protocols.model import BaseModel
 
 
-class Qwen3MoeBlock(nn.Module):
+class Qwen3MoeBlock(PreNormBlock):
+    """QK-norm attention and an MoE feed-forward (`moe`), each behind an RMSNorm on a residual branch."""
+
+    attention: Attention
+    moe: MoE
+
     def __init__(self, layer_id: int, args: Qwen3MoeModelArgs) -> None:
-        super().__init__()
-        self.attention = Attention(args)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe = MoE(args.dim, args.moe)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_proj_std = 0.02 / (2 * depth) ** 0.5
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.out_proj_std)
-        self.moe.init_weights(self.out_proj_std)
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
-        return h + self.moe(self.ffn_norm(h))
+        super().__init__(layer_id, args, Attention(args), "moe", MoE(args.dim, args.moe))
 
 
-class Qwen3MoeModel(BaseModel):
-    """tokens [batch, seq] -> logits [batch, seq, vocab]. Build on meta, then `to_empty` + `init_weights`."""
+class Qwen3MoeModel(Decoder[Qwen3MoeModelArgs]):
+    """tokens [batch, seq] -> logits [batch, seq, vocab]. Build on meta, then `to_empty` + `init_weights`.
+
+    The skeleton (embedding, rotary table, init outside the blocks, forward) is models/common/decoder.py;
+    the routers start at std 0.02 (models/common/router.py)."""
 
     def __init__(self, args: Qwen3MoeModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = RotaryEmbedding(args.head_dim, args.max_seq_len, args.rope_theta, None)
-        self.layers = nn.ModuleDict({str(i): Qwen3MoeBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.tie_embeddings()
-        self.init_weights()
-
-    def tie_embeddings(self) -> None:
-        """Make output share tok_embeddings.weight when the args tie them (see the Llama 3 model)."""
-        if self.args.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Qwen3MoeModel:
-        super()._apply(fn, recurse)
-        self.tie_embeddings()
-        return self
-
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """Initialise every parameter and buffer in place (the Llama 3 scheme; routers at std 0.02)."""
-        self.rope.reset_cache(buffer_device)
-        out_std = self.args.dim ** -0.5
-        if self.args.tie_word_embeddings:
-            trunc_normal_(self.tok_embeddings.weight, std=out_std)
-        else:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-            trunc_normal_(self.output.weight, std=out_std)
-        for layer in self.layers.values():
-            cast(Qwen3MoeBlock, layer).init_weights()
-        self.norm.reset_parameters()
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[1] > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len={self.args.max_seq_len}; "
-                "shorten training.seq_len or use a flavor with a longer max_seq_len"
-            )
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, self.rope.cache)
-        return self.output(self.norm(h))
+        super().__init__(args, lambda i: Qwen3MoeBlock(i, args))
 
     def aux_loss(self) -> torch.Tensor | None:
         """The MoE layers' summed load-balancing loss of the latest training forward (None when off)."""
@@ -108,13 +51,6 @@ class Qwen3MoeModel(BaseModel):
 
     def training_stats_summary(self, values: dict[str, float]) -> str | None:
         return router_summary(values)
-
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameter count, every expert included (a tied matrix counted once)."""
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embedding:
-            total -= self.tok_embeddings.weight.numel()
-        return total
 
     def num_active_params(self, exclude_embedding: bool = False) -> int:
         """Parameters one token uses: all but the routed experts it is not sent to."""

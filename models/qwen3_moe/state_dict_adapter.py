@@ -6,7 +6,7 @@ Experts: we hold each layer's experts as three 3-D tensors (w1 = gate, w3 = up [
 ``from_hf`` also accepts the fused in-memory layout of transformers 5 (``mlp.experts.gate_up_proj``
 [E, 2 * hidden, dim], ``mlp.experts.down_proj``), so a live model's ``state_dict()`` converts too.
 
-Rotary layout: as for Llama 3 (models/llama3/state_dict_adapter.py), our rotary pairs channels (2i, 2i+1)
+Rotary layout: as for Llama 3 (models/common/hf_rotary.py), our rotary pairs channels (2i, 2i+1)
 and HF's pairs i with i + head_dim / 2, so the rows of wq / wk are permuted per head. Qwen3 normalises q
 and k per head *before* the rotary embedding, so the q_norm / k_norm weights (one per head channel) get
 the same permutation; the RMS itself does not depend on the channel order.
@@ -20,29 +20,20 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from models.llama3.state_dict_adapter import permute_from_hf, permute_to_hf
+from models.common import hf_names
+from models.common.hf_config import attention_fields, with_token_ids
+from models.common.hf_rotary import permute_from_hf, permute_to_hf
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _PER_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
+    **hf_names.ATTENTION,
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **hf_names.BLOCK_NORMS,
     "moe.router.gate.weight": "mlp.gate.weight",
 }
 _EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
 _EXPERT_BIAS = "moe.expert_bias"
-_OUR_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT_KEY = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _HF_FUSED = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
 
@@ -64,13 +55,7 @@ def hf_config_dict(args: Qwen3MoeModelArgs, *, torch_dtype: str = "bfloat16", bo
         "norm_topk_prob": m.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "num_hidden_layers": args.n_layers,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
+        **attention_fields(args),
         "rope_scaling": None,
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_word_embeddings,
@@ -82,11 +67,7 @@ def hf_config_dict(args: Qwen3MoeModelArgs, *, torch_dtype: str = "bfloat16", bo
         "use_cache": True,
         "torch_dtype": torch_dtype,
     }
-    if bos_token_id is not None:
-        config["bos_token_id"] = bos_token_id
-    if eos_token_id is not None:
-        config["eos_token_id"] = eos_token_id
-    return config
+    return with_token_ids(config, bos_token_id, eos_token_id)
 
 
 class Qwen3MoeStateDictAdapter:
@@ -114,53 +95,25 @@ class Qwen3MoeStateDictAdapter:
 
     def our_keys(self) -> list[str]:
         """Every key of Qwen3MoeModel(args).state_dict(), tied output included."""
-        per_layer = [*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS]
-        keys = ["tok_embeddings.weight"]
-        for i in range(self.args.n_layers):
-            keys += [f"layers.{i}.{name}" for name in per_layer]
-        return keys + ["norm.weight", "output.weight"]
+        return hf_names.decoder_keys(self.args.n_layers, [*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS])
 
     def _expected_shape(self, key: str) -> tuple[int, ...]:
         a, m = self.args, self.args.moe
-        q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        layer_key = _OUR_LAYER_KEY.match(key)
-        name = layer_key.group(2) if layer_key else key
         return {
-            "tok_embeddings.weight": (a.vocab_size, a.dim),
-            "output.weight": (a.vocab_size, a.dim),
-            "norm.weight": (a.dim,),
-            "attention.wq.weight": (q_out, a.dim),
-            "attention.wk.weight": (kv_out, a.dim),
-            "attention.wv.weight": (kv_out, a.dim),
-            "attention.wo.weight": (a.dim, q_out),
+            **hf_names.decoder_shapes(a),
             "attention.q_norm.weight": (a.head_dim,),
             "attention.k_norm.weight": (a.head_dim,),
-            "attention_norm.weight": (a.dim,),
-            "ffn_norm.weight": (a.dim,),
             "moe.router.gate.weight": (m.num_experts, a.dim),
             "moe.experts.w1": (m.num_experts, m.hidden_dim, a.dim),
             "moe.experts.w3": (m.num_experts, m.hidden_dim, a.dim),
             "moe.experts.w2": (m.num_experts, a.dim, m.hidden_dim),
             _EXPERT_BIAS: (m.num_experts,),
-        }[name]
+        }[hf_names.block_name(key)]
 
     def _checked(self, key: str, tensor: torch.Tensor, shown_as: str) -> torch.Tensor:
         if isinstance(tensor, DTensor):
             raise TypeError(f"{shown_as} is a DTensor: gather a full state dict before converting")
-        expected = self._expected_shape(key)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"{shown_as} has shape {tuple(tensor.shape)}, expected {expected} for these model args; "
-                "the checkpoint was saved from a different flavor"
-            )
-        return tensor
-
-    def _check_complete(self, present: set[str], expected: list[str], what: str) -> None:
-        missing = [k for k in expected if k not in present]
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise KeyError(f"{what} lacks {len(missing)} expected key(s) (our names): {shown}; pass strict=False "
-                           "for a partial dict")
+        return hf_names.check_shape(tensor, self._expected_shape(key), shown_as)
 
     def _layer(self, match: re.Match[str] | None, key: str, kind: str) -> tuple[int, str]:
         if match is None or int(match.group(1)) >= self.args.n_layers:
@@ -187,14 +140,14 @@ class Qwen3MoeStateDictAdapter:
         tied = self.args.tie_word_embeddings
         if strict:
             expected = [k for k in self.our_keys() if not (tied and k == "output.weight")]
-            self._check_complete(set(state_dict), expected, "state dict")
+            hf_names.check_complete(set(state_dict), expected, "state dict", names=" (our names)")
         hf: dict[str, torch.Tensor] = {}
         for key, tensor in state_dict.items():
-            if key in _TOP_LEVEL:
+            if key in hf_names.TOP_LEVEL:
                 if not (tied and key == "output.weight"):
-                    hf[_TOP_LEVEL[key]] = self._checked(key, tensor, key)
+                    hf[hf_names.TOP_LEVEL[key]] = self._checked(key, tensor, key)
                 continue
-            i, name = self._layer(_OUR_LAYER_KEY.match(key), key, "state dict")
+            i, name = self._layer(hf_names.OUR_LAYER_KEY.match(key), key, "state dict")
             tensor = self._checked(key, tensor, key) if name in (*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS) else tensor
             prefix = f"model.layers.{i}."
             if name in _PER_LAYER:
@@ -220,14 +173,14 @@ class Qwen3MoeStateDictAdapter:
         per_expert: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
         lm_head = None
         for hf_key, tensor in hf_state_dict.items():
-            top = next((k for k, v in _TOP_LEVEL.items() if v == hf_key), None)
+            top = next((k for k, v in hf_names.TOP_LEVEL.items() if v == hf_key), None)
             if top is not None:
                 if top == "output.weight" and tied:
                     lm_head = tensor
                 else:
                     ours[top] = self._checked(top, tensor, hf_key)
                 continue
-            i, name = self._layer(_HF_LAYER_KEY.match(hf_key), hf_key, "Hugging Face")
+            i, name = self._layer(hf_names.HF_LAYER_KEY.match(hf_key), hf_key, "Hugging Face")
             prefix = f"layers.{i}."
             ours_name = next((k for k, v in _PER_LAYER.items() if v == name), None)
             expert = _HF_EXPERT_KEY.match(name)
@@ -252,14 +205,9 @@ class Qwen3MoeStateDictAdapter:
         for i in {int(k.split(".")[1]) for k in ours if k.startswith("layers.")}:
             ours[f"layers.{i}.{_EXPERT_BIAS}"] = torch.zeros(a.moe.num_experts, dtype=torch.float32)
         if tied:
-            if lm_head is not None and "tok_embeddings.weight" in ours and not torch.equal(
-                    lm_head, ours["tok_embeddings.weight"]):
-                raise ValueError("lm_head.weight differs from model.embed_tokens.weight but the model args tie them; "
-                                 "use a flavor with tie_word_embeddings=False for this checkpoint")
-            if "tok_embeddings.weight" in ours:
-                ours["output.weight"] = ours["tok_embeddings.weight"]
+            hf_names.tie_output(ours, lm_head)
         if strict:
-            self._check_complete(set(ours), self.our_keys(), "Hugging Face state dict")
+            hf_names.check_complete(set(ours), self.our_keys(), "Hugging Face state dict", names=" (our names)")
         return ours
 
     def _split_fused(self, name: str, tensor: torch.Tensor, hf_key: str) -> dict[str, torch.Tensor]:

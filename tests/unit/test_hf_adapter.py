@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from models import get_model_spec
+from models.common.rope import apply_rotary_emb, rope_cache
 from models.llama3 import LLAMA3_FLAVORS, Llama3ModelArgs, RopeScaling, Transformer
-from models.llama3.rope import apply_rotary_emb, rope_cache
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter, hf_config_dict, permute_from_hf, permute_to_hf
 
 SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)

@@ -1,4 +1,4 @@
-"""Weight-initialisation helper shared by the model's modules."""
+"""Weight-initialisation helper shared by every family's modules."""
 from __future__ import annotations
 
 import torch

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models.llama3.args import RopeScaling
+from models.common.rope_scaling import RopeScaling
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,

@@ -1,0 +1,99 @@
+"""The decoder-only skeleton every family shares: token embedding -> blocks -> final RMSNorm -> output.
+
+A family supplies its args and its block; the skeleton owns the module names (tok_embeddings, rope, layers,
+norm, output) that the parallelisms, the checkpoint and the HF adapters read, the optional tying of the
+embedding and output matrices, the initialisation of the parts outside the blocks, and the forward.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar, cast
+
+import torch
+from torch import nn
+
+from models.common.decoder_args import DecoderArgs
+from models.common.init import trunc_normal_
+from models.common.rms_norm import RMSNorm
+from models.common.rope import RotaryEmbedding
+from models.common.rope_scaling import RopeScaling
+from torchtitan_lite.protocols.model import BaseModel
+
+
+class DecoderBlock(Protocol):
+    """One block: initialises itself, maps the residual stream [batch, seq, dim] given the rotary table."""
+
+    def init_weights(self) -> None: ...
+    def __call__(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor: ...
+
+
+ArgsT = TypeVar("ArgsT", bound=DecoderArgs)
+
+
+class Decoder(BaseModel, Generic[ArgsT]):
+    """tokens [batch, seq] -> logits [batch, seq, vocab]. Build on meta, then `to_empty` + `init_weights`."""
+
+    def __init__(self, args: ArgsT, make_block: Callable[[int], nn.Module],
+                 rope_scaling: RopeScaling | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.rope = RotaryEmbedding(args.head_dim, args.max_seq_len, args.rope_theta, rope_scaling)
+        self.layers = nn.ModuleDict({str(i): make_block(i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_embeddings()
+        self.init_weights()
+
+    def tie_embeddings(self) -> None:
+        """Make output share tok_embeddings.weight when the args tie them (no-op otherwise or when already shared).
+
+        Call again after anything that replaces parameters, e.g. tensor parallelism distributing each
+        module separately, and before fully_shard so that FSDP sees one parameter."""
+        if self.args.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Decoder[ArgsT]:
+        # Moving off the meta device gives each module its own new Parameter, which would silently
+        # untie a shared embedding; restore the sharing after every conversion.
+        super()._apply(fn, recurse)
+        self.tie_embeddings()
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialise every parameter in place and recompute the rotary table on `buffer_device`.
+
+        Untied embeddings get normal(0, 1) (torchtitan's choice): every block reads the residual stream
+        through an RMSNorm, so the scale costs nothing there, and a unit-scale stream keeps the first updates
+        of the small-init projections gentle relative to it. A tied matrix is also the output projection,
+        so it gets the output's std dim**-0.5 instead, which starts the logits near unit scale.
+        """
+        self.rope.reset_cache(buffer_device)
+        out_std = self.args.dim ** -0.5
+        if self.args.tie_word_embeddings:
+            trunc_normal_(self.tok_embeddings.weight, std=out_std)
+        else:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+            trunc_normal_(self.output.weight, std=out_std)
+        for layer in self.layers.values():
+            cast(DecoderBlock, layer).init_weights()
+        self.norm.reset_parameters()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len={self.args.max_seq_len}; "
+                "shorten training.seq_len or use a flavor with a longer max_seq_len"
+            )
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope.cache)
+        return self.output(self.norm(h))
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count (a tied matrix counted once); global sizes for DTensor-sharded models."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            total -= self.tok_embeddings.weight.numel()
+        return total
