@@ -105,26 +105,29 @@ def test_registered_context_removes_functions_afterwards(registry):
     assert registry.names() == ["llama3_8b", "llama3_debug"]
 
 
+TOY_MODULE = textwrap.dedent("""
+    from dataclasses import dataclass
+    from {package} import REGISTRY
+
+    @dataclass
+    class C:
+        x: int = 0
+
+    @REGISTRY.register
+    def {name}() -> C:
+        \"\"\"{name} doc.\"\"\"
+        return C()
+""")
+
+
 def test_every_module_of_the_package_is_imported_on_first_use(tmp_path, monkeypatch):
     package = tmp_path / "ttl_toy_configs"
     package.mkdir()
     (package / "__init__.py").write_text(
         "from config_registry import ConfigRegistry\nREGISTRY = ConfigRegistry(__name__)\n")
-    module = textwrap.dedent("""
-        from dataclasses import dataclass
-        from ttl_toy_configs import REGISTRY
 
-        @dataclass
-        class C:
-            x: int = 0
-
-        @REGISTRY.register
-        def {name}() -> C:
-            \"\"\"{name} doc.\"\"\"
-            return C()
-    """)
-    (package / "family_a.py").write_text(module.format(name="alpha"))
-    (package / "family_b.py").write_text(module.format(name="beta"))
+    (package / "family_a.py").write_text(TOY_MODULE.format(package=package.name, name="alpha"))
+    (package / "family_b.py").write_text(TOY_MODULE.format(package=package.name, name="beta"))
     (package / "_helpers.py").write_text("raise RuntimeError('private modules are not imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
@@ -148,21 +151,6 @@ def test_module_level_functions_use_the_package_registry(monkeypatch):
     assert config_registry.names() == []
 
 
-
-
-TOY_MODULE = textwrap.dedent("""
-    from dataclasses import dataclass
-    from {package} import REGISTRY
-
-    @dataclass
-    class C:
-        x: int = 0
-
-    @REGISTRY.register
-    def {name}() -> C:
-        \"\"\"{name} doc.\"\"\"
-        return C()
-""")
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from torchtitan_lite.components.quantization.autocast_operands import autocast_operands
 from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK, emulated_blockwise_linear
 
 
@@ -23,11 +24,7 @@ class BlockwiseFP8Linear(nn.Linear):
     """Scales rounded down to powers of two (DeepSeek-V3); emulated only."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        device_type = input.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            input, weight = input.to(dtype), weight.to(dtype)
+        input, weight = autocast_operands(input, self.weight)
         if self.emulate:
             output = emulated_blockwise_linear(input, weight, power_of_2=self.power_of_2)
         else:

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK
 from torchtitan_lite.components.quantization.float8_plan import check_edge_fields, check_filter_fqns
-from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer
+from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer, replace_linears
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
 
 logger = logging.getLogger(__name__)
@@ -176,11 +176,9 @@ class Float8BlockwiseConverter(LinearQuantizer):
     def swap(self, model: nn.Module, planned: set[str]) -> None:
         from torchtitan_lite.components.quantization.blockwise_linear import blockwise_linear_from
 
-        for fqn in planned:
-            parent_fqn, _, name = fqn.rpartition(".")
-            parent = model.get_submodule(parent_fqn)
-            setattr(parent, name, blockwise_linear_from(getattr(parent, name), emulate=self.kernel.emulate is not False,
-                                                        power_of_2=self.config.power_of_2_scales))
+        emulate, power_of_2 = self.kernel.emulate is not False, self.config.power_of_2_scales
+        replace_linears(model, planned,
+                        lambda linear: blockwise_linear_from(linear, emulate=emulate, power_of_2=power_of_2))
 
     def settings(self) -> str:
         scales = "power-of-2 scales" if self.config.power_of_2_scales else "float32 scales"

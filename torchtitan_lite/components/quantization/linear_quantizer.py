@@ -8,7 +8,7 @@ which recipe it is.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch.nn as nn
@@ -98,3 +98,11 @@ class LinearQuantizer(ModelConverter):
     @property
     def kind(self) -> str:
         return self.config.kind
+
+
+def replace_linears(model: nn.Module, planned: set[str], make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Put ``make(linear)`` in the place of each Linear of ``model`` whose FQN is in ``planned``."""
+    for fqn in planned:
+        parent_fqn, _, name = fqn.rpartition(".")
+        parent = model.get_submodule(parent_fqn)
+        setattr(parent, name, make(getattr(parent, name)))

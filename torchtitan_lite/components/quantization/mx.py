@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_lite.components.quantization.float8_plan import check_edge_fields, check_filter_fqns
-from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer
+from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer, replace_linears
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
 
 logger = logging.getLogger(__name__)
@@ -162,10 +162,7 @@ class MXLinearConverter(LinearQuantizer):
     # The recipe's part of LinearQuantizer
 
     def swap(self, model: nn.Module, planned: set[str]) -> None:
-        for fqn in planned:
-            parent_fqn, _, name = fqn.rpartition(".")
-            parent = model.get_submodule(parent_fqn)
-            setattr(parent, name, self.mx_linear(getattr(parent, name)))
+        replace_linears(model, planned, self.mx_linear)
 
     def mx_linear(self, linear: nn.Linear) -> nn.Linear:
         """An MX Linear holding ``linear``'s own parameters (shared, not copied)."""

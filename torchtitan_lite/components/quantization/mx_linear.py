@@ -17,16 +17,14 @@ from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear, _to_mxfp8_t
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
+from torchtitan_lite.components.quantization.autocast_operands import autocast_operands
+
 
 class MXLinear(MXFP8Linear):
     """MXFP8 forward and backward GEMMs (torchao), with operands in the autocast dtype when autocast is on."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        device_type = input.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            input, weight = input.to(dtype), weight.to(dtype)
+        input, weight = autocast_operands(input, self.weight)
         output = _to_mxfp8_then_scaled_mm(input, weight, kernel_preference=self.kernel_preference,
                                           scale_calculation_mode=self.scale_calculation_mode,
                                           wgrad_with_hp=self.wgrad_with_hp)
