@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 import time
 import warnings
 from concurrent.futures import Future
@@ -55,11 +54,11 @@ from torchtitan_lite.components.checkpoint.disk import (
     describe_save_error,
     expected_checkpoint_bytes,
 )
+from torchtitan_lite.components.checkpoint.followups import Followups
 from torchtitan_lite.components.checkpoint.layout import (
     ABNORMAL,
     MARKER_NAME,
     NORMAL,
-    NOTHING_YET,
     Marker,
     describe_steps,
     hf_export_dir,
@@ -215,12 +214,8 @@ class CheckpointManager(Configurable):
         self._known_good: frozenset[int] = frozenset()
         self.loaded: LoadedCheckpoint | None = None
         """The checkpoint this run started from; None when it started fresh."""
-        self._saved_at: dict[int, float] = {}
-        """Step -> marker time of the checkpoints this process saved or loaded: what it may record facts in."""
-        self._followed_by: dict[int, str] = {}
-        """Step -> what this process saw follow that checkpoint (NORMAL / ABNORMAL)."""
-        self._marker_lock = threading.Lock()
-        """Markers are written by the background save thread and rewritten by the training loop."""
+        self.followups = Followups(self.folder, rank=self.rank, world_size=self.world_size)
+        """Whether a normal loss followed each checkpoint this process saved or loaded, kept in its marker."""
 
     @property
     def known_good(self) -> frozenset[int]:
@@ -231,13 +226,13 @@ class CheckpointManager(Configurable):
     def known_good(self, steps: frozenset[int]) -> None:
         """Set by the training loop as it learns them; each newly good checkpoint records it in its marker."""
         for step in sorted(steps - self._known_good):
-            self._record_followup(step, NORMAL)
+            self.followups.record(step, NORMAL)
         self._known_good = steps
 
     def note_abnormal_loss(self, step: int) -> None:
         """Step ``step`` trained to a non-finite or spiking loss: unless a normal loss followed it before,
         the checkpoint of step ``step - 1`` records that only an abnormal one did."""
-        self._record_followup(step - 1, ABNORMAL)
+        self.followups.record(step - 1, ABNORMAL)
 
     # ----------------------------------------------------------------------------------------------
     # Loading
@@ -288,7 +283,7 @@ class CheckpointManager(Configurable):
         self._loaded_step = step
         self._adopt(path, step, marker)
         logger.info("resumed from %s in %.1fs", path, time.perf_counter() - start)
-        self._warn_unless_followed_by_a_normal_loss(path, marker, complete)
+        self.followups.warn_on_resume(path, marker, complete)
         return step
 
     def _adopt(self, path: str, step: int, marker: Marker | None) -> None:
@@ -298,47 +293,11 @@ class CheckpointManager(Configurable):
         self.loaded = LoadedCheckpoint(path=path, step=step, unchecked=unchecked,
                                        followed_by=None if marker is None else marker.followed_by)
         if marker is not None and path == step_dir(self.folder, step):
-            self._saved_at[step] = marker.time
-            if marker.followed_by in (NORMAL, ABNORMAL):
-                self._followed_by[step] = marker.followed_by
-
-    def _warn_unless_followed_by_a_normal_loss(self, path: str, marker: Marker, complete: list[int]) -> None:
-        if marker.followed_by == ABNORMAL:
-            good = self.followed_by_normal_loss(complete)
-            logger.warning(
-                "resuming from %s, which no normal loss ever followed: the step trained from it went non-finite or "
-                "spiked before (recorded in its %s marker), so its weights may be damaged. %s", path, MARKER_NAME,
-                f"Step {good[-1]} is the newest checkpoint a normal loss followed (--checkpoint.load_step "
-                f"{good[-1]})" if good else "No checkpoint in this folder was followed by a normal loss")
-        elif marker.followed_by == NOTHING_YET:
-            logger.info("resuming from %s: no step has trained from it yet, so no normal loss has vouched for it", path)
+            self.followups.adopt(marker)
 
     def followed_by_normal_loss(self, steps: list[int]) -> list[int]:
-        """Those of ``steps`` whose checkpoint a normal loss followed, as recorded in their markers (by this
-        run or an earlier one); rank 0 reads them, every rank gets the answer."""
-        found: list[Any] = [None]
-        if self.rank == 0:
-            found = [[s for s in steps if _followed_by(step_dir(self.folder, s)) == NORMAL]]
-        if dist.is_initialized() and self.world_size > 1:
-            dist.broadcast_object_list(found, src=0)
-        return found[0]
-
-    def _record_followup(self, step: int, followed_by: str) -> None:
-        """Rank 0 stores ``followed_by`` in the marker of checkpoint ``step`` if this process saved or loaded
-        it (a background save gets it when its marker is written); NORMAL is never downgraded."""
-        if self.rank != 0 or step not in self._saved_at or self._followed_by.get(step) in (NORMAL, followed_by):
-            return
-        with self._marker_lock:
-            self._followed_by[step] = followed_by
-            path = step_dir(self.folder, step)
-            try:
-                marker = Marker.read(path)
-                if marker is not None and marker.time == self._saved_at[step]:
-                    marker.followed_by = followed_by
-                    marker.write(path)
-            except (OSError, ValueError) as e:
-                logger.warning("could not record in %s that a%s loss followed it: %s", os.path.join(path, MARKER_NAME),
-                               "n abnormal" if followed_by == ABNORMAL else " normal", e)
+        """Those of ``steps`` whose checkpoint a normal loss followed, as their markers record it."""
+        return self.followups.normal(steps)
 
     def _initial_load(self, path: str) -> int:
         metadata = read_metadata(path)
@@ -441,7 +400,7 @@ class CheckpointManager(Configurable):
         self._load_from(path, read_metadata(path), [n for n in self.states if n in marker.states], marker.world_size,
                         DataLayout.from_record(marker.data_layout))
         self._loaded_step, self._last_saved_step = step, None
-        self._saved_at[step] = marker.time
+        self.followups.adopt(marker)
         if self.rank == 0 and newer:
             set_aside(self.folder, newer, set_aside_as)
         if dist.is_initialized():
@@ -511,8 +470,7 @@ class CheckpointManager(Configurable):
         self._prepare_folder(path)
         layout = None if model_only or self.data_layout is None else self.data_layout.to_record()
         marker = new_marker(step, self.world_size, list(state), model_only, layout)
-        self._saved_at[step] = marker.time
-        self._followed_by.pop(step, None)
+        self.followups.saving(marker)
         no_dist = not dist.is_initialized()
         writer = ChecksummingWriter(path)
         if cfg.async_mode == "async":
@@ -569,9 +527,8 @@ class CheckpointManager(Configurable):
             write_text_atomically(os.path.join(path, RUN_CONFIG_NAME), self.run_config)
             checksums[RUN_CONFIG_NAME] = hash_file(os.path.join(path, RUN_CONFIG_NAME))
         marker.checksum_algorithm, marker.checksums = ALGORITHM, checksums
-        with self._marker_lock:  # a normal loss may have followed this state while it was written
-            marker.followed_by = self._followed_by.get(marker.step, NOTHING_YET)
-            marker.write(path)
+        # A normal loss may have followed this state while it was written.
+        self.followups.write_marker(path, marker)
         protected = {marker.step} | ({self._loaded_step} if self._loaded_step is not None else set())
         good = [s for s in scan_steps(self.folder)[0] if s in self.known_good]
         protected |= {max(good)} if good else set()
@@ -662,14 +619,6 @@ class CheckpointManager(Configurable):
         if self._save_group is not None:
             dist.destroy_process_group(self._save_group)
             self._save_group = None
-
-
-def _followed_by(path: str) -> str | None:
-    try:
-        marker = Marker.read(path)
-    except ValueError:
-        return None
-    return None if marker is None else marker.followed_by
 
 
 def _model_only(path: str) -> bool:
