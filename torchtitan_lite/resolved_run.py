@@ -118,7 +118,8 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     GPU job from a host without one.
     """
     par = config.parallelism
-    dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size)
+    dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size,
+                        ep=par.ep)
     spec = get_model_spec(config.model.name)
     if vocab_size is None:
         vocab_size = planned_vocab_size(config.tokenizer)

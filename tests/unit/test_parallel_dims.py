@@ -26,11 +26,20 @@ def test_dp_shard_minus_one_takes_the_remaining_ranks():
     (dict(dp_replicate=1, dp_shard=0, tp=1, world_size=2), "parallelism.dp_shard=0 must be a positive integer, or -1"),
     (dict(dp_replicate=1, dp_shard=-3, tp=1, world_size=2), "parallelism.dp_shard=-3 must be a positive integer"),
     (dict(dp_replicate=1, dp_shard=1, tp=1, world_size=0), "world_size=0 must be a positive integer"),
+    (dict(dp_replicate=1, dp_shard=2, tp=1, world_size=2, ep=4),
+     "parallelism.ep=4 must divide parallelism.dp_shard=2: expert parallelism splits the experts over"),
+    (dict(dp_replicate=1, dp_shard=-1, tp=1, world_size=2, ep=0), "parallelism.ep=0 must be a positive integer"),
 ])
 def test_bad_degrees_name_the_numbers(kwargs, message):
     with pytest.raises(ValueError) as e:
         ParallelDims(**kwargs)
     assert message in str(e.value)
+
+
+def test_ep_borrows_from_dp_shard_and_leaves_the_rest_for_expert_fsdp():
+    dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, world_size=32, ep=4)
+    assert (dims.dp_shard, dims.ep, dims.expert_fsdp_degree) == (8, 4, 2)
+    assert dims.ep_enabled and dims.describe() == "HSDP 2x8 + TP 2 + EP 4"
 
 
 def test_single_process_has_no_meshes_and_needs_no_process_group():

@@ -80,6 +80,10 @@ class ParallelismConfig:
     """FSDP sharding degree; -1 takes what is left of the world size after the other degrees."""
     tp: int = 1
     """Tensor-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models): the routed experts are split over this many of the dp_shard
+    ranks, with all-to-all token dispatch; expert weights are FSDP-sharded over the dp_shard / ep ranks left.
+    Must divide dp_shard."""
     enable_sequence_parallel: bool = True
     """With TP, shard norms and residual activations along the sequence dimension."""
     enable_loss_parallel: bool = True
@@ -90,7 +94,7 @@ class ParallelismConfig:
     """Keep sharded params, grads and optimizer states on CPU (CUDA only)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp"):
+        for name in ("dp_replicate", "tp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallelism.{name}={getattr(self, name)} must be >= 1")
         if self.dp_shard < 1 and self.dp_shard != -1:

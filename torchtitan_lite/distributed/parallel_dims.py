@@ -20,9 +20,9 @@ MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 class ParallelDims:
     """Validated degrees; `build_mesh` then creates the named meshes (none at all for a single process)."""
 
-    def __init__(self, dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> None:
+    def __init__(self, dp_replicate: int, dp_shard: int, tp: int, world_size: int, ep: int = 1) -> None:
         for name, value in (("world_size", world_size), ("parallelism.dp_replicate", dp_replicate),
-                            ("parallelism.tp", tp)):
+                            ("parallelism.tp", tp), ("parallelism.ep", ep)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if not isinstance(dp_shard, int) or (dp_shard < 1 and dp_shard != -1):
@@ -46,9 +46,16 @@ class ParallelDims:
                 f"{product} must equal the world size {world_size}; change the degrees (dp_shard=-1 takes "
                 "the rest) or launch with that many processes"
             )
+        if dp_shard % ep != 0:
+            raise ValueError(
+                f"parallelism.ep={ep} must divide parallelism.dp_shard={dp_shard}: expert parallelism splits "
+                f"the experts over data-parallel (FSDP) ranks, so ep cannot exceed them; use an ep among the "
+                f"divisors of {dp_shard}, or raise dp_shard"
+            )
         self.dp_replicate = dp_replicate
         self.dp_shard = dp_shard
         self.tp = tp
+        self.ep = ep
         self.world_size = world_size
         self.world_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
@@ -107,6 +114,15 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def expert_fsdp_degree(self) -> int:
+        """The dp_shard ranks left after EP: how many ranks shard each expert's weights."""
+        return self.dp_shard // self.ep
+
+    @property
     def dp_rank(self) -> int:
         """This rank's data shard (0..dp_degree-1); tp ranks of one group read the same data."""
         if self.world_size == 1:
@@ -161,8 +177,10 @@ class ParallelDims:
             parts.append(f"FSDP {self.dp_shard}")
         if self.tp_enabled:
             parts.append(f"TP {self.tp}")
+        if self.ep_enabled:
+            parts.append(f"EP {self.ep}")
         return " + ".join(parts) if parts else "single process"
 
     def __repr__(self) -> str:
-        return (f"ParallelDims(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp}, "
+        return (f"ParallelDims(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp}, ep={self.ep}, "
                 f"world_size={self.world_size})")
