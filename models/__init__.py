@@ -36,6 +36,7 @@ QWEN3_MOE_SPEC = register_model_spec(ModelSpec(
     parallel_plan=QWEN3_MOE_PARALLEL_PLAN,
     parallelize_fn=parallelize_qwen3_moe,
     state_dict_adapter_cls=Qwen3MoeStateDictAdapter,
+    moe_facts=Qwen3MoeModelArgs.moe_facts,
     check_run=check_qwen3_moe_run,
 ))
 

@@ -20,6 +20,7 @@ from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.launch_check import check_devices, check_memory, check_resume, unchecked_here
 from torchtitan_lite.memory.estimate import GIB
+from torchtitan_lite.model_size import expert_layout_text
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
 PREFLIGHT_ENV = "TORCHTITAN_LITE_PREFLIGHT"
@@ -133,6 +134,10 @@ def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
     prescan.hand_over(clean)
     verdict = (f"config '{cli.config_name}' is valid for {run.world_size} process(es) ({run.parallel_dims.describe()}); "
                f"estimated peak {estimate.total / GIB:.1f} GiB per rank")
+    if run.moe_facts is not None:
+        dims = run.parallel_dims
+        verdict += (f"\nmodel: {estimate.model}\n" + expert_layout_text(
+            run.moe_facts, n_layers=run.model_args.n_layers, ep=dims.ep, dp_shard=dims.dp_shard, fsdp=dims.fsdp_enabled))
     verdict = "\n".join([verdict, *resume])
     unchecked = unchecked_here(run, ngpu=ngpu, preflight=preflight)
     if unchecked:

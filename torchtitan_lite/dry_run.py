@@ -24,6 +24,7 @@ from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_run_memory
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES
 from torchtitan_lite.memory.optimizer_states import state_bytes
+from torchtitan_lite.model_size import expert_layout_text, param_counts, training_flops_per_token
 from torchtitan_lite.resolved_run import ResolvedRun
 
 if TYPE_CHECKING:
@@ -42,12 +43,20 @@ def dry_run_text(run: ResolvedRun, precision_config: Precision.Config) -> str:
         precision = precision_config.build(device="cpu", resolved=run.precision)
         model = run.model_spec.parallelize_fn(model, run.parallelize_context(mp_policy=precision.mp_policy()))
         shards = _shard_bytes(model, run)
+        plan = run.model_spec.parallel_plan
+        counts = param_counts(model, run.moe_facts, blocks=plan.blocks, embedding=plan.embedding)
     seconds = time.perf_counter() - start
     estimate = estimate_run_memory(run)
     width = 22
+    dims, args, seq_len = run.parallel_dims, run.model_args, run.training.seq_len
+    flops = training_flops_per_token(counts, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
+                                     seq_len=seq_len)
     lines = [
-        f"dry run: rank 0 of {run.world_size}, {run.parallel_dims.describe()}, built and parallelized on meta "
+        f"dry run: rank 0 of {run.world_size}, {dims.describe()}, built and parallelized on meta "
         f"over a fake process group in {seconds:.1f}s",
+        f"model: {counts.describe()}; {flops:,} training FLOPs per token at seq_len {seq_len} (MFU counts these)",
+        *([expert_layout_text(run.moe_facts, n_layers=args.n_layers, ep=dims.ep, dp_shard=dims.dp_shard,
+                              fsdp=dims.fsdp_enabled)] if run.moe_facts is not None else []),
         f"precision: {run.precision.describe()}; {run.n_microbatches} micro-batch(es) of "
         f"{run.tokens_per_microbatch} tokens per step",
         "per-rank bytes read off the DTensor shards (estimate's own figure in brackets):",

@@ -28,6 +28,7 @@ from torchtitan_lite.config.sections import (
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConvertersContainer
 from torchtitan_lite.protocols.model_spec import ModelSpec, RunFacts, build_model_args, get_model_spec
+from torchtitan_lite.protocols.moe_facts import MoEFacts
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class ResolvedRun:
     model_spec: ModelSpec
     model_args: Any
     """The family's args, flavor overrides applied and the vocabulary grown to the tokenizer's."""
+    moe_facts: MoEFacts | None
+    """The model's MoE layers, as the family states them (ModelSpec.moe_facts); None: a dense model."""
     precision: ResolvedPrecision
     n_microbatches: int
     """Forward/backward passes per optimizer step (gradient accumulation)."""
@@ -136,6 +139,8 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         logger.info("tokenizer.path=%r does not exist yet: planning with the %s flavor's vocabulary of %d; a training "
                     "launch needs the tokenizer (--check-config says how to fetch it)", config.tokenizer.path,
                     config.model.flavor, args.vocab_size)
+    moe_facts = spec.moe_facts(args) if spec.moe_facts is not None else None
+    check_expert_parallel(dims.ep, moe_facts, config.model)
     sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
     dims.validate_for_model(args, config.training.seq_len, sequence_parallel=sequence_parallel)
     precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
@@ -159,6 +164,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
                          f"Linears yet (it covers the float8 and mx converters); set metrics.fp8_stats_freq=0")
     return ResolvedRun(
         world_size=world_size, device_type=device_type, parallel_dims=dims, model_spec=spec, model_args=args,
+        moe_facts=moe_facts,
         precision=precision, n_microbatches=microbatches_per_step(config.training, dims.dp_degree),
         compile_model=compile_model, compile_loss=config.compile.enable and "loss" in config.compile.components,
         sequence_parallel=sequence_parallel, loss_parallel=dims.tp_enabled and par.enable_loss_parallel,
@@ -166,6 +172,18 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         training=config.training, parallelism=par, activation_checkpoint=config.activation_checkpoint,
         compile=config.compile, optimizer=config.optimizer,
     )
+
+
+def check_expert_parallel(ep: int, facts: MoEFacts | None, model: ModelConfig) -> None:
+    """parallelism.ep splits routed experts: the model must have them, in a number ep divides."""
+    if ep == 1:
+        return
+    if facts is None:
+        raise ValueError(
+            f"parallelism.ep={ep} splits routed experts over ranks, but model {model.name} (flavor {model.flavor}) "
+            f"is dense: it has no MoE layers. Set --parallelism.ep 1 (FSDP shards it over dp_shard), or train an "
+            f"MoE family (e.g. --config qwen3_moe_debug)")
+    facts.check_ep(ep)
 
 
 def check_validation_precision(validation: Validator.Config, converters: ModelConvertersContainer, *,

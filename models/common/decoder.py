@@ -17,7 +17,9 @@ from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
 from models.common.rope import RotaryEmbedding
 from models.common.rope_scaling import RopeScaling
+from torchtitan_lite.model_size import ParamCounts, param_counts, training_flops_per_token
 from torchtitan_lite.protocols.model import BaseModel
+from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
 class DecoderBlock(Protocol):
@@ -97,3 +99,24 @@ class Decoder(BaseModel, Generic[ArgsT]):
         if exclude_embedding:
             total -= self.tok_embeddings.weight.numel()
         return total
+
+    def moe_facts(self) -> MoEFacts | None:
+        """The family's MoE layers as data (the same function its ModelSpec.moe_facts registers); None: dense."""
+        return None
+
+    def param_counts(self) -> ParamCounts:
+        """Total and active (per token) parameters: a token skips the routed experts it is not sent to."""
+        return param_counts(self, self.moe_facts(), blocks="layers", embedding="tok_embeddings")
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token, the PaLM / torchtitan estimate on the active
+        parameters (torchtitan_lite/model_size.py):
+
+            6 * N_active + 12 * n_layers * n_heads * head_dim * seq_len
+
+        N_active counts the parameters used in matmuls for each token: all but the embedding lookup (a tied
+        matrix counts as the output projection) and the routed experts a token is not sent to.
+        """
+        a = self.args
+        return training_flops_per_token(self.param_counts(), n_layers=a.n_layers, n_heads=a.n_heads,
+                                        head_dim=a.head_dim, seq_len=seq_len)

@@ -28,6 +28,7 @@ from models.common.experts import GroupedExperts
 from models.common.feed_forward import FeedForward
 from models.common.load_balance import expert_bias_delta, sequence_aux_loss
 from models.common.router import SCORE_FUNCS, ScoreFunc, TokenChoiceRouter
+from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,12 @@ class MoEArgs:
         for name in ("bias_update_rate", "aux_loss_coeff"):
             if getattr(self, name) < 0:
                 raise ValueError(f"moe args: {name}={getattr(self, name)} must be >= 0 (0 turns it off)")
+
+    def facts(self, layers: tuple[int, ...], experts: str = "moe.experts") -> MoEFacts:
+        """These args as the core's MoE facts, for the MoE blocks ``layers`` whose layer sits at ``experts``'
+        parent (``MoE.experts`` holds the routed weights)."""
+        return MoEFacts(num_experts=self.num_experts, top_k=self.top_k, expert_hidden_dim=self.hidden_dim,
+                        shared_hidden_dim=self.num_shared_experts * self.hidden_dim, layers=layers, experts=experts)
 
     @property
     def active_hidden_dim(self) -> int:

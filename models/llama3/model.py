@@ -26,19 +26,3 @@ class Transformer(Decoder[Llama3ModelArgs]):
 
     def __init__(self, args: Llama3ModelArgs) -> None:
         super().__init__(args, lambda i: TransformerBlock(i, args), rope_scaling=args.rope_scaling)
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs (forward + backward) per token, the PaLM / torchtitan estimate:
-
-            6 * N + 12 * n_layers * n_heads * head_dim * seq_len
-
-        N counts the parameters used in matmuls for each token (all but the embedding lookup; a tied matrix
-        counts as the output projection): 2 FLOPs per multiply-add in forward, twice that in backward.
-        The second term is the attention scores and their weighted sum (2 matmuls of seq_len * head_dim per
-        head), counted over the full score matrix, not just its causal half.
-        """
-        a = self.args
-        matmul_params = self.num_params(exclude_embedding=True)
-        if a.tie_word_embeddings:
-            matmul_params += self.output.weight.numel()
-        return 6 * matmul_params + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from models.common.arg_checks import check_head_groups, check_positive, check_positive_ints
 from models.common.moe import MoEArgs
+from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
 @dataclass
@@ -46,8 +47,6 @@ class Qwen3MoeModelArgs:
     def kv_heads(self) -> int:
         return self.n_kv_heads
 
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """SwiGLU width each token passes through (its top_k experts): the dense-equivalent width that
-        per-token estimates read."""
-        return self.moe.active_hidden_dim
+    def moe_facts(self) -> MoEFacts:
+        """Every block's feed-forward is an MoE layer (``layers.<i>.moe``)."""
+        return self.moe.facts(layers=tuple(range(self.n_layers)))

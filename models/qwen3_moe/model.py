@@ -16,6 +16,7 @@ from models.common.pre_norm_block import PreNormBlock
 from models.common.router_stats import router_stats, router_summary
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 from models.qwen3_moe.attention import Attention
+from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
 class Qwen3MoeBlock(PreNormBlock):
@@ -52,18 +53,5 @@ class Qwen3MoeModel(Decoder[Qwen3MoeModelArgs]):
     def training_stats_summary(self, values: dict[str, float]) -> str | None:
         return router_summary(values)
 
-    def num_active_params(self, exclude_embedding: bool = False) -> int:
-        """Parameters one token uses: all but the routed experts it is not sent to."""
-        m = self.args.moe
-        idle_experts = m.num_experts - m.top_k
-        return self.num_params(exclude_embedding) - self.args.n_layers * idle_experts * 3 * self.args.dim * m.hidden_dim
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward): 6 * active matmul parameters + the attention term
-        12 * n_layers * n_heads * head_dim * seq_len, as Llama 3's estimate, counting only the experts a
-        token is routed to."""
-        a = self.args
-        matmul_params = self.num_active_params(exclude_embedding=True)
-        if a.tie_word_embeddings:
-            matmul_params += self.output.weight.numel()
-        return 6 * matmul_params + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+    def moe_facts(self) -> MoEFacts:
+        return self.args.moe_facts()

@@ -133,4 +133,4 @@ def test_family_is_registered_with_the_published_shapes():
         with torch.device("meta"):
             model = Qwen3MoeModel(spec.flavors[flavor])
         assert model.num_params() == pytest.approx(total, rel=2e-3)
-        assert model.num_active_params() == pytest.approx(active, rel=2e-3)
+        assert model.param_counts().active == pytest.approx(active, rel=2e-3)

@@ -42,11 +42,18 @@ logits to float32 (components/loss.py) and log-softmax saves float32 log-probs, 
 the saved log-probs plus the float32 gradient in and out of log-softmax: 12 x V bytes per token at once
 (16 x V with loss parallel, whose fused backward holds one more float32 temporary).
 A compiled loss (Inductor) keeps the logits instead and writes their gradient directly: 2 x V x a.
+
+MoE blocks (the family's MoE facts name them) replace the SwiGLU and the feed_forward input by the
+router, dispatch, routed experts, combine and shared experts of memory/routed.py; under the op policy
+they keep the router's gate logits (T x E x 4, a matmul at an odd position of the block) instead of w1's
+and w2's outputs (the grouped expert GEMMs are not in the policy's matmul list).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from torchtitan_lite.memory.routed import RoutedSetup, moe_backward_working_bytes, moe_saved_bytes
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,11 @@ class ActivationSetup:
     """TP communication regions that move float8 (names from the family's plan: 'attention input',
     'feed_forward input', 'attention.wo output', 'feed_forward.w2 output'); their activations are saved
     as float8 by torchao's float8 TP styles."""
+    moe: RoutedSetup | None = None
+    """The model's MoE layers (None: every block has the dense SwiGLU of width ffn_dim)."""
+
+    def is_moe(self, layer: int | None) -> bool:
+        return self.moe is not None and layer in self.moe.layers
 
     @property
     def fused_rms_norm(self) -> bool:
@@ -125,17 +137,21 @@ def norm_output_bytes(s: ActivationSetup, consumers: int, region: str | None = N
     return copies * s.tokens * s.dim * s.compute_bytes
 
 
-def block_saved_bytes(s: ActivationSetup) -> dict[str, int]:
-    """Saved tensors of one block without checkpointing, by part."""
+def block_saved_bytes(s: ActivationSetup, layer: int | None = None) -> dict[str, int]:
+    """Saved tensors of block ``layer`` without checkpointing, by part (None: a dense block)."""
     t, a, e = s.tokens, s.compute_bytes, s.attention_bytes
     attention = s.hq * s.head_dim
-    return {
+    parts = {
         "norms": 2 * norm_saved_bytes(s),
-        "norm outputs": norm_output_bytes(s, 3, "attention input") + norm_output_bytes(s, 2, "feed_forward input"),
+        "norm outputs": norm_output_bytes(s, 3, "attention input"),
         "q, k, v": t * (s.hq + 2 * s.sdpa_kv_heads) * s.head_dim * e,
         "sdpa": t * attention * e + t * s.hq * 4 + wo_input_bytes(s),
-        "swiglu": 3 * t * s.ffn * a + t * s.ffn * (1 if "feed_forward.w2 output" in s.float8_tp_regions else a),
     }
+    if s.moe is not None and s.is_moe(layer):
+        return parts | moe_saved_bytes(s.moe, tokens=t, dim=s.dim, compute_bytes=a, autocast=s.autocast)
+    parts["norm outputs"] += norm_output_bytes(s, 2, "feed_forward input")
+    parts["swiglu"] = 3 * t * s.ffn * a + t * s.ffn * (1 if "feed_forward.w2 output" in s.float8_tp_regions else a)
+    return parts
 
 
 def wo_input_bytes(s: ActivationSetup) -> int:
@@ -151,26 +167,30 @@ def block_input_bytes(s: ActivationSetup) -> int:
     return s.tokens // s.sp * s.dim * s.residual_bytes
 
 
-def selective_op_bytes(s: ActivationSetup) -> int:
+def selective_op_bytes(s: ActivationSetup, layer: int | None = None) -> int:
     """Block input plus the outputs the per-op policy saves."""
     t, a = s.tokens, s.compute_bytes
     matmuls = t * (s.hq * s.head_dim + s.hkv * s.head_dim + s.ffn + s.dim) * a
+    if s.moe is not None and s.is_moe(layer):
+        # wq, wv, the gate (float32 logits) and, with shared experts, w3 of theirs (the 7th matmul).
+        matmuls = t * (s.hq * s.head_dim + s.hkv * s.head_dim + s.moe.shared_hidden) * a + t * s.moe.num_experts * 4
     sdpa = t * s.hq * s.head_dim * s.attention_bytes + t * s.hq * 4
     reduce_scatters = 2 * t // s.sp * s.dim * a if s.sp > 1 else 0
     return block_input_bytes(s) + matmuls + sdpa + reduce_scatters
 
 
-def recompute_bytes(s: ActivationSetup, *, selective_op: bool) -> int:
+def recompute_bytes(s: ActivationSetup, *, selective_op: bool, layer: int | None = None) -> int:
     """What backward adds when it re-runs a checkpointed block: the block's saved set, minus the
     tensors the checkpoint already holds (its input, which the first norm saves as is when it is
     float32 or the norm is fused; under the op policy also the SDPA outputs, w1's output, and v when
     SDPA reads wv's output itself: not repeated, not widened)."""
-    none = sum(block_saved_bytes(s).values())
+    none = sum(block_saved_bytes(s, layer).values())
     kept_input = block_input_bytes(s) if s.fused_rms_norm or s.residual_bytes == 4 else 0
     if not selective_op:
         return none - kept_input
     t, a = s.tokens, s.compute_bytes
-    reused = t * s.hq * s.head_dim * s.attention_bytes + t * s.hq * 4 + t * s.ffn * a
+    # w1's output is reused by a dense block; an MoE block's saved gate logits are not in its saved set.
+    reused = t * s.hq * s.head_dim * s.attention_bytes + t * s.hq * 4 + (0 if s.is_moe(layer) else t * s.ffn * a)
     if s.sdpa_kv_heads == s.hkv and s.attention_bytes == a:
         reused += t * s.hkv * s.head_dim * a
     return none - kept_input - reused
@@ -192,11 +212,14 @@ def wrapped_blocks(mode: str, selective_option: str, n_layers: int) -> list[bool
 def block_plan(s: ActivationSetup, mode: str, selective_option: str) -> list[tuple[int, int]]:
     """Per block: (bytes it keeps from forward to backward, bytes its backward recomputes)."""
     selective_op = mode == "selective" and selective_option == "op"
-    none = sum(block_saved_bytes(s).values())
-    kept = selective_op_bytes(s) if selective_op else block_input_bytes(s)
-    recompute = recompute_bytes(s, selective_op=selective_op)
-    return [(kept, recompute) if wrapped else (none, 0)
-            for wrapped in wrapped_blocks(mode, selective_option, s.n_layers)]
+    plan = []
+    for layer, wrapped in enumerate(wrapped_blocks(mode, selective_option, s.n_layers)):
+        if not wrapped:
+            plan.append((sum(block_saved_bytes(s, layer).values()), 0))
+            continue
+        kept = selective_op_bytes(s, layer) if selective_op else block_input_bytes(s)
+        plan.append((kept, recompute_bytes(s, selective_op=selective_op, layer=layer)))
+    return plan
 
 
 def head_saved_bytes(s: ActivationSetup) -> int:
@@ -223,5 +246,11 @@ def logits_grad_bytes(s: ActivationSetup) -> int:
 def block_backward_working_bytes(s: ActivationSetup) -> int:
     """Activation gradients alive at once inside one block's backward: at the SwiGLU product the
     gradients of the product, of w1's and of w3's output coexist (3 x F x a per token), next to the
-    residual-stream gradient (D x r)."""
-    return s.tokens * (3 * s.ffn * s.compute_bytes + s.dim * s.residual_bytes)
+    residual-stream gradient (D x r); in an MoE block, the expert GEMMs' gradients and the all-to-all
+    buffers instead (memory/routed.py). The largest over the model's kinds of block."""
+    residual = s.tokens * s.dim * s.residual_bytes
+    dense = s.tokens * 3 * s.ffn * s.compute_bytes + residual
+    if s.moe is None:
+        return dense
+    moe = moe_backward_working_bytes(s.moe, tokens=s.tokens, dim=s.dim, compute_bytes=s.compute_bytes) + residual
+    return max(moe, dense) if len(s.moe.layers) < s.n_layers else moe

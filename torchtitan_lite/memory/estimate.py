@@ -8,7 +8,8 @@ component below per rank, and finds the peak over the moments of a training step
 
 Components:
 
-  parameters        float32 master weights, sharded by TP and by FSDP (dp_shard); dp_replicate copies them
+  parameters        float32 master weights, sharded by TP and by FSDP (dp_shard); dp_replicate copies them;
+                    routed experts split over EP, then FSDP over dp_shard / ep (memory/layout.py)
   optimizer states  AdamW: 2 fp32 moments + a float32 `step` per parameter; torchao low-bit: codes + fp32
                     block scales (+ qmap) per moment, fp32 for small tensors (memory/optimizer_states.py)
   buffers           the float32 rotary table, on every rank
@@ -18,7 +19,10 @@ Components:
                     and without FSDP autograd accumulates into the float32 parameter's .grad (under TP
                     the embedding's gradient is replicated: see memory/layout.py)
   step scratch      temporaries of the optimizer kernel (none for the fused kernel that 'auto' picks)
-  activations       what every block keeps for backward under the AC mode (memory/activations.py)
+  activations       what every block keeps for backward under the AC mode (memory/activations.py); MoE
+                    blocks: router, routed rows, expert GEMMs and combine (memory/routed.py)
+  all-to-all        under EP, the send + receive buffers of one token exchange (part of the block backward
+                    transient; the busiest rank's receive side assumes EP_RECEIVE_HEADROOM)
   head activations  the final norm's and the output projection's saved inputs
   loss transient    cross-entropy in float32: saved log-probs + gradients in and out of log-softmax
   FSDP gathered     all-gathered parameters in param_dtype (1 byte for float8 all-gathered weights); the
@@ -51,12 +55,14 @@ from torchtitan_lite.memory.activations import (
     ActivationSetup,
     block_backward_working_bytes,
     block_plan,
+    block_saved_bytes,
     head_saved_bytes,
     logits_grad_bytes,
     loss_transient_bytes,
 )
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, ModelLayout, ParamLayout, model_layout
 from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
+from torchtitan_lite.memory.routed import EP_RECEIVE_HEADROOM, RoutedSetup, all_to_all_bytes
 from torchtitan_lite.memory.timeline import Moment, StepSizes, step_moments
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
@@ -85,6 +91,8 @@ class MemoryEstimate:
     layout: str
     device_type: str
     world_size: int
+    model: str = ""
+    """Total and active parameters of the model."""
 
     def __getitem__(self, name: str) -> int:
         for term in self.terms:
@@ -192,6 +200,7 @@ def estimate_run_memory(run: ResolvedRun) -> MemoryEstimate:
                    "compiled: logits + their gradient" if s.compiled_loss else "fp32 log-probs + 2 fp32 gradients"),
         MemoryTerm("block backward transient", max(r for _, r in plan) + sizes.block_working,
                    "recomputed activations (AC) + activation gradients of one block"),
+        *_moe_terms(layout, s, low_bit),
         MemoryTerm("FSDP gathered params", max(m.parts.get("FSDP gathered", 0) for m in moments),
                    _gathered_text(run, fsdp, layout)),
         MemoryTerm("autocast weight copies", sizes.autocast_copies,
@@ -203,7 +212,7 @@ def estimate_run_memory(run: ResolvedRun) -> MemoryEstimate:
         terms.append(MemoryTerm("CUDA context", CUDA_CONTEXT_BYTES, "outside the caching allocator (constant)"))
     return MemoryEstimate(terms=tuple(terms), moments=tuple(moments),
                           layout=f"{dims.describe()} (world size {world_size})", device_type=device_type,
-                          world_size=world_size)
+                          world_size=world_size, model=layout.counts.describe() if layout.counts else "")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,12 +220,17 @@ def estimate_run_memory(run: ResolvedRun) -> MemoryEstimate:
 
 
 def _activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
-    args, dims, precision = layout.args, layout.dims, run.precision
+    args, dims, precision, facts = layout.args, layout.dims, run.precision, layout.moe
     param_bytes = precision.param_bytes
+    moe = None if facts is None else RoutedSetup(
+        num_experts=facts.num_experts, top_k=facts.top_k, hidden=facts.expert_hidden_dim,
+        shared_hidden=facts.shared_hidden_dim, layers=frozenset(facts.layers), ep=dims.ep)
     return ActivationSetup(
         tokens=run.tokens_per_microbatch,
         dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
-        ffn_dim=args.ffn_hidden_dim, vocab_size=args.vocab_size, n_layers=args.n_layers, tp=dims.tp,
+        # A family whose every block is an MoE layer has no dense feed-forward width.
+        ffn_dim=getattr(args, "ffn_hidden_dim", 0), moe=moe,
+        vocab_size=args.vocab_size, n_layers=args.n_layers, tp=dims.tp,
         sequence_parallel=run.parallelism.enable_sequence_parallel, loss_parallel=run.parallelism.enable_loss_parallel,
         # Without FSDP, low precision comes from autocast: parameters, embedding output and residual stay fp32.
         compute_bytes=param_bytes, residual_bytes=4 if precision.autocast else param_bytes,
@@ -283,7 +297,39 @@ def _sharding_text(layout: ModelLayout) -> str:
     parts = [f"TP {dims.tp}"] if dims.tp_enabled else []
     if dims.fsdp_enabled and dims.dp_shard > 1:
         parts.append(f"FSDP {dims.dp_shard}")
-    return "sharded " + " x ".join(parts) if parts else "not sharded"
+    text = "sharded " + " x ".join(parts) if parts else "not sharded"
+    if dims.ep_enabled:
+        expert_fsdp = f" x FSDP {dims.expert_fsdp_degree}" if dims.fsdp_enabled and dims.expert_fsdp_degree > 1 else ""
+        text += f"; routed experts EP {dims.ep}{expert_fsdp}"
+    return text
+
+
+def _moe_terms(layout: ModelLayout, s: ActivationSetup, low_bit: str | None) -> list[MemoryTerm]:
+    """The MoE share of the rows above (already counted in them), and the all-to-all buffers."""
+    if s.moe is None:
+        return []
+    r = s.moe
+    expert = [p for p in layout.params if p.routed_expert]
+    expert_params = sum(p.local_numel for p in expert) * MASTER_WEIGHT_BYTES
+    layer = min(r.layers)
+    routed = {k: v for k, v in block_saved_bytes(s, layer).items()
+              if k in ("router", "dispatch", "routed experts", "combine", "shared experts")}
+    dims = layout.dims
+    where = (f"{r.local_experts} of {r.num_experts} experts per EP rank, FSDP {dims.expert_fsdp_degree} over them"
+             if dims.ep_enabled else f"{r.num_experts} experts, sharded with the other parameters")
+    a2a = all_to_all_bytes(r, tokens=s.tokens, dim=s.dim, compute_bytes=s.compute_bytes)
+    return [
+        MemoryTerm("  expert parameters", expert_params, f"of parameters above: {where}"),
+        MemoryTerm("  expert grads + states", expert_params + sum(state_bytes(p.local_numel, low_bit) for p in expert),
+                   "of gradients and optimizer states above"),
+        MemoryTerm("  routed activations", sum(routed.values()),
+                   f"of activations above, per MoE layer without AC: {r.sent_rows(s.tokens)} routed rows (tokens x "
+                   f"top_k {r.top_k}) sent, {r.received_rows(s.tokens)} received"
+                   + (f" (x{EP_RECEIVE_HEADROOM} assumed imbalance)" if dims.ep_enabled else "")),
+        MemoryTerm("all-to-all buffers", a2a,
+                   f"send + receive of one exchange, in the block backward transient: ({r.sent_rows(s.tokens)} + "
+                   f"{r.received_rows(s.tokens)}) rows x dim {s.dim}" if a2a else "no EP: tokens stay on their rank"),
+    ]
 
 
 def _optimizer_text(low_bit: str | None) -> str:
@@ -319,6 +365,7 @@ def estimate_memory_text(run: ResolvedRun) -> str:
     return "\n".join([
         f"memory estimate per rank: {est.layout}, {est.device_type}"
         + ("" if est.device_type == "cuda" else " (this machine; CUDA runs differ: estimate on the GPU host)"),
+        f"model: {est.model}",
         f"{'component':<{width}}  {'GiB':>9}  {'bytes':>17}  how",
         *(line(*r) for r in rows),
         f"{'step moments':<{width}}  device bytes allocated where the peak can occur",

@@ -11,6 +11,12 @@ trainer's parallelize step applies:
   (`FSDPParam._init_sharded_param`, torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so rank 0's
   shapes below are also the padded storage of every rank.
 - dp_replicate copies the shards (HSDP): it does not divide anything.
+- EP (the family's MoE facts name the routed experts): each EP rank holds num_experts / ep whole experts
+  (dim 0 of the stacked expert weights), and FSDP2 shards those over the dp_shard / ep ranks left after
+  EP (ParallelDims.expert_fsdp_degree), dim 0 padded as above. All other parameters are sharded over
+  dp_shard as without EP, so for every rank the expert bytes at rest are the same as FSDP over dp_shard
+  when the degrees divide; what EP changes is what FSDP gathers and reduce-scatters (E / ep experts per
+  MoE layer, not E) and the token all-to-all (memory/routed.py).
 """
 from __future__ import annotations
 
@@ -24,7 +30,9 @@ from torch import nn
 from torchtitan_lite.components.quantization import linear_quantizer
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import TPRegion, tp_regions
+from torchtitan_lite.model_size import ParamCounts, param_counts
 from torchtitan_lite.protocols.model_spec import ParallelPlan
+from torchtitan_lite.protocols.moe_facts import MoEFacts
 from torchtitan_lite.resolved_run import ResolvedRun
 
 MASTER_WEIGHT_BYTES = 4
@@ -35,7 +43,8 @@ class ParamLayout:
     fqn: str
     global_shape: tuple[int, ...]
     tp_shape: tuple[int, ...]
-    """Shape after TP only: what one rank all-gathers from its FSDP shard group."""
+    """Shape after the model-parallel splits (TP; EP for routed experts): what one rank all-gathers from
+    its FSDP shard group."""
     local_shape: tuple[int, ...]
     """Shape on rank 0 after TP and FSDP (with FSDP's padding, every rank's storage)."""
     unit: str
@@ -48,6 +57,8 @@ class ParamLayout:
     """Bytes per element FSDP all-gathers it in when not the parameter dtype's (float8 all-gather: 1)."""
     replicated_grad: bool = False
     """Backward produces this parameter's gradient unsharded on every TP rank (see model_layout)."""
+    routed_expert: bool = False
+    """A routed expert weight (the family's MoE facts): split over EP, then FSDP over the ranks left."""
 
     @property
     def global_numel(self) -> int:
@@ -93,6 +104,10 @@ class ModelLayout:
     """Each block's TP communication regions and whether they move float8 (identical for every block
     unless a filter names single blocks; this is the first converted block's: keep_first_blocks_hp skips the
     ones before it). Empty without TP."""
+    moe: MoEFacts | None = None
+    """The family's MoE facts for these args (None: a dense model)."""
+    counts: ParamCounts | None = None
+    """Total and active parameters of the model."""
 
     @property
     def float8_tp_regions(self) -> frozenset[str]:
@@ -105,6 +120,7 @@ class ModelLayout:
 def model_layout(run: ResolvedRun) -> ModelLayout:
     """Shard the run's model (built on meta) over its ranks as the trainer would."""
     dims, args, plan = run.parallel_dims, run.model_args, run.model_spec.parallel_plan
+    facts = run.moe_facts
     with torch.device("meta"):
         model = run.model_spec.model_cls(args)
 
@@ -117,14 +133,17 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     gather_itemsize = quantizer.all_gather_itemsize if quantizer is not None and dims.fsdp_enabled else None
     tied = model.get_submodule(plan.output).weight is model.get_submodule(plan.embedding).weight
     shard = dims.dp_shard if dims.fsdp_enabled else 1
+    expert_shard = dims.expert_fsdp_degree if dims.fsdp_enabled else 1
 
     linear_modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     params = []
     for fqn, p in model.named_parameters():  # a tied matrix is listed once, as the embedding's weight
         module = fqn.rsplit(".", 1)[0]
-        tp_shape = _tp_shape(plan, module, tuple(p.shape), dims.tp)
+        routed = facts is not None and facts.is_routed_expert(fqn, plan.blocks)
+        tp_shape = _ep_shape(tuple(p.shape), dims.ep) if routed else _tp_shape(plan, module, tuple(p.shape), dims.tp)
         params.append(ParamLayout(
-            fqn=fqn, global_shape=tuple(p.shape), tp_shape=tp_shape, local_shape=_fsdp_shape(tp_shape, shard),
+            fqn=fqn, global_shape=tuple(p.shape), tp_shape=tp_shape,
+            local_shape=_fsdp_shape(tp_shape, expert_shard if routed else shard), routed_expert=routed,
             unit=plan.fsdp_unit(module, tied=tied), is_linear=module in linear_modules,
             casts_master_weight=module in from_master, gather_itemsize=gather_itemsize if module in converted else None,
             # DTensor's embedding backward has no row-sharded strategy (embedding_dense_backward_strategy in
@@ -146,8 +165,14 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
                     ) if dims.tp_enabled else ()
     return ModelLayout(
         args=args, dims=dims, params=tuple(params), linears=linears, buffer_bytes=buffer_bytes,
-        float8_all_gather=gather_itemsize == 1, tp_regions=regions,
+        float8_all_gather=gather_itemsize == 1, tp_regions=regions, moe=facts,
+        counts=param_counts(model, facts, blocks=plan.blocks, embedding=plan.embedding),
     )
+
+
+def _ep_shape(shape: tuple[int, ...], ep: int) -> tuple[int, ...]:
+    # resolve_run checked that ep divides the experts: whole experts per EP rank.
+    return (shape[0] // ep,) + shape[1:]
 
 
 def _tp_shape(plan: ParallelPlan, module: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:

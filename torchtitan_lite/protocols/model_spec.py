@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from torchtitan_lite.protocols.model import BaseModel
+from torchtitan_lite.protocols.moe_facts import MoEFacts
 from torchtitan_lite.protocols.parallelize import ParallelizeFn
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,9 @@ class ModelSpec:
     """Incremental decoding for generation, called as kv_cache_cls(model, batch_size=, max_len=); the
     instance maps (new tokens, start position) to their logits, caching keys and values. None: generation
     reruns the whole prefix for each new token."""
+    moe_facts: Callable[[Any], MoEFacts] | None = None
+    """The family's Mixture-of-Experts layers, from its args (experts, top_k, widths, which blocks); the
+    planning tools and the expert-parallel rules read these facts. None: a dense family."""
     check_run: RunCheck | None = None
     """Refuses a run the family cannot train (raises ValueError naming the fix). resolve_run calls it, so
     --check-config refuses before launch what the family's build would refuse after it; None: no rule."""
