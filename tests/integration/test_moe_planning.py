@@ -1,0 +1,86 @@
+"""Planning an MoE run at cluster size before launch: --check-config refuses expert-parallel layouts the
+model cannot take and names the fix, shows total / active parameters and the EP layout, and --dry-run builds
+the 235B-A22B model for 64 GPUs with FSDP 64 x EP 8 and states its per-rank peak."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from config_registry import DEFAULT_REGISTRY
+from torchtitan_lite.actions import run_action
+from torchtitan_lite.config import parse_cli
+
+LAUNCH_ENV = ("WORLD_SIZE", "NGPU", "NPROC", "TTL_GPU_MEMORY_GIB", "TORCHTITAN_LITE_PREFLIGHT",
+              "TORCHTITAN_LITE_REQUIRE_DATA")
+NO_DATA = ["--tokenizer.path", "none", "--data.dataset", "embedded"]
+LAYOUT_235B = ["--parallelism.ep", "8", "--precision.param_dtype", "bfloat16", "--activation_checkpoint.mode", "full",
+               "--training.seq_len", "4096", "--training.local_batch_size", "1"]
+"""The recommended 64-GPU layout of Qwen3-235B-A22B: FSDP over all 64 ranks, EP 8 (one 8-GPU node's
+all-to-all), bf16 compute, full AC, one 4096-token sequence per rank."""
+
+
+@pytest.fixture
+def check(monkeypatch, capsys):
+    """--check-config in this process under the given launch environment: (exit status, stdout, stderr)."""
+    def run(args: list[str], **env: str) -> tuple[int, str, str]:
+        for name in LAUNCH_ENV:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        status = run_action(parse_cli([*args, "--check-config"], registry=DEFAULT_REGISTRY), registry=DEFAULT_REGISTRY)
+        out, err = capsys.readouterr()
+        return status, out, err
+    return run
+
+
+def test_expert_parallelism_of_a_dense_model_is_refused_with_the_fix(check):
+    status, _, err = check(["--config", "llama3_debug", *NO_DATA, "--parallelism.ep", "2"], NPROC="2")
+    assert status == 2
+    assert ("error: parallelism.ep=2 splits routed experts over ranks, but model llama3 (flavor debug) is dense: it "
+            "has no MoE layers. Set --parallelism.ep 1 (FSDP shards it over dp_shard), or train an MoE family "
+            "(e.g. --config qwen3_moe_debug)") in err
+
+
+def test_ep_that_does_not_divide_the_experts_is_refused_with_the_divisors(check):
+    # ep 3 divides dp_shard 6 (the degrees are valid) but not the debug flavor's 8 experts.
+    status, _, err = check(["--config", "qwen3_moe_debug", *NO_DATA, "--parallelism.ep", "3"], NPROC="6")
+    assert status == 2
+    assert ("error: parallelism.ep=3 must divide the model's num_experts=8 (each EP rank holds whole experts); use "
+            "an ep among 1, 2, 4, 8 that also divides dp_shard") in err
+    assert check(["--config", "qwen3_moe_debug", *NO_DATA, "--parallelism.ep", "2"], NPROC="6")[0] == 0
+
+
+def test_check_config_shows_total_and_active_parameters_and_the_ep_layout(check):
+    status, out, _ = check(["--config", "qwen3_moe_debug", *NO_DATA, "--model.flavor", "235B-A22B", *LAYOUT_235B],
+                           NGPU="64")
+    assert status == 0, out
+    assert "is valid for 64 process(es) (FSDP 64 + EP 8)" in out
+    assert "model: 235,093,634,560 parameters, 22,190,763,520 active per token (9.4%" in out
+    assert ("experts: 128 routed (top-8, hidden 1536) in 94 of 94 blocks; EP 8: 16 experts per rank, their weights "
+            "sharded by FSDP 8 (dp_shard 64 / ep 8)") in out
+
+
+def _registered(name: str) -> bool:
+    return name in DEFAULT_REGISTRY.names()
+
+
+@pytest.mark.parametrize("config", [
+    ["--config", "qwen3_moe_debug", "--model.flavor", "235B-A22B"],
+    pytest.param(["--config", "qwen3_moe_235b_fp8"], marks=pytest.mark.skipif(
+        not _registered("qwen3_moe_235b_fp8"), reason="the qwen3_moe_235b_fp8 config is not registered")),
+], ids=["235B-A22B-flavor", "qwen3_moe_235b_fp8"])
+def test_235b_dry_run_on_64_gpus_with_fsdp_64_and_ep_8_fits_80_gib(cli, config):
+    result = cli([*config, *LAYOUT_235B, "--dry-run"], NGPU="64")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "dry run: rank 0 of 64, FSDP 64 + EP 8" in out
+    assert "model: 235,093,634,560 parameters, 22,190,763,520 active per token" in out
+    assert "EP 8: 16 experts per rank" in out
+    # The estimate sizes exactly the shards the parallelize step produced.
+    for label in ("parameters", "gradients", "optimizer states"):
+        match = re.search(rf"^  {label}\s+[\d.]+ GiB\s+([\d,]+)\s+\[([\d,]+)\]$", out, re.M)
+        assert match and match.group(1) == match.group(2), label
+    peak = re.search(r"^total per device\s+([\d.]+)", out, re.M)
+    assert peak and float(peak.group(1)) < 80, out[-3000:]
