@@ -7,11 +7,15 @@ import math
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from models import get_model_spec
 from models.common.moe import MoE, MoEArgs
 from models.llama3 import Transformer
+from models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs
 from torchtitan_lite.config.sections import ModelConfig, ParallelismConfig, TrainingConfig
+from torchtitan_lite.distributed.activation_checkpoint import apply_ac
+from torchtitan_lite.memory.activations import ActivationSetup, block_plan, block_saved_bytes
 from torchtitan_lite.memory.estimate import estimate_memory
 from torchtitan_lite.memory.layout import model_layout
 from torchtitan_lite.memory.routed import EP_RECEIVE_HEADROOM, RoutedSetup, all_to_all_bytes, moe_saved_bytes
@@ -156,3 +160,31 @@ def test_ep_gathers_a_block_of_local_experts_only():
     assert fsdp["FSDP gathered params"] >= 2 * block * 2
     assert ep8["FSDP gathered params"] < 2 * (block // 8) * 2 + 2 * 151936 * 4096 * 2  # + the head's output
     assert ep8["all-to-all buffers"] == (32768 + 40960) * 4096 * 2 and fsdp["all-to-all buffers"] == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_moe_block_keeps_what_the_plan_says(mode):
+    """Full AC keeps the block input; the op policy also keeps wq's and wv's outputs, SDPA's and the router
+    gate's float32 logits (the 5th matmul of the block), not the grouped expert GEMMs."""
+    args = Qwen3MoeModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128, max_seq_len=64,
+                             moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=32))
+    model = Qwen3MoeModel(args)
+    apply_ac(model, mode, "op")
+    batch, seq = 2, 32
+    x = torch.randn(batch, seq, args.dim, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = model.layers["0"](x, model.rope.cache)
+    alive = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    facts = args.moe_facts()
+    setup = ActivationSetup(
+        tokens=batch * seq, dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+        ffn_dim=0, vocab_size=args.vocab_size, n_layers=1, tp=1, sequence_parallel=False, loss_parallel=False,
+        compute_bytes=4, residual_bytes=4, autocast=False, device_type="cpu", compiled_loss=False,
+        moe=RoutedSetup(num_experts=8, top_k=2, hidden=32, shared_hidden=0, layers=frozenset(facts.layers)),
+    )
+    kept, recompute = block_plan(setup, mode, "op")[0]
+    # As for dense blocks (tests/unit/test_memory_estimate.py): the input was allocated before profiling;
+    # tolerance 1 KiB for the checkpoint's small bookkeeping tensors.
+    input_bytes = x.numel() * x.element_size()
+    assert abs(alive - out.numel() * out.element_size() - (kept - input_bytes)) < 1024
+    assert recompute > 0 and "router" in block_saved_bytes(setup, 0) and "swiglu" not in block_saved_bytes(setup, 0)
