@@ -8,6 +8,7 @@ from the checkpoint's marker.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -109,6 +110,12 @@ def check_resume(config: Trainer.Config, run: ResolvedRun) -> tuple[list[str], l
 def _fixes(run: ResolvedRun) -> list[str]:
     fixes = [f"more GPUs / processes (FSDP shards parameters, gradients and optimizer states over them: "
              f"NGPU x --nnodes > {run.world_size})"]
+    dims, facts = run.parallel_dims, run.moe_facts
+    # Up to 8 EP ranks: one node of 8 GPUs keeps the token all-to-all on its fast links.
+    ep = min(8, math.gcd(facts.num_experts, dims.dp_shard)) if facts is not None and dims.ep == 1 else 1
+    if facts is not None and ep > 1:
+        fixes.append(f"--parallelism.ep {ep} (expert parallelism: FSDP gathers and reduce-scatters 1/{ep} of each "
+                     f"block's experts; {ep} divides num_experts={facts.num_experts} and dp_shard={dims.dp_shard})")
     if run.activation_checkpoint.mode != "full":
         fixes.append("--activation_checkpoint.mode full (recompute activations in backward)")
     if run.training.local_batch_size > 1:

@@ -76,6 +76,7 @@ def expert_layout_text(facts: MoEFacts, *, n_layers: int, ep: int, dp_shard: int
                        (f"their weights sharded by FSDP {dp_shard} with the rest" if fsdp and dp_shard > 1
                         else "their weights whole on each rank"))
     expert_fsdp = dp_shard // ep
-    return text + (f"EP {ep}: {facts.num_experts // ep} experts per rank, their weights sharded by FSDP "
-                   f"{expert_fsdp} (dp_shard {dp_shard} / ep {ep}); tokens travel by all-to-all within each group "
-                   f"of {ep} EP ranks")
+    held = (f"their weights sharded by FSDP {expert_fsdp} (dp_shard {dp_shard} / ep {ep})" if fsdp and expert_fsdp > 1
+            else f"their weights whole on each rank (dp_shard {dp_shard} / ep {ep} = 1)")
+    return text + (f"EP {ep}: {facts.num_experts // ep} experts per rank, {held}; tokens travel by all-to-all "
+                   f"within each group of {ep} EP ranks")

@@ -62,6 +62,16 @@ def test_check_config_shows_total_and_active_parameters_and_the_ep_layout(check)
             "sharded by FSDP 8 (dp_shard 64 / ep 8)") in out
 
 
+def test_an_moe_run_that_does_not_fit_is_pointed_to_expert_parallelism(check):
+    """235B-A22B on 64 GPUs: 78.5 GiB per rank with FSDP alone, 60.4 GiB with EP 8 (the estimate)."""
+    args = ["--config", "qwen3_moe_debug", *NO_DATA, "--model.flavor", "235B-A22B", *LAYOUT_235B[2:]]
+    status, _, err = check(args, NGPU="64", TTL_GPU_MEMORY_GIB="70")
+    assert status == 2
+    assert ("--parallelism.ep 8 (expert parallelism: FSDP gathers and reduce-scatters 1/8 of each block's experts; 8 "
+            "divides num_experts=128 and dp_shard=64)") in err
+    assert check([*args, *LAYOUT_235B[:2]], NGPU="64", TTL_GPU_MEMORY_GIB="70")[0] == 0
+
+
 def _registered(name: str) -> bool:
     return name in DEFAULT_REGISTRY.names()
 
