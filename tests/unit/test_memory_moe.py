@@ -188,3 +188,15 @@ def test_checkpointed_moe_block_keeps_what_the_plan_says(mode):
     input_bytes = x.numel() * x.element_size()
     assert abs(alive - out.numel() * out.element_size() - (kept - input_bytes)) < 1024
     assert recompute > 0 and "router" in block_saved_bytes(setup, 0) and "swiglu" not in block_saved_bytes(setup, 0)
+
+
+def test_active_parameters_are_counted_through_activation_checkpoint_wrappers():
+    """The trainer reads flops_per_token of the parallelized model, whose blocks AC has wrapped
+    (layers.<i>._checkpoint_wrapped_module.moe.experts...): MFU must still skip the idle experts."""
+    spec = get_model_spec("qwen3_moe")
+    with torch.device("meta"):
+        model = spec.model_cls(spec.flavors["debug"])
+    before = model.param_counts()
+    apply_ac(model, "full")
+    assert any("_checkpoint_wrapped_module" in name for name, _ in model.named_parameters())
+    assert model.param_counts() == before and before.active < before.total
