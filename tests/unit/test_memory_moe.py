@@ -18,7 +18,13 @@ from torchtitan_lite.distributed.activation_checkpoint import apply_ac
 from torchtitan_lite.memory.activations import ActivationSetup, block_plan, block_saved_bytes
 from torchtitan_lite.memory.estimate import estimate_memory
 from torchtitan_lite.memory.layout import model_layout
-from torchtitan_lite.memory.routed import EP_RECEIVE_HEADROOM, RoutedSetup, all_to_all_bytes, moe_saved_bytes
+from torchtitan_lite.memory.routed import (
+    EP_RECEIVE_HEADROOM,
+    RoutedSetup,
+    all_to_all_bytes,
+    moe_backward_working_bytes,
+    moe_saved_bytes,
+)
 from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.trainer import Trainer
 
@@ -200,3 +206,15 @@ def test_active_parameters_are_counted_through_activation_checkpoint_wrappers():
     apply_ac(model, "full")
     assert any("_checkpoint_wrapped_module" in name for name, _ in model.named_parameters())
     assert model.param_counts() == before and before.active < before.total
+
+
+def test_low_precision_experts_add_an_input_copy_and_one_gemms_float8_operands():
+    """torchao's FP8 / MXFP8 grouped GEMMs save their high-precision input each (no shared routed rows)
+    and hold their float8 operands only while they run."""
+    base = dict(num_experts=128, top_k=8, hidden=1536, shared_hidden=0, layers=frozenset({0}), ep=8)
+    bf16, fp8 = RoutedSetup(**base), RoutedSetup(**base, float8_experts=True)
+    kw = dict(tokens=4096, dim=4096, compute_bytes=2)
+    saved = {name: sum(moe_saved_bytes(r, **kw, autocast=False).values()) for name, r in (("bf16", bf16), ("fp8", fp8))}
+    assert saved["fp8"] - saved["bf16"] == 40960 * 4096 * 2
+    working = moe_backward_working_bytes(fp8, **kw) - moe_backward_working_bytes(bf16, **kw)
+    assert working == 40960 * 4096 + 16 * 1536 * 4096

@@ -224,7 +224,8 @@ def _activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
     param_bytes = precision.param_bytes
     moe = None if facts is None else RoutedSetup(
         num_experts=facts.num_experts, top_k=facts.top_k, hidden=facts.expert_hidden_dim,
-        shared_hidden=facts.shared_hidden_dim, layers=frozenset(facts.layers), ep=dims.ep)
+        shared_hidden=facts.shared_hidden_dim, layers=frozenset(facts.layers), ep=dims.ep,
+        float8_experts=any(c.config.low_precision_experts for c in run.converters.converters))
     return ActivationSetup(
         tokens=run.tokens_per_microbatch,
         dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,

@@ -22,6 +22,14 @@ tensor against autograd's saved tensors in tests/unit/test_memory_moe.py):
 - shared experts: a SwiGLU of width S on the gate's input (4 x T x S x a, plus the input in the compute
   dtype when it is not the float32 one the gate saved).
 
+Low-precision experts (a converter whose config sets ``low_precision_experts``): torchao 0.18's FP8 rowwise
+and MXFP8 grouped GEMMs save their high-precision, token-group-padded input and weight and re-cast in
+backward (``ctx.save_for_backward(padded_A, B_t, ...)`` in torchao/prototype/moe_training/fp8_grouped_mm.py,
+``padded_input_act, weight_t`` in mxfp8_grouped_mm.py), so they save no float8 copy; but w1 and w3 each
+save their own copy of the routed rows (one more Tr x D x a), and one GEMM at a time holds its float8
+operands (Tr x max(D, H) + E x H x D bytes, scales under 4%). The padding (< 16 rows per expert) is not
+modelled.
+
 Not modelled: the sequence-level aux loss keeps the scores' row sums (T x 4, under 1/E of the scores) and
 two [batch, E] tensors.
 
@@ -53,8 +61,7 @@ class RoutedSetup:
     """Blocks whose feed-forward is this MoE layer."""
     ep: int = 1
     float8_experts: bool = False
-    """The expert GEMMs run in FP8 (a grouped-experts converter): each also saves 1-byte copies of its
-    routed-row and hidden operands. Nothing sets it yet: no converter of the run converts grouped experts."""
+    """The expert GEMMs run in FP8 / MX: set from the run's converters (``low_precision_experts``)."""
 
     @property
     def local_experts(self) -> int:
@@ -75,15 +82,15 @@ def moe_saved_bytes(r: RoutedSetup, *, tokens: int, dim: int, compute_bytes: int
     sent, received = r.sent_rows(t), r.received_rows(t)
     rows = (2 if autocast else 1) * received * dim * a
     weight_casts = 3 * e * r.hidden * dim * a if autocast else 0
-    float8 = received * (dim + r.hidden) if r.float8_experts else 0
+    float8 = received * dim * a if r.float8_experts else 0  # w1 and w3 save separate input copies
     # The gate saves a float32 copy of its input; the shared experts read the input itself (their own cast
     # copies under autocast), which is the gate's saved tensor when it is already float32.
     shared_input = (2 * t * dim * a if autocast else 0 if a == 4 else t * dim * a) if r.shared_hidden else 0
     gate_weight = r.num_experts * dim * 4 if a != 4 and not autocast else 0
     return {
         "router": t * dim * 4 + gate_weight + t * r.num_experts * 4 + t * r.top_k * (8 + 2 * 4) + t * 4,
-        "dispatch": 2 * sent * 8 + rows + weight_casts,
-        "routed experts": 4 * received * r.hidden * a + e * 4 + float8,
+        "dispatch": 2 * sent * 8 + rows + weight_casts + float8,
+        "routed experts": 4 * received * r.hidden * a + e * 4,
         "combine": received * dim * a + sent * dim * 4,
         "shared experts": 4 * t * r.shared_hidden * a + shared_input,
     }
@@ -101,5 +108,6 @@ def moe_backward_working_bytes(r: RoutedSetup, *, tokens: int, dim: int, compute
     the product, of w1's and of w3's output (3 x Tr x H x a) next to the routed rows' gradient (Tr x D x a)
     and one exchange's all-to-all buffers."""
     received = r.received_rows(tokens)
-    return (received * (3 * r.hidden + dim) * compute_bytes
+    float8 = received * max(dim, r.hidden) + r.local_experts * r.hidden * dim if r.float8_experts else 0
+    return (received * (3 * r.hidden + dim) * compute_bytes + float8
             + all_to_all_bytes(r, tokens=tokens, dim=dim, compute_bytes=compute_bytes))

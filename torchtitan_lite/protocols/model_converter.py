@@ -59,6 +59,9 @@ class ModelConverter(Configurable):
         swaps: ClassVar[str | None] = None
         """Module type the converter replaces (e.g. 'nn.Linear'): two converters swapping the same
         type cannot be combined, since a module can be converted only once."""
+        low_precision_experts: ClassVar[bool] = False
+        """The converter runs the routed experts' grouped GEMMs in FP8 / MX: the memory estimate then counts
+        their float8 operands and the input copy each GEMM saves (memory/routed.py)."""
         _registry: ClassVar[dict[str, type[ModelConverter.Config]]] = {}
 
         def __init_subclass__(cls, **kwargs: Any) -> None:
