@@ -5,7 +5,11 @@ and move nothing), builds the meshes, builds the model on the meta device, conve
 the family's parallelize function exactly as the trainer would: TP / SP / loss parallel, float8 TP
 styles, activation checkpointing, compile wrapping, FSDP / HSDP. What comes out are real DTensor shards
 (on meta), so the per-rank parameter, gradient and optimizer bytes below are read off the shards, not
-computed on paper; the memory estimate is printed beside them.
+computed on paper; the memory estimate is printed beside them. First come the model's total and active
+parameters with the training FLOPs per token that MFU counts, and for an MoE family its expert layout
+(experts per EP rank, the FSDP degree over them). The expert shards are whatever the family's parallelize
+function makes of ``parallelism.ep``; where it shards the experts by FSDP over all of dp_shard instead, the
+bytes per rank are the same as EP x FSDP over dp_shard / ep whenever the degrees divide.
 """
 from __future__ import annotations
 
