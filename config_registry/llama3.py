@@ -176,7 +176,8 @@ def llama3_8b_fp8() -> Trainer.Config:
 
 @register
 def llama3_8b_fp8_rowwise() -> Trainer.Config:
-    """llama3_8b + compile + FP8 rowwise (BF16 all-gather: rowwise scales are per row)."""
+    """llama3_8b + compile + FP8 rowwise (BF16 all-gather: the input-gradient GEMM needs the weight scaled along its
+    other axis, so one gathered per-row-scaled copy cannot serve both GEMMs)."""
     cfg = llama3_8b()
     cfg.compile = CompileConfig(enable=True)
     cfg.model_converters = _fp8("rowwise", all_gather=False)
