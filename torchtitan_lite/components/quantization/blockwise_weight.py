@@ -112,6 +112,12 @@ class BlockwiseShardWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any,
                             mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
         shard = self._tensor
+        rows, cols = shard.shape
+        if rows % BLOCK or cols % BLOCK:
+            raise ValueError(f"a blockwise FP8 all-gather needs whole {BLOCK}x{BLOCK} blocks in every FSDP shard, but "
+                             f"this rank holds {rows} x {cols} of a {tuple(outer_size)} weight: the converter planned "
+                             f"for another shard degree than FSDP's mesh ({mesh.size()} ranks); pass that degree as "
+                             f"ConversionContext.dp_shard")
         if mp_policy is not None and mp_policy.param_dtype is not None:
             shard = shard.to(mp_policy.param_dtype)
         data, scale = quantize_128x128(shard, power_of_2=self.power_of_2)
