@@ -32,6 +32,7 @@ def _converter(*, dp_shard: int = 1, tp: int = 1, kernel: str = "auto", **config
 
 @pytest.mark.parametrize("out_features, in_features, dp_shard, tp, tp_dim, obstacle", [
     (256, 256, 2, 1, None, ""),
+    (256, 256, 1, 1, None, "dp_shard=1: FSDP gathers nothing"),
     (768, 256, 2, 1, None, ""),
     (128, 256, 2, 1, None, "128 rows / dp_shard=2 = 64 rows per FSDP shard, not whole 128-row blocks"),
     (384, 256, 2, 1, None, "384 rows / dp_shard=2 = 192 rows per FSDP shard"),

@@ -64,7 +64,9 @@ class BlockwiseFP8Linear(nn.Linear):
             raise NotImplementedError(f"BlockwiseFP8Linear under TP takes a column-wise (Shard(0)) weight with a "
                                       f"replicated input or a row-wise (Shard(1)) one with an input sharded on its "
                                       f"last dim; got weight {weight.placements}, input {input.placements}")
-        local = self._gemm(input.to_local(), weight.to_local())
+        # Column-wise, each rank's input gradient covers only its output features: partial sums over TP ranks.
+        grad_place = (Partial(),) if isinstance(out_place, Shard) else input.placements
+        local = self._gemm(input.to_local(grad_placements=grad_place), weight.to_local())
         return DTensor.from_local(local, weight.device_mesh, (out_place,), run_check=False)
 
 

@@ -39,6 +39,9 @@ def fp8_all_gather_obstacle(out_features: int, in_features: int, *, dp_shard: in
 
     FSDP2 shards dim 0 of the (TP-local) weight in ``dp_shard`` chunks of ceil(rows / dp_shard) rows; each
     chunk must hold whole 128-row blocks for the quantization to stay local."""
+    if dp_shard == 1:
+        # FSDP2 then copies the shard without a collective (and takes a single all-gather input).
+        return "dp_shard=1: FSDP gathers nothing"
     rows = out_features // tp if tp_shard_dim == 0 else out_features
     cols = in_features // tp if tp_shard_dim == 1 else in_features
     where = f"{rows} rows{' per TP rank' if tp_shard_dim == 0 and tp > 1 else ''}"
