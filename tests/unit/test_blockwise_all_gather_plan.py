@@ -62,8 +62,9 @@ def test_llama3_debug_under_fsdp2_gathers_fp8_except_wk_wv_and_says_why(caplog):
     block = model.layers["0"]
     assert isinstance(block.attention.wq.weight.data, BlockwiseShardWeight)
     assert not isinstance(block.attention.wk.weight.data, BlockwiseShardWeight)
-    assert converter.all_gather_bytes_per_element("layers.0.attention.wq") == 1 + 4 / 128**2
-    assert converter.all_gather_bytes_per_element("layers.0.attention.wk") is None
+    per_linear = converter.all_gather_per_linear(converter.plan or [])
+    assert per_linear["layers.0.attention.wq"] == (1 + 4 / 128**2, "E4M3 + a float32 scale per block")
+    assert per_linear["layers.0.attention.wk"][0] is None
 
 
 @pytest.mark.parametrize("config, kernel, why", [

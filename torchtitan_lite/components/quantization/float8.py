@@ -235,6 +235,14 @@ class Float8LinearConverter(LinearQuantizer):
         return 1 if self.fsdp_float8_all_gather else None
 
     @property
+    def all_gather_why(self) -> str:
+        if self.fsdp_float8_all_gather:
+            return "float8 with one tensorwise scale (all-reduced amax)"
+        if self.config.recipe_name != "tensorwise":
+            return f"{self.config.recipe_name}: {ROWWISE_GATHERS_HIGH_PRECISION}"
+        return "enable_fsdp_float8_all_gather=false"
+
+    @property
     def float8_tp_communication(self) -> bool:
         # One scale per tensor: a float8 activation can be gathered across TP ranks and stay valid.
         return self.config.recipe_name == "tensorwise"

@@ -56,6 +56,7 @@ BLOCKWISE_KERNELS = ("auto", "native", "emulated")
 NATIVE_CAPABILITY = (9, 0)
 """torchao's blockwise prototype asserts sm_90 and is written for Hopper; newer GPUs are not assumed."""
 _FIELD = "model_converters.converters[float8_blockwise]"
+_FP8_BLOCKS = "E4M3 + a float32 scale per block"
 
 BlockwiseKernel = Literal["auto", "native", "emulated"]
 
@@ -236,7 +237,7 @@ class Float8BlockwiseConverter(LinearQuantizer):
         if not reasons:
             return "FSDP all-gather: none (no FSDP sharding)"
         fp8 = [fqn for fqn, why in reasons.items() if not why]
-        per_element = f"{FP8_ALL_GATHER_BYTES_PER_ELEMENT:.6g} bytes/element: E4M3 + a float32 scale per block"
+        per_element = f"{FP8_ALL_GATHER_BYTES_PER_ELEMENT:.6g} bytes/element: {_FP8_BLOCKS}"
         lines = [f"FSDP all-gather (dp_shard={self.context.dp_shard}): {len(fp8)} of {len(reasons)} blockwise "
                  f"Linears gather FP8 blocks ({per_element}); the rest the parameter dtype"]
         groups: dict[str, list[str]] = {}
@@ -276,11 +277,9 @@ class Float8BlockwiseConverter(LinearQuantizer):
                                  f"set enable_fsdp_float8_all_gather=false or keep {fqn} in high precision")
             wrap_for_fp8_all_gather(linear, power_of_2=power_of_2)
 
-    def all_gather_bytes_per_element(self, fqn: str) -> float | None:
-        """Bytes per element FSDP gathers the converted Linear ``fqn``'s weight in; None: the parameter dtype's."""
-        if self.plan is None:
-            raise RuntimeError("all_gather_bytes_per_element needs the plan of convert() or plan_rows()")
-        return FP8_ALL_GATHER_BYTES_PER_ELEMENT if self.fp8_all_gather_reasons(self.plan).get(fqn) == "" else None
+    def all_gather_per_linear(self, rows: list[PlanRow]) -> dict[str, tuple[float | None, str]]:
+        return {fqn: (None, why) if why else (FP8_ALL_GATHER_BYTES_PER_ELEMENT, _FP8_BLOCKS)
+                for fqn, why in self.fp8_all_gather_reasons(rows).items()}
 
     @property
     def fsdp_float8_all_gather(self) -> bool:
