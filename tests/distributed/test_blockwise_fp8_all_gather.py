@@ -19,13 +19,14 @@ DP = 2
 THEORETICAL_RATIO = Fraction(1 + Fraction(4, 128 * 128), 2)  # 0.5001220703125
 
 
-def _converted(shapes: list[tuple[int, int]], *, fp8_gather: bool, dp_shard: int) -> nn.Sequential:
+def _converted(shapes: list[tuple[int, int]], *, fp8_gather: bool, dp_shard: int,
+               power_of_2: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(k, n, bias=False) for n, k in shapes))
     context = ConversionContext(device_type="cpu", param_dtype=torch.bfloat16, autocast=False, fsdp_sharded=True,
                                 tp_enabled=False, compile_model=False, seq_len=128, output_module="output",
                                 dp_shard=dp_shard)
-    converter = Float8BlockwiseConverter.Config(power_of_2_scales=True, enable_fsdp_float8_all_gather=fp8_gather)
+    converter = Float8BlockwiseConverter.Config(power_of_2_scales=power_of_2, enable_fsdp_float8_all_gather=fp8_gather)
     converter.build(context=context).convert(model)
     return model
 
@@ -71,6 +72,14 @@ def _bytes_worker(rank: int, world_size: int) -> dict:
             out["data_equal"] = torch.equal(gathered._data.view(torch.uint8), expected_data.view(torch.uint8))
             out["scale_equal"] = torch.equal(gathered._scale, expected_scale)
             model[0].reshard()
+    # Float32 scales (power_of_2_scales=false) are what the shards quantize with, too.
+    model = _converted(SHAPES, fp8_gather=True, dp_shard=world_size, power_of_2=False)
+    full = model[0].weight.detach().clone()
+    _shard(model)[0].unshard()
+    expected_data, expected_scale = quantize_128x128(full.to(torch.bfloat16), power_of_2=False)
+    out["float32_scales_equal"] = torch.equal(model[0].weight._scale, expected_scale) and torch.equal(
+        model[0].weight._data.view(torch.uint8), expected_data.view(torch.uint8))
+    out["float32_scales_not_powers_of_2"] = bool((torch.log2(expected_scale) % 1 != 0).any())
     return out
 
 
@@ -86,6 +95,7 @@ def test_fp8_all_gather_moves_half_the_bytes_bitwise_the_local_quantization_and_
     # Each rank's shard holds whole blocks, so its local quantization is the whole weight's, bit for bit.
     assert result["gathered_type"] == "BlockwiseGatheredWeight"
     assert result["data_equal"] and result["scale_equal"]
+    assert result["float32_scales_equal"] and result["float32_scales_not_powers_of_2"]
     # The high-precision path quantizes the same bf16 blocks after its gather: identical gradients.
     assert all(torch.equal(a, b) for a, b in zip(fp8["grads"], bf16["grads"], strict=True))
 

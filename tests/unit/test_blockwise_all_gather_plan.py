@@ -98,3 +98,26 @@ def test_tensor_parallel_with_aligned_shards_converts_and_composes_with_fsdp():
     assert {fqn for fqn, why in reasons.items() if not why} == {f"layers.{i}.{m}" for i in (0, 1)
                                                                 for m in ("attention.wo", "feed_forward.w2")}
     assert reasons["layers.0.feed_forward.w1"].startswith("384 rows per TP rank / dp_shard=2 = 192 rows")
+
+
+def test_validation_in_high_precision_is_refused_when_fsdp_gathers_fp8_blocks():
+    from torchtitan_lite.components.precision import Precision
+    from torchtitan_lite.components.validate import Validator
+    from torchtitan_lite.config.sections import ModelConfig, ParallelismConfig, TrainingConfig
+    from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
+    from torchtitan_lite.resolved_run import resolve_run
+    from torchtitan_lite.trainer import Trainer
+
+    def config(fp8_gather: bool) -> Trainer.Config:
+        return Trainer.Config(
+            model=ModelConfig(flavor="debug", n_layers=2), training=TrainingConfig(seq_len=128, local_batch_size=2),
+            precision=Precision.Config(param_dtype="bfloat16"), parallelism=ParallelismConfig(dp_shard=2),
+            validation=Validator.Config(enable=True, low_precision=False),
+            model_converters=ModelConvertersContainer.Config(converters=[
+                Float8BlockwiseConverter.Config(enable_fsdp_float8_all_gather=fp8_gather)]))
+
+    # The Linears would never see their high-precision weights: FSDP hands them FP8 blocks.
+    with pytest.raises(ValueError, match="cannot be honoured with enable_fsdp_float8_all_gather: FSDP all-gathers the "
+                                         "weights as float8"):
+        resolve_run(config(True), world_size=2, device_type="cpu", vocab_size=None)
+    resolve_run(config(False), world_size=2, device_type="cpu", vocab_size=None)
