@@ -121,3 +121,16 @@ def test_validation_in_high_precision_is_refused_when_fsdp_gathers_fp8_blocks():
                                          "weights as float8"):
         resolve_run(config(True), world_size=2, device_type="cpu", vocab_size=None)
     resolve_run(config(False), world_size=2, device_type="cpu", vocab_size=None)
+
+
+def test_gathered_weight_reads_as_its_dequantized_blocks_outside_the_blockwise_gemm():
+    from torchtitan_lite.components.quantization.blockwise_fp8 import dequantize_128x128, quantize_128x128
+    from torchtitan_lite.components.quantization.blockwise_weight import BlockwiseGatheredWeight
+
+    weight = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    data, scale = quantize_128x128(weight, power_of_2=True)
+    gathered = BlockwiseGatheredWeight(data, scale, torch.bfloat16)
+    assert gathered.shape == (256, 128) and gathered.dtype == torch.bfloat16
+    # FSDP's as_strided to the full size and nn.Parameter's detach keep the blocks.
+    assert torch.as_strided(gathered, (256, 128), (128, 1)).detach()._data is data
+    assert torch.equal(gathered * 1, dequantize_128x128(data, scale).to(torch.bfloat16))
