@@ -89,7 +89,8 @@ def llama3_debug_mxfp8() -> Trainer.Config:
 def llama3_debug_fp8_blockwise() -> Trainer.Config:
     """llama3_debug_bf16 + DeepSeek-V3 blockwise FP8 Linears (1x128 tiles, 128x128 weight blocks, power-of-2
     scales; emulated on CPU; output layer kept in BF16). Every block Linear of the debug flavor (dims 128, 256,
-    768) is a multiple of 128."""
+    768) is a multiple of 128. With --parallelism.dp_shard 2, FSDP gathers FP8 blocks for wq, wo, w1, w2 and w3;
+    wk / wv (128 rows, 64 per shard) are gathered in BF16 (the plan says why)."""
     cfg = llama3_debug_bf16()
     cfg.model_converters = ModelConvertersContainer.Config(
         converters=[Float8BlockwiseConverter.Config(power_of_2_scales=True)])
@@ -176,7 +177,8 @@ def llama3_8b_fp8() -> Trainer.Config:
 
 @register
 def llama3_8b_fp8_rowwise() -> Trainer.Config:
-    """llama3_8b + compile + FP8 rowwise (BF16 all-gather: rowwise scales are per row)."""
+    """llama3_8b + compile + FP8 rowwise (BF16 all-gather: the input-gradient GEMM needs the weight scaled along its
+    other axis, so one gathered per-row-scaled copy cannot serve both GEMMs)."""
     cfg = llama3_8b()
     cfg.compile = CompileConfig(enable=True)
     cfg.model_converters = _fp8("rowwise", all_gather=False)

@@ -43,6 +43,11 @@ from torchtitan_lite.protocols.parallelize import ParallelizeContext
 # All Linear dims are multiples of 16 (float8 GEMMs need it); heads and KV heads split over tp=2.
 TINY = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
                        max_seq_len=64, rope_theta=10000.0)
+# The blockwise FP8 recipe needs Linear dims in 128s: head_dim 128, FFN 768, so that wq / wk / wv / wo (256 x 256),
+# w1 / w3 (768 x 256) and w2 (256 x 768) split over dp_shard=2 into whole 128-row blocks, and over tp=2 too.
+TINY_128 = Llama3ModelArgs(dim=256, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=256, multiple_of=256,
+                           max_seq_len=64, rope_theta=10000.0)
+MODEL_ARGS = {"tiny": TINY, "tiny_128": TINY_128}
 SEQ = 32
 GLOBAL_BATCH = 4
 LR = 3e-3
@@ -62,6 +67,11 @@ class Run:
     auto_filter_small_kn keeps attention.wk / wv on 8B shapes."""
     mx: str | None = None
     """mx converter recipe (MXFP8, emulated on CPU), or None."""
+    blockwise: bool = False
+    """The float8_blockwise converter (emulated, power-of-2 scales; FP8 all-gather where shards hold whole blocks)."""
+    blockwise_fp8_all_gather: bool = True
+    model: str = "tiny"
+    """MODEL_ARGS key: 'tiny_128' for blockwise."""
     fp8_all_gather: bool = False
     precompute: bool = False
     ac_mode: str = "none"
@@ -97,7 +107,7 @@ class Run:
 
     def precision_off(self, *, keep_dtype: bool = False) -> Run:
         """The same run without float8 / MX (and in float32 unless ``keep_dtype``): the negative control."""
-        return dataclasses.replace(self, float8=None, float8_keep_hp=(), mx=None, fp8_all_gather=False,
+        return dataclasses.replace(self, float8=None, float8_keep_hp=(), mx=None, blockwise=False, fp8_all_gather=False,
                                    precompute=False, param_dtype=self.param_dtype if keep_dtype else "float32")
 
 
@@ -173,9 +183,9 @@ def global_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return batches
 
 
-def initial_state_dict() -> dict[str, torch.Tensor]:
+def initial_state_dict(args: Llama3ModelArgs = TINY) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    return {k: v.clone() for k, v in Transformer(TINY).state_dict().items()}
+    return {k: v.clone() for k, v in Transformer(args).state_dict().items()}
 
 
 def parallel_config(run: Run, dims: ParallelDims) -> SimpleNamespace:
@@ -199,12 +209,13 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
     one_rank_fsdp = run.world_size == 1 and run.dp_micro_batches > 1
     dims = (_OneRankFsdp if one_rank_fsdp else ParallelDims)(run.dp_replicate, run.dp_shard, run.tp,
                                                               world_size=run.world_size)
-    dims.validate_for_model(TINY, SEQ, sequence_parallel=run.sequence_parallel)
+    args = MODEL_ARGS[run.model]
+    dims.validate_for_model(args, SEQ, sequence_parallel=run.sequence_parallel)
     dims.build_mesh("cpu")
     config = parallel_config(run, dims)
     precision = Precision.Config(param_dtype=run.param_dtype).build(device="cpu", fsdp_enabled=dims.fsdp_enabled)
     with torch.device("meta"):
-        model = Transformer(TINY)
+        model = Transformer(args)
     if run.float8:
         # emulate: as the converter does where the CPU _scaled_mm takes per-tensor scales only (torch 2.11).
         fp8_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(run.float8),
@@ -215,6 +226,8 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
             keep in fqn for keep in run.float8_keep_hp))
     if run.mx:
         mx_converter(run, dims).convert(model)
+    if run.blockwise:
+        blockwise_converter(run, dims).convert(model)
     parallelize_llama(model, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=config.sequence_parallel,
         loss_parallel=config.loss_parallel, activation_checkpoint=config.activation_checkpoint,
@@ -223,9 +236,9 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
     model.to_empty(device="cpu")
     model.init_weights()
     if not (dims.fsdp_enabled or dims.tp_enabled):
-        model.load_state_dict(initial_state_dict())
+        model.load_state_dict(initial_state_dict(args))
     else:
-        set_model_state_dict(model, initial_state_dict(), options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(model, initial_state_dict(args), options=StateDictOptions(full_state_dict=True))
     return model, dims, precision, config
 
 
@@ -241,6 +254,23 @@ def mx_converter(run: Run, dims: ParallelDims):
                                 fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=run.compile,
                                 seq_len=SEQ, output_module="output")
     return MXLinearConverter.Config(recipe_name=run.mx).build(context=context)
+
+
+def blockwise_converter(run: Run, dims: ParallelDims):
+    """The project's float8_blockwise converter for ``run``, planned for its FSDP and TP degrees."""
+    from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN
+    from torchtitan_lite.components.precision import resolve_precision
+    from torchtitan_lite.components.quantization import Float8BlockwiseConverter
+    from torchtitan_lite.protocols.model_converter import ConversionContext
+
+    resolved = resolve_precision(Precision.Config(param_dtype=run.param_dtype), device_type="cpu",
+                                 fsdp_enabled=dims.fsdp_enabled)
+    context = ConversionContext(device_type="cpu", param_dtype=resolved.param_dtype, autocast=resolved.autocast,
+                                fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=run.compile,
+                                seq_len=SEQ, output_module="output", dp_shard=dims.dp_shard if dims.fsdp_enabled else 1,
+                                tp=dims.tp, tp_shard_dim=LLAMA3_PARALLEL_PLAN.tp_shard_dim)
+    return Float8BlockwiseConverter.Config(power_of_2_scales=True,
+                                           enable_fsdp_float8_all_gather=run.blockwise_fp8_all_gather).build(context=context)
 
 
 def train(run: Run, model, dims: ParallelDims, precision: Precision, config, *, record_step: int | None = None,

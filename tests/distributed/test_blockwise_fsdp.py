@@ -1,5 +1,6 @@
-"""Blockwise FP8 Linears (emulated) under FSDP 2 on gloo: the weights are all-gathered in the parameter dtype
-and quantized after the gather, so each rank computes the single-process blockwise gradients of its share."""
+"""Blockwise FP8 Linears (emulated) under FSDP 2 on gloo: w1's 384 rows (192 per rank, not whole 128-row blocks)
+are all-gathered in the parameter dtype and quantized after the gather, w2's 256 rows as FP8 blocks quantized on
+each rank; either way each rank computes the single-process blockwise gradients of its share."""
 from __future__ import annotations
 
 import torch
@@ -26,15 +27,18 @@ class _Net(nn.Module):
         return self.w2(torch.relu(self.w1(x)))
 
 
-def _model(blockwise: bool, *, fsdp: bool) -> nn.Module:
+def _model(blockwise: bool, *, fsdp: bool, dp_shard: int = 1) -> nn.Module:
     torch.manual_seed(0)
     model = _Net()
     if blockwise:
         context = ConversionContext(device_type="cpu", param_dtype=torch.float32, autocast=False, fsdp_sharded=fsdp,
-                                    tp_enabled=False, compile_model=False, seq_len=128, output_module="output")
+                                    tp_enabled=False, compile_model=False, seq_len=128, output_module="output",
+                                    dp_shard=dp_shard)
         converter = Float8BlockwiseConverter.Config().build(context=context)
-        assert converter.all_gather_itemsize is None
         converter.convert(model)
+        if dp_shard > 1:
+            assert converter.fp8_all_gather_reasons(converter.plan or [])["w2"] == ""
+            assert "192 rows per FSDP shard" in converter.fp8_all_gather_reasons(converter.plan or [])["w1"]
     return model
 
 
@@ -55,7 +59,7 @@ def _first_grads(model: nn.Module, x: torch.Tensor, divide_by: int = 1) -> dict[
 def fsdp_worker(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     from torch.distributed.fsdp import fully_shard
 
-    model = _model(True, fsdp=True)
+    model = _model(True, fsdp=True, dp_shard=world_size)
     fully_shard(model.w1)
     fully_shard(model.w2)
     fully_shard(model)

@@ -55,3 +55,19 @@ def test_two_torchrun_nodes_on_localhost_train_together(tmp_path):
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     losses = read_scalars(tmp_path / "tb")["train/loss"]
     assert set(losses) == {1, 2, 3}
+
+
+def test_fsdp2_blockwise_trains_with_the_fp8_all_gather(cli, tmp_path):
+    # llama3_debug's wk / wv have 128 output rows: 64 per FSDP shard cut every block, so they (and only they)
+    # are gathered in bf16; the other five Linears of each block gather FP8 blocks.
+    result = cli(["--config", "llama3_debug_fp8_blockwise", "--parallelism.dp_shard", "2", "--training.steps", "5",
+                  *TINY, "--job.dump_folder", str(tmp_path)], NPROC="2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert ("FSDP all-gather (dp_shard=2): 10 of 14 blockwise Linears gather FP8 blocks (1.00024 bytes/element: "
+            "E4M3 + a float32 scale per block)") in log
+    assert ("FP8: layers.*.attention.wq, layers.*.attention.wo, layers.*.feed_forward.w1, layers.*.feed_forward.w2, "
+            "layers.*.feed_forward.w3") in log
+    assert "high precision: layers.*.attention.wk, layers.*.attention.wv (128 rows / dp_shard=2 = 64 rows" in log
+    losses = read_scalars(tmp_path / "tb")["train/loss"]
+    assert set(losses) == {1, 2, 3, 4, 5} and losses[5] < losses[1]

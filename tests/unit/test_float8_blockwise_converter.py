@@ -71,7 +71,7 @@ def test_converter_logs_its_choice_once_and_the_plan_shows_it(caplog):
     explained = converter.explain(_meta_llama())
     assert explained.startswith("float8_blockwise converter (E4M3, 1x128 activation / gradient tiles, 128x128 weight "
                                 "blocks, float32 scales; blockwise GEMMs emulated: this run computes on cpu")
-    assert "FSDP all-gathers the weights in the parameter dtype (no FP8 all-gather for blockwise yet)" in explained
+    assert explained.endswith("\nFSDP all-gather: none (no FSDP sharding)")
 
 
 def test_converter_chooses_torchaos_kernels_on_hopper(monkeypatch):
@@ -94,15 +94,10 @@ def test_float16_is_an_error():
         Float8BlockwiseConverter.Config().build(context=context("float16"))
 
 
-def test_tensor_parallelism_is_an_error():
-    with pytest.raises(ValueError, match="does not support tensor parallelism yet .* Set parallelism.tp=1"):
-        Float8BlockwiseConverter.Config().build(context=context(tp=True))
-
-
-def test_fsdp_gathers_the_weight_in_high_precision():
+def test_fsdp_gather_is_per_linear_and_the_converter_casts_no_master_weight():
     converter = Float8BlockwiseConverter.Config().build(context=context(fsdp=True))
     assert converter.all_gather_itemsize is None and converter.casts_master_weight is False
-    assert not hasattr(Float8BlockwiseConverter.Config(), "enable_fsdp_float8_all_gather")
+    assert converter.fsdp_float8_all_gather is True  # the blockwise_all_gather tests cover which Linears
 
 
 def test_blockwise_and_float8_cannot_be_combined():

@@ -36,9 +36,11 @@ def _raises(message: str):
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
 def test_rowwise_with_fp8_all_gather_names_the_fix(recipe):
     with _raises(f"model_converters.converters[float8]: enable_fsdp_float8_all_gather=True needs "
-                 f"recipe_name='tensorwise', got '{recipe}' (rowwise scales differ per row, so a sharded weight "
-                 f"cannot be all-gathered as one float8 tensor). Set enable_fsdp_float8_all_gather=false or use "
-                 f"recipe_name='tensorwise'"):
+                 f"recipe_name='tensorwise', got '{recipe}' (per-row scales do shard along dim 0 with the weight, "
+                 f"but the input-gradient GEMM (dX = dY W) needs the weight scaled along its other axis, so one "
+                 f"gathered float8 copy cannot serve both GEMMs). Set enable_fsdp_float8_all_gather=false or use "
+                 f"recipe_name='tensorwise' (or the float8_blockwise converter, whose 128x128 weight blocks serve "
+                 f"both GEMMs)"):
         Float8LinearConverter.Config(recipe_name=recipe, enable_fsdp_float8_all_gather=True)
 
 
@@ -189,3 +191,11 @@ def test_building_never_mutates_the_config():
 def test_a_bare_linear_cannot_be_converted_in_place():
     with _raises("the float8 converter swaps Linears inside a model in place; pass the parent module"):
         _build().convert(nn.Linear(16, 16))
+
+
+def test_rowwise_plan_says_why_fsdp_gathers_the_weight_in_high_precision():
+    text = _build(parallel_dims=FSDP, recipe_name="rowwise").settings()
+    assert text.startswith("recipe rowwise, FSDP float8 all-gather off (per-row scales do shard along dim 0 with the "
+                           "weight, but the input-gradient GEMM (dX = dY W) needs the weight scaled along its other "
+                           "axis, so one gathered float8 copy cannot serve both GEMMs), precomputed scales off")
+    assert "per-row" not in _build(parallel_dims=NO_FSDP, recipe_name="rowwise").settings()

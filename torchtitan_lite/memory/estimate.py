@@ -45,6 +45,7 @@ one a training command launched here would use.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -93,6 +94,8 @@ class MemoryEstimate:
     world_size: int
     model: str = ""
     """Total and active parameters of the model."""
+    all_gather: str = ""
+    """Bytes per weight element FSDP all-gathers, per recipe and why ('' without FSDP)."""
 
     def __getitem__(self, name: str) -> int:
         for term in self.terms:
@@ -212,7 +215,8 @@ def estimate_run_memory(run: ResolvedRun) -> MemoryEstimate:
         terms.append(MemoryTerm("CUDA context", CUDA_CONTEXT_BYTES, "outside the caching allocator (constant)"))
     return MemoryEstimate(terms=tuple(terms), moments=tuple(moments),
                           layout=f"{dims.describe()} (world size {world_size})", device_type=device_type,
-                          world_size=world_size, model=layout.counts.describe() if layout.counts else "")
+                          world_size=world_size, model=layout.counts.describe() if layout.counts else "",
+                          all_gather=layout.all_gather_text)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,7 +249,7 @@ def _activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
 
 
 def _gathered_bytes(layout: ModelLayout, unit: str, param_bytes: int) -> int:
-    return sum(p.tp_numel * (p.gather_itemsize or param_bytes)
+    return sum(math.ceil(p.tp_numel * (p.gather_itemsize or param_bytes))
                for p in layout.unit_params(unit))
 
 
@@ -372,4 +376,5 @@ def estimate_memory_text(run: ResolvedRun) -> str:
         f"{'step moments':<{width}}  device bytes allocated where the peak can occur",
         *(line(*r) for r in moment_rows),
         *(line(*r) for r in summary),
+        *([est.all_gather] if est.all_gather else []),
     ])

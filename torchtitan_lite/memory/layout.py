@@ -53,8 +53,9 @@ class ParamLayout:
     casts_master_weight: bool
     """Its Linear is converted to one that casts the master weight itself (float8): autocast makes no
     low-precision copy of it."""
-    gather_itemsize: int | None = None
-    """Bytes per element FSDP all-gathers it in when not the parameter dtype's (float8 all-gather: 1)."""
+    gather_itemsize: float | None = None
+    """Bytes per element FSDP all-gathers it in when not the parameter dtype's (float8 all-gather: 1; blockwise
+    FP8: 1 + 4/16384 for the block scales)."""
     replicated_grad: bool = False
     """Backward produces this parameter's gradient unsharded on every TP rank (see model_layout)."""
     routed_expert: bool = False
@@ -99,7 +100,9 @@ class ModelLayout:
     buffer_bytes: int
     """Non-persistent buffers (the float32 rotary table), replicated on every rank."""
     float8_all_gather: bool
-    """FSDP all-gathers the converted Linears' weights in 1-byte float8 (the converter says so, FSDP is on)."""
+    """FSDP all-gathers some converted Linears' weights in FP8 (the converter says so, FSDP is on)."""
+    all_gather_text: str
+    """Bytes per weight element FSDP all-gathers, per recipe and why; '' without FSDP."""
     tp_regions: tuple[TPRegion, ...]
     """Each block's TP communication regions and whether they move float8 (identical for every block
     unless a filter names single blocks; this is the first converted block's: keep_first_blocks_hp skips the
@@ -130,7 +133,9 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     if quantizer is not None:
         converted = {row.fqn for row in quantizer.plan_rows(model) if row.recipe is not None}
     from_master = converted if quantizer is not None and quantizer.casts_master_weight else set()
-    gather_itemsize = quantizer.all_gather_itemsize if quantizer is not None and dims.fsdp_enabled else None
+    gather: dict[str, tuple[float | None, str]] = {}
+    if quantizer is not None and dims.fsdp_enabled:
+        gather = quantizer.all_gather_per_linear(quantizer.plan_rows(model))
     tied = model.get_submodule(plan.output).weight is model.get_submodule(plan.embedding).weight
     shard = dims.dp_shard if dims.fsdp_enabled else 1
     expert_shard = dims.expert_fsdp_degree if dims.fsdp_enabled else 1
@@ -145,7 +150,7 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
             fqn=fqn, global_shape=tuple(p.shape), tp_shape=tp_shape,
             local_shape=_fsdp_shape(tp_shape, expert_shard if routed else shard), routed_expert=routed,
             unit=plan.fsdp_unit(module, tied=tied), is_linear=module in linear_modules,
-            casts_master_weight=module in from_master, gather_itemsize=gather_itemsize if module in converted else None,
+            casts_master_weight=module in from_master, gather_itemsize=gather.get(module, (None, ""))[0],
             # DTensor's embedding backward has no row-sharded strategy (embedding_dense_backward_strategy in
             # torch/distributed/tensor/_ops/_embedding_ops.py), so the vocabulary-sharded embedding gets a
             # replicated, full-size gradient on every TP rank.
@@ -165,14 +170,29 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
                     ) if dims.tp_enabled else ()
     return ModelLayout(
         args=args, dims=dims, params=tuple(params), linears=linears, buffer_bytes=buffer_bytes,
-        float8_all_gather=gather_itemsize == 1, tp_regions=regions, moe=facts,
+        float8_all_gather=any(size is not None for size, _ in gather.values()), tp_regions=regions, moe=facts,
         counts=param_counts(model, facts, blocks=plan.blocks, embedding=plan.embedding),
+        all_gather_text=_all_gather_text(run, quantizer, gather) if dims.fsdp_enabled else "",
     )
 
 
 def _ep_shape(shape: tuple[int, ...], ep: int) -> tuple[int, ...]:
     # resolve_run checked that ep divides the experts: whole experts per EP rank.
     return (shape[0] // ep,) + shape[1:]
+
+
+def _all_gather_text(run: ResolvedRun, quantizer: Any, gather: dict[str, tuple[float | None, str]]) -> str:
+    """'FSDP all-gather per weight element: <n> <recipe> Linears <bytes> (why); ...; other parameters <bytes>'."""
+    dtype = run.precision.param_dtype
+    dtype_bytes, dtype_name = dtype.itemsize, str(dtype).removeprefix("torch.")
+    groups: dict[tuple[float, str], int] = {}
+    for size, why in gather.values():
+        key = (size, why) if size is not None else (float(dtype_bytes), f"{dtype_name}: {why}")
+        groups[key] = groups.get(key, 0) + 1
+    recipe = quantizer.plan_config.recipe_name if quantizer is not None else ""
+    parts = [f"{n} {recipe} Linears {size:.6g} ({why})" for (size, why), n in groups.items()]
+    parts.append(f"{'other parameters' if parts else 'every parameter'} {dtype_bytes} ({dtype_name})")
+    return "FSDP all-gather bytes per weight element: " + "; ".join(parts)
 
 
 def _tp_shape(plan: ParallelPlan, module: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:

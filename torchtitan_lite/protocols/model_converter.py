@@ -15,7 +15,7 @@ Lifecycle in the trainer::
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -46,6 +46,11 @@ class ConversionContext:
     output_module: str
     """FQN of the model's output projection (the family's ParallelPlan.output): converters keep it in high
     precision unless told otherwise."""
+    dp_shard: int = 1
+    """FSDP's shard degree (1 without FSDP sharding)."""
+    tp: int = 1
+    tp_shard_dim: Callable[[str], int | None] = lambda fqn: None
+    """The weight dim TP splits for a module FQN (the family's ParallelPlan.tp_shard_dim), None if whole."""
 
 
 class ModelConverter(Configurable):

@@ -132,7 +132,39 @@ class _EmulatedBlockwiseMatmul(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
 
 
+class _EmulatedPrequantizedMatmul(torch.autograd.Function):
+    """``_EmulatedBlockwiseMatmul`` with the weight already in 128x128 blocks (``data``, ``scale``): FSDP's FP8
+    all-gather delivered them (blockwise_weight.py). ``weight`` is the gathered parameter, taken for its gradient
+    only; forward and input gradient dequantize the same blocks, so nothing is quantized twice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                power_of_2: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, data, scale)
+        ctx.power_of_2 = power_of_2
+        ctx.weight_dtype = weight.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            out = fake_1x128(x, power_of_2=power_of_2) @ dequantize_128x128(data, scale).t()
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        x, data, scale = ctx.saved_tensors
+        p2 = ctx.power_of_2
+        with torch.autocast(grad_out.device.type, enabled=False):
+            grad_out = grad_out.contiguous()
+            grad_x = fake_1x128(grad_out, power_of_2=p2) @ dequantize_128x128(data, scale)
+            grad_w = fake_1x128(grad_out.t(), power_of_2=p2) @ fake_1x128(x.t(), power_of_2=p2).t()
+        return grad_x.to(x.dtype), grad_w.to(ctx.weight_dtype), None, None, None
+
+
 def emulated_blockwise_linear(x: torch.Tensor, weight: torch.Tensor, *, power_of_2: bool) -> torch.Tensor:
-    """``x @ weightᵀ`` for x of any leading shape, the three GEMMs emulated on blockwise-quantized tiles."""
-    out = _EmulatedBlockwiseMatmul.apply(x.reshape(-1, x.shape[-1]), weight, power_of_2)
+    """``x @ weightᵀ`` for x of any leading shape, the three GEMMs emulated on blockwise-quantized tiles. A
+    ``weight`` gathered by FSDP as FP8 blocks (it has ``_data`` and ``_scale``) is used as it came."""
+    rows = x.reshape(-1, x.shape[-1])
+    data, scale = getattr(weight, "_data", None), getattr(weight, "_scale", None)
+    if data is not None and scale is not None:
+        out = _EmulatedPrequantizedMatmul.apply(rows, weight, data, scale, power_of_2)
+    else:
+        out = _EmulatedBlockwiseMatmul.apply(rows, weight, power_of_2)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -41,6 +41,11 @@ MIN_FP8_CAPABILITY = (8, 9)
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 """torchao's float8 training recipes (Float8LinearConfig.from_recipe_name)."""
 
+ROWWISE_GATHERS_HIGH_PRECISION = (
+    "per-row scales do shard along dim 0 with the weight, but the input-gradient GEMM (dX = dY W) needs the weight "
+    "scaled along its other axis, so one gathered float8 copy cannot serve both GEMMs")
+"""Why FSDP gathers a rowwise weight in the parameter dtype (blockwise's square blocks serve both GEMMs)."""
+
 
 class Float8LinearConverter(LinearQuantizer):
     @dataclass(kw_only=True)
@@ -87,9 +92,9 @@ class Float8LinearConverter(LinearQuantizer):
             if self.enable_fsdp_float8_all_gather and self.recipe_name != "tensorwise":
                 raise ValueError(
                     f"{_FIELD}: enable_fsdp_float8_all_gather=True needs recipe_name='tensorwise', got "
-                    f"{self.recipe_name!r} (rowwise scales differ per row, so a sharded weight cannot be "
-                    f"all-gathered as one float8 tensor). Set enable_fsdp_float8_all_gather=false or use "
-                    f"recipe_name='tensorwise'"
+                    f"{self.recipe_name!r} ({ROWWISE_GATHERS_HIGH_PRECISION}). Set enable_fsdp_float8_all_gather=false "
+                    f"or use recipe_name='tensorwise' (or the float8_blockwise converter, whose 128x128 weight blocks "
+                    f"serve both GEMMs)"
                 )
             if self.precompute_float8_dynamic_scale_for_fsdp and not self.enable_fsdp_float8_all_gather:
                 raise ValueError(
@@ -213,8 +218,10 @@ class Float8LinearConverter(LinearQuantizer):
         def state(active: bool, requested: bool) -> str:
             return "on" if active else ("off (no FSDP sharding)" if requested else "off")
 
+        rowwise = self.fsdp_sharded and cfg.recipe_name != "tensorwise"
         return (f"recipe {cfg.recipe_name}, FSDP float8 all-gather "
-                f"{state(self.fsdp_float8_all_gather, cfg.enable_fsdp_float8_all_gather)}, precomputed scales "
+                f"{state(self.fsdp_float8_all_gather, cfg.enable_fsdp_float8_all_gather)}"
+                f"{f' ({ROWWISE_GATHERS_HIGH_PRECISION})' if rowwise else ''}, precomputed scales "
                 f"{state(self.precompute_scales, cfg.precompute_float8_dynamic_scale_for_fsdp)}"
                 f"{', emulated' if cfg.emulate else ''}")
 
@@ -226,6 +233,14 @@ class Float8LinearConverter(LinearQuantizer):
     @property
     def all_gather_itemsize(self) -> int | None:
         return 1 if self.fsdp_float8_all_gather else None
+
+    @property
+    def all_gather_why(self) -> str:
+        if self.fsdp_float8_all_gather:
+            return "float8 with one tensorwise scale (all-reduced amax)"
+        if self.config.recipe_name != "tensorwise":
+            return f"{self.config.recipe_name}: {ROWWISE_GATHERS_HIGH_PRECISION}"
+        return "enable_fsdp_float8_all_gather=false"
 
     @property
     def float8_tp_communication(self) -> bool:

@@ -18,12 +18,22 @@ Kernels (``kernel``):
 - ``auto`` (default): native where it can run, emulated elsewhere, with the reason logged once and shown at
   the head of the --print-fp8-plan table.
 
-Not there yet: the FP8 all-gather (FSDP gathers the high-precision weight; ``all_gather_itemsize`` None),
-tensor parallelism (refused), float16 compute (refused).
+FSDP all-gather (``enable_fsdp_float8_all_gather``, on by default): each rank quantizes its shard of a converted
+weight into 128x128 blocks and FSDP gathers the E4M3 data and block scales, 1 + 4/16384 bytes per element
+instead of 2 (blockwise_weight.py). A Linear whose FSDP shards do not hold whole 128-row blocks, or that runs
+on torchao's kernels (their GEMM takes a high-precision weight), is gathered in the parameter dtype; the plan
+and the launch log say which and why.
+
+Tensor parallelism: column-wise and row-wise shards must hold whole 128-element tiles and blocks (the TP-split
+dim / tp a multiple of 128), else an error names the Linear and the fix. TP communication stays in the
+parameter dtype (the 1x128 activation tiles are quantized inside the Linear, after the gather).
+
+Not there yet: float16 compute (refused).
 """
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -31,7 +41,12 @@ import torch
 import torch.nn as nn
 
 from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK
-from torchtitan_lite.components.quantization.float8_plan import check_edge_fields, check_filter_fqns
+from torchtitan_lite.components.quantization.blockwise_weight import (
+    FP8_ALL_GATHER_BYTES_PER_ELEMENT,
+    fp8_all_gather_obstacle,
+    wrap_for_fp8_all_gather,
+)
+from torchtitan_lite.components.quantization.float8_plan import PlanRow, check_edge_fields, check_filter_fqns
 from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer, replace_linears
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
 
@@ -41,6 +56,7 @@ BLOCKWISE_KERNELS = ("auto", "native", "emulated")
 NATIVE_CAPABILITY = (9, 0)
 """torchao's blockwise prototype asserts sm_90 and is written for Hopper; newer GPUs are not assumed."""
 _FIELD = "model_converters.converters[float8_blockwise]"
+_FP8_BLOCKS = "E4M3 + a float32 scale per block"
 
 BlockwiseKernel = Literal["auto", "native", "emulated"]
 
@@ -127,6 +143,10 @@ class Float8BlockwiseConverter(LinearQuantizer):
         """Keep every Linear of the first N transformer blocks in high precision (NeMo-style edges)."""
         keep_last_blocks_hp: int = 0
         """Keep every Linear of the last N transformer blocks in high precision (NeMo-style edges)."""
+        enable_fsdp_float8_all_gather: bool = True
+        """FSDP all-gathers the converted weights as 128x128-block FP8 quantized on each rank (about half the
+        bytes of bf16) where every shard holds whole 128-row blocks and the GEMMs are emulated; elsewhere, or
+        when false, in the parameter dtype. No effect without FSDP sharding."""
 
         @property
         def recipe_name(self) -> str:
@@ -165,13 +185,80 @@ class Float8BlockwiseConverter(LinearQuantizer):
                              f"computes in bfloat16 (DeepSeek-V3's and torchao's choice; torchao's GEMM writes "
                              f"bfloat16 only) and needs no loss scaling. Use precision.param_dtype=bfloat16, or "
                              f"float32 to emulate in float32")
-        if self.context.tp_enabled:
-            raise ValueError(f"{_FIELD} does not support tensor parallelism yet (its 128-element tiles and blocks "
-                             f"are not sharded across TP ranks). Set parallelism.tp=1 and shard with FSDP "
-                             f"(parallelism.dp_shard), or use the float8 converter's rowwise recipe with TP")
 
     # ----------------------------------------------------------------------------------------------
     # The recipe's part of LinearQuantizer
+
+    def plan_rows(self, model: nn.Module) -> list[PlanRow]:
+        rows = super().plan_rows(model)
+        if self.context.tp > 1:
+            for row in rows:
+                if row.recipe is not None:
+                    self._check_tp_alignment(row)
+        return rows
+
+    def _check_tp_alignment(self, row: PlanRow) -> None:
+        dim = self.context.tp_shard_dim(row.fqn)
+        if dim is None:
+            return
+        tp = self.context.tp
+        split, name = (row.out_features, "out_features") if dim == 0 else (row.in_features, "in_features")
+        if split % tp == 0 and (split // tp) % BLOCK == 0:
+            return
+        style = "column-wise (splits out_features)" if dim == 0 else "row-wise (splits in_features)"
+        fits = [t for t in range(1, split // BLOCK + 1) if split % t == 0 and (split // t) % BLOCK == 0]
+        raise ValueError(
+            f"{_FIELD}: {row.fqn} ({row.in_features} -> {row.out_features}) is {style} under parallelism.tp={tp}: "
+            f"{name}={split} / {tp} is not a multiple of {BLOCK}, so a TP shard would cut its 1x{BLOCK} tiles and "
+            f"{BLOCK}x{BLOCK} weight blocks. Keep it in high precision (add {row.fqn.rsplit('.', 1)[-1]!r} to "
+            f"filter_fqns) or use parallelism.tp in {fits}")
+
+    def fp8_all_gather_reasons(self, rows: list[PlanRow]) -> dict[str, str]:
+        """Converted Linear FQN -> why FSDP gathers its weight in the parameter dtype ('': as FP8 blocks).
+        Empty without FSDP sharding."""
+        if not self.context.fsdp_sharded:
+            return {}
+        why = ""
+        if not self.config.enable_fsdp_float8_all_gather:
+            why = "enable_fsdp_float8_all_gather=false"
+        elif self.kernel.emulate is False:
+            why = "torchao's blockwise GEMM takes a high-precision weight and quantizes it itself"
+        elif self.kernel.emulate is None:
+            why = "kernel decided on the GPU at launch; torchao's GEMM would take a high-precision weight"
+        ctx = self.context
+        return {row.fqn: why or fp8_all_gather_obstacle(row.out_features, row.in_features, dp_shard=ctx.dp_shard,
+                                                       tp=ctx.tp, tp_shard_dim=ctx.tp_shard_dim(row.fqn))
+                for row in rows if row.recipe is not None}
+
+    def fp8_all_gather_text(self, rows: list[PlanRow]) -> str:
+        """Which converted Linears FSDP gathers as FP8 blocks, and why the others are not (Linears of the
+        transformer blocks grouped as layers.*)."""
+        reasons = self.fp8_all_gather_reasons(rows)
+        if not reasons:
+            return "FSDP all-gather: none (no FSDP sharding)"
+        fp8 = [fqn for fqn, why in reasons.items() if not why]
+        per_element = f"{FP8_ALL_GATHER_BYTES_PER_ELEMENT:.6g} bytes/element: {_FP8_BLOCKS}"
+        lines = [f"FSDP all-gather (dp_shard={self.context.dp_shard}): {len(fp8)} of {len(reasons)} blockwise "
+                 f"Linears gather FP8 blocks ({per_element}); the rest the parameter dtype"]
+        groups: dict[str, list[str]] = {}
+        for fqn, why in reasons.items():
+            groups.setdefault(why, [])
+            generic = re.sub(r"^layers\.\d+\.", "layers.*.", fqn)
+            if generic not in groups[why]:
+                groups[why].append(generic)
+        for why, fqns in groups.items():
+            lines.append(f"  {'FP8' if not why else 'high precision'}: {', '.join(fqns)}" + (f" ({why})" if why else ""))
+        return "\n".join(lines)
+
+    def convert(self, model: nn.Module) -> None:
+        super().convert(model)
+        if self.plan is not None and self.context.fsdp_sharded:
+            logger.info("%s: %s", _FIELD, self.fp8_all_gather_text(self.plan))
+
+    def explain(self, model: nn.Module, *, seq_len: int | None = None,
+                total_flops_per_token: float | None = None) -> str:
+        text = super().explain(model, seq_len=seq_len, total_flops_per_token=total_flops_per_token)
+        return text + "\n" + self.fp8_all_gather_text(self.plan_rows(model))
 
     def swap(self, model: nn.Module, planned: set[str]) -> None:
         from torchtitan_lite.components.quantization.blockwise_linear import blockwise_linear_from
@@ -179,14 +266,40 @@ class Float8BlockwiseConverter(LinearQuantizer):
         emulate, power_of_2 = self.kernel.emulate is not False, self.config.power_of_2_scales
         replace_linears(model, planned,
                         lambda linear: blockwise_linear_from(linear, emulate=emulate, power_of_2=power_of_2))
+        gathered = [fqn for fqn, why in self.fp8_all_gather_reasons(self.plan or []).items() if not why]
+        shared = _shared_weights(model)
+        for fqn in gathered:
+            linear = model.get_submodule(fqn)
+            assert isinstance(linear, nn.Linear)
+            if id(linear.weight) in shared:
+                # A tied weight is also read as a plain tensor (the embedding): it must stay high precision.
+                raise ValueError(f"{_FIELD}: {fqn}.weight is tied to another module, which cannot read FP8 blocks; "
+                                 f"set enable_fsdp_float8_all_gather=false or keep {fqn} in high precision")
+            wrap_for_fp8_all_gather(linear, power_of_2=power_of_2)
+
+    def all_gather_per_linear(self, rows: list[PlanRow]) -> dict[str, tuple[float | None, str]]:
+        return {fqn: (None, why) if why else (FP8_ALL_GATHER_BYTES_PER_ELEMENT, _FP8_BLOCKS)
+                for fqn, why in self.fp8_all_gather_reasons(rows).items()}
+
+    @property
+    def fsdp_float8_all_gather(self) -> bool:
+        """Some converted weights may be gathered as FP8 (the run shards with FSDP, the option is on, emulated)."""
+        return self.context.fsdp_sharded and self.config.enable_fsdp_float8_all_gather and self.kernel.emulate is True
 
     def settings(self) -> str:
         scales = "power-of-2 scales" if self.config.power_of_2_scales else "float32 scales"
         return (f"E4M3, 1x{BLOCK} activation / gradient tiles, {BLOCK}x{BLOCK} weight blocks, {scales}; "
-                f"{self.kernel.why}; FSDP all-gathers the weights in the parameter dtype (no FP8 all-gather for "
-                f"blockwise yet)")
+                f"{self.kernel.why}")
 
     @property
     def casts_master_weight(self) -> bool:
         # BlockwiseFP8Linear takes its operands in the compute dtype: an autocast copy of the weight without FSDP.
         return False
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of the parameters that more than one module holds."""
+    seen: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        seen[id(param)] = seen.get(id(param), 0) + 1
+    return {pid for pid, n in seen.items() if n > 1}

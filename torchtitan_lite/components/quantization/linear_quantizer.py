@@ -54,6 +54,20 @@ class LinearQuantizer(ModelConverter):
         return None
 
     @property
+    def all_gather_why(self) -> str:
+        """What FSDP gathers the converted weights as, in a few words (the estimate's all-gather line)."""
+        if self.all_gather_itemsize is not None:
+            return f"{self.all_gather_itemsize} byte(s) per element"
+        return "the recipe quantizes the weight after the gather"
+
+    def all_gather_per_linear(self, rows: list[PlanRow]) -> dict[str, tuple[float | None, str]]:
+        """Converted Linear FQN -> (bytes per element FSDP all-gathers its weight in, None for the parameter
+        dtype's; why). Asked only when the run shards with FSDP."""
+        size = self.all_gather_itemsize
+        return {row.fqn: (None if size is None else float(size), self.all_gather_why)
+                for row in rows if row.recipe is not None}
+
+    @property
     def float8_tp_communication(self) -> bool:
         """Tensor parallelism moves float8 activations into a region whose consumers are all converted."""
         return False
