@@ -58,6 +58,19 @@ class DeepSeekV3Model(Decoder[DeepSeekV3ModelArgs]):
     def training_stats_summary(self, values: dict[str, float]) -> str | None:
         return router_summary(values)
 
+    def high_precision_parts(self) -> list[tuple[str, str]]:
+        """What DeepSeek-V3's FP8 recipe keeps in BF16 / FP32 (section 3.3.1 of its report), and where we differ."""
+        return [
+            ("tok_embeddings", "embedding lookup, no GEMM; the report keeps the embedding module high precision"),
+            ("output", "output head: the logits feed the softmax and the loss (keep_output_hp)"),
+            ("layers.*.moe.router.gate", "MoE gating: logits computed in float32 (a discrete choice of experts; "
+                                         "filter_fqns entry 'router.gate')"),
+            ("norms (attention_norm, ffn_norm, attention.q_norm / kv_norm, norm)", "normalisation operators"),
+            ("attention core", "softmax(q k^T) v stays in the compute dtype: the report's attention operators"),
+            ("layers.*.moe.experts", "routed experts run grouped GEMMs, which a Linear recipe does not swap: BF16 "
+                                     "here, where the report runs them in FP8"),
+        ]
+
     def num_active_params(self, exclude_embedding: bool = False) -> int:
         """Parameters one token uses: all but the routed experts it is not sent to."""
         a, m = self.args, self.args.moe
