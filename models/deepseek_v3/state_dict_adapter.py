@@ -102,6 +102,10 @@ class DeepSeekV3StateDictAdapter:
     """Renames and splits / stacks experts between our full state dict and HF's. Tensors must be whole: gather
     DTensor-sharded state (get_model_state_dict with full_state_dict=True) first."""
 
+    float32_suffixes = ("moe.expert_bias", "mlp.gate.e_score_correction_bias")
+    """Exported in float32 whatever the weights' dtype (hf_io.export_dtype): the bias moves in 1e-3 steps around
+    values a bfloat16 would round by ~1e-5, which could flip near-tied expert choices."""
+
     def __init__(self, args: DeepSeekV3ModelArgs) -> None:
         self.args = args
 
