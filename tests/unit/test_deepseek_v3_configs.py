@@ -64,11 +64,14 @@ def test_671b_fp8_plan_converts_every_block_linear_but_the_gates_and_wkv_a():
     assert all(rows[f"layers.5.attention.{n}"] == "blockwise" for n in ("wq_a", "wq_b", "wkv_b", "wo"))
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("--parallelism.tp", r"deepseek_v3 does not support tensor parallelism yet \(parallelism.tp=2\)"),
-    ("--parallelism.ep", r"deepseek_v3 does not support expert parallelism yet \(parallelism.ep=2\)"),
+@pytest.mark.parametrize("flag, value, message", [
+    ("--parallelism.tp", "2", r"deepseek_v3 does not support tensor parallelism yet \(parallelism.tp=2\)"),
+    ("--parallelism.ep", "2", r"deepseek_v3 does not support expert parallelism yet \(parallelism.ep=2\)"),
+    ("--compile.enable", "true", r"compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype "
+                                 r"is float32"),
 ])
-def test_tp_and_ep_are_refused_before_launch(flag, message):
-    cfg = parse_cli(["--config", "deepseek_v3_debug", flag, "2"], registry=DEFAULT_REGISTRY).config
+def test_what_the_family_cannot_run_is_refused_before_launch(flag, value, message):
+    cfg = parse_cli(["--config", "deepseek_v3_debug", flag, value], registry=DEFAULT_REGISTRY).config
     with pytest.raises(ValueError, match=message):
-        resolve_run(cfg, world_size=2, device_type="cpu", vocab_size=2048, cuda_available=False)
+        resolve_run(cfg, world_size=2 if flag.startswith("--parallelism") else 1, device_type="cpu", vocab_size=2048,
+                    cuda_available=False)

@@ -135,3 +135,12 @@ def test_family_is_registered_with_the_published_shapes():
             model = DeepSeekV3Model(spec.flavors[flavor])
         assert model.num_params() == pytest.approx(total, rel=1e-3)
         assert model.num_active_params() == pytest.approx(active, rel=1e-3)
+
+
+def test_model_args_refuse_what_the_model_cannot_build():
+    with pytest.raises(ValueError, match="q_lora_rank=-1 must be a non-negative integer"):
+        dataclasses.replace(DEBUG, q_lora_rank=-1)
+    with pytest.raises(ValueError, match="n_dense_layers=5 must be between 0 and n_layers=4"):
+        dataclasses.replace(DEBUG, n_dense_layers=5)
+    with pytest.raises(ValueError, match="qk_rope_head_dim=33 must be even"):
+        dataclasses.replace(DEBUG, qk_rope_head_dim=33)

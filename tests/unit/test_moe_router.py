@@ -128,3 +128,11 @@ def test_group_settings_are_checked():
         TokenChoiceRouter(8, 8, 1, num_groups=8, topk_groups=1)
     with pytest.raises(ValueError, match="topk_groups=5 must be between 1 and num_groups=4"):
         _grouped_router(num_groups=4, topk_groups=5)
+
+
+def test_moe_args_check_the_groups_with_their_own_prefix():
+    from models.common.moe import MoEArgs
+
+    with pytest.raises(ValueError, match="^moe args: num_groups=3 must be a positive divisor of num_experts=8$"):
+        MoEArgs(num_experts=8, top_k=2, num_groups=3)
+    assert MoEArgs(num_experts=8, top_k=2, num_groups=4, topk_groups=2).topk_groups == 2
