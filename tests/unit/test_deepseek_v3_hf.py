@@ -61,10 +61,19 @@ def test_our_export_loads_in_transformers_with_the_same_logits(tmp_path, args):
     assert f"model.layers.{args.n_layers - 1}.mlp.experts.7.down_proj.weight" in hf_state  # per-expert layout
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     tokens = _tokens(args)
+    moe = ours.layers[str(args.n_dense_layers)].moe
+    moe_input = []
+    moe.register_forward_pre_hook(lambda module, inputs: moe_input.append(inputs[0]))
     with torch.no_grad():
         expected = hf(tokens).logits
         got = ours(tokens)
     assert (got - expected).abs().max() <= LOGITS_TOL
+    if args.moe.num_groups > 1:  # the group limit decided the experts of some tokens (measured 25 of 96)
+        x = moe_input[0].reshape(-1, args.dim)
+        grouped = moe.router(x, moe.expert_bias).experts.sort(dim=-1).values
+        moe.router.num_groups = 1
+        ungrouped = moe.router(x, moe.expert_bias).experts.sort(dim=-1).values
+        assert (grouped != ungrouped).any(dim=-1).sum() >= 5
     # The comparison is not vacuous: the logits are far from each other across tokens, and the loaded HF model
     # kept our expert bias (it changes which experts are chosen).
     assert expected.std() > 0.8
