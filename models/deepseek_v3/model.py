@@ -63,8 +63,9 @@ class DeepSeekV3Model(Decoder[DeepSeekV3ModelArgs]):
         return [
             ("tok_embeddings", "embedding lookup, no GEMM; the report keeps the embedding module high precision"),
             ("output", "output head: the logits feed the softmax and the loss (keep_output_hp)"),
-            ("layers.*.moe.router.gate", "MoE gating: logits computed in float32 (a discrete choice of experts; "
-                                         "filter_fqns entry 'router.gate')"),
+            ("layers.*.moe.router.gate", "MoE gating: the router computes its logits in float32 from the gate's "
+                                         "weight whatever the recipe (a discrete choice of experts); name 'router.gate' "
+                                         "in filter_fqns so that the plan does not count it as converted"),
             ("norms (attention_norm, ffn_norm, attention.q_norm / kv_norm, norm)", "normalisation operators"),
             ("attention core", "softmax(q k^T) v stays in the compute dtype: the report's attention operators"),
             ("layers.*.moe.experts", "routed experts run grouped GEMMs, which a Linear recipe does not swap: BF16 "
