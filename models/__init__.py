@@ -2,6 +2,9 @@
 (``torchtitan_lite.protocols.model_spec``), which looks them up by ``model.name``."""
 from __future__ import annotations
 
+from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model, DeepSeekV3ModelArgs
+from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN, check_deepseek_v3_run, parallelize_deepseek_v3
+from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from models.llama3 import LLAMA3_FLAVORS, Llama3ModelArgs, Transformer
 from models.llama3.kv_cache import Llama3KVCache
 from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN, parallelize_llama
@@ -40,6 +43,18 @@ QWEN3_MOE_SPEC = register_model_spec(ModelSpec(
     check_run=check_qwen3_moe_run,
 ))
 
+DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
+    name="deepseek_v3",
+    model_cls=DeepSeekV3Model,
+    args_cls=DeepSeekV3ModelArgs,
+    flavors=DEEPSEEK_V3_FLAVORS,
+    parallel_plan=DEEPSEEK_V3_PARALLEL_PLAN,
+    parallelize_fn=parallelize_deepseek_v3,
+    state_dict_adapter_cls=DeepSeekV3StateDictAdapter,
+    moe_facts=DeepSeekV3ModelArgs.moe_facts,
+    check_run=check_deepseek_v3_run,
+))
+
 MODEL_SPECS: dict[str, ModelSpec] = model_specs()
 
-__all__ = ["LLAMA3_SPEC", "QWEN3_MOE_SPEC", "MODEL_SPECS", "ModelSpec", "build_model_args", "get_model_spec"]
+__all__ = ["DEEPSEEK_V3_SPEC", "LLAMA3_SPEC", "QWEN3_MOE_SPEC", "MODEL_SPECS", "ModelSpec", "build_model_args", "get_model_spec"]

@@ -75,8 +75,10 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return out.transpose(1, 2).reshape(bsz, seqlen, -1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool) -> torch.Tensor:
-    """Causal SDPA of [batch, heads, seq, head_dim] tensors, returned in q's dtype.
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool,
+                     scale: float | None = None) -> torch.Tensor:
+    """Causal SDPA of [batch, heads, seq, head_dim] tensors, returned in q's dtype; ``scale`` multiplies the
+    scores (default head_dim ** -0.5). v may have its own head_dim (multi-head latent attention).
 
     On CPU, bfloat16 / float16 inputs are attended in float32: torch's CPU flash kernel runs its
     reduced-precision path several times slower than its float32 one (measured on an AVX-512 BF16 CPU:
@@ -86,7 +88,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enabl
     cast the float32 inputs down again, so it is off for the call. GPUs keep their native kernels.
     """
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa, scale=scale)
     with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=enable_gqa,
+                                             scale=scale)
     return out.to(q.dtype)

@@ -15,8 +15,7 @@ from torch import nn
 from models.common.decoder_args import DecoderArgs
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
-from models.common.rope import RotaryEmbedding
-from models.common.rope_scaling import RopeScaling
+from models.common.rope import RotaryEmbedding, RotaryScaling
 from torchtitan_lite.model_size import ParamCounts, param_counts, training_flops_per_token
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.moe_facts import MoEFacts
@@ -36,11 +35,13 @@ class Decoder(BaseModel, Generic[ArgsT]):
     """tokens [batch, seq] -> logits [batch, seq, vocab]. Build on meta, then `to_empty` + `init_weights`."""
 
     def __init__(self, args: ArgsT, make_block: Callable[[int], nn.Module],
-                 rope_scaling: RopeScaling | None = None) -> None:
+                 rope_scaling: RotaryScaling | None = None, rope_dim: int | None = None) -> None:
+        """``rope_dim``: channels per head the rotary table rotates; default args.head_dim (all of them)."""
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = RotaryEmbedding(args.head_dim, args.max_seq_len, args.rope_theta, rope_scaling)
+        self.rope = RotaryEmbedding(args.head_dim if rope_dim is None else rope_dim, args.max_seq_len,
+                                    args.rope_theta, rope_scaling)
         self.layers = nn.ModuleDict({str(i): make_block(i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)

@@ -27,7 +27,7 @@ from models.common.dispatch import LocalTokenDispatcher, tokens_per_expert
 from models.common.experts import GroupedExperts
 from models.common.feed_forward import FeedForward
 from models.common.load_balance import expert_bias_delta, sequence_aux_loss
-from models.common.router import SCORE_FUNCS, ScoreFunc, TokenChoiceRouter
+from models.common.router import SCORE_FUNCS, ScoreFunc, TokenChoiceRouter, check_groups
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
@@ -47,6 +47,10 @@ class MoEArgs:
     """Rescale the k chosen scores to sum to 1 before combining."""
     route_scale: float = 1.0
     """Multiplies the combine weights (DeepSeek-V3 uses 2.5)."""
+    num_groups: int = 1
+    """Split the routed experts into this many groups for group-limited routing (DeepSeek-V3: 8); 1: no groups."""
+    topk_groups: int = 1
+    """Groups each token may pick its experts from, its best by the sum of their two top scores (DeepSeek-V3: 4)."""
     num_shared_experts: int = 0
     """Dense SwiGLU experts every token passes through, of width num_shared_experts * hidden_dim; 0: none."""
     bias_update_rate: float = 0.0
@@ -66,6 +70,10 @@ class MoEArgs:
             raise ValueError(f"moe args: top_k={self.top_k} must not exceed num_experts={self.num_experts}")
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"moe args: score_func={self.score_func!r} must be one of {', '.join(SCORE_FUNCS)}")
+        try:
+            check_groups(self.num_experts, self.top_k, self.num_groups, self.topk_groups)
+        except ValueError as e:
+            raise ValueError(f"moe args: {str(e).removeprefix('router ')}") from None
         if self.num_shared_experts < 0:
             raise ValueError(f"moe args: num_shared_experts={self.num_shared_experts} must be >= 0")
         if self.route_scale <= 0:
@@ -93,7 +101,8 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = TokenChoiceRouter(dim, args.num_experts, args.top_k, score_func=args.score_func,
-                                        norm_topk_prob=args.norm_topk_prob, route_scale=args.route_scale)
+                                        norm_topk_prob=args.norm_topk_prob, route_scale=args.route_scale,
+                                        num_groups=args.num_groups, topk_groups=args.topk_groups)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, use_grouped_mm=args.use_grouped_mm)
         self.shared_experts = (FeedForward(dim, args.num_shared_experts * args.hidden_dim)
                                if args.num_shared_experts else None)

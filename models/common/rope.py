@@ -12,12 +12,18 @@ import torch
 from torch import nn
 
 from models.common.rope_scaling import RopeScaling
+from models.common.yarn import YarnScaling, yarn_frequencies
+
+RotaryScaling = RopeScaling | YarnScaling
+"""Llama 3.1's frequency scaling or YaRN (DeepSeek-V3)."""
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+def rope_frequencies(head_dim: int, theta: float, scaling: RotaryScaling | None,
                      device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequency of each channel pair, float32 [head_dim / 2], Llama 3.1 scaling applied if given."""
+    """Inverse frequency of each channel pair, float32 [head_dim / 2], Llama 3.1 or YaRN scaling applied if given."""
     exponents = torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim
+    if isinstance(scaling, YarnScaling):
+        return yarn_frequencies(theta ** exponents, head_dim, theta, scaling)
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
@@ -37,7 +43,7 @@ def _llama31_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
 
 
-def rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None,
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: RotaryScaling | None,
                device: torch.device | str | None = None) -> torch.Tensor:
     """complex64 table [max_seq_len, head_dim / 2] holding cos + i sin of position * frequency (float32 parts).
 
@@ -48,6 +54,8 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: RopeScali
     inv_freq = rope_frequencies(head_dim, theta, scaling, device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
+    if isinstance(scaling, YarnScaling) and scaling.attention_factor != 1.0:
+        return torch.complex(angles.cos() * scaling.attention_factor, angles.sin() * scaling.attention_factor)
     return torch.complex(angles.cos(), angles.sin())
 
 
@@ -74,7 +82,7 @@ class RotaryEmbedding(nn.Module):
     rotate late positions by visibly wrong angles, and `to_empty` would leave it uninitialised.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None) -> None:
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: RotaryScaling | None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_seq_len = max_seq_len

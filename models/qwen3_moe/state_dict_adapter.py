@@ -1,10 +1,8 @@
 """Hugging Face `Qwen3MoeForCausalLM` <-> our state-dict names, and the matching config.json.
 
-Experts: we hold each layer's experts as three 3-D tensors (w1 = gate, w3 = up [E, hidden, dim]; w2 = down
-[E, dim, hidden]); a Hugging Face checkpoint holds one Linear per expert (``mlp.experts.<j>.gate_proj``
-...). ``to_hf`` writes that per-expert layout, which every transformers version and serving stack reads;
-``from_hf`` also accepts the fused in-memory layout of transformers 5 (``mlp.experts.gate_up_proj``
-[E, 2 * hidden, dim], ``mlp.experts.down_proj``), so a live model's ``state_dict()`` converts too.
+Experts: models/common/hf_experts.py (``to_hf`` writes HF's per-expert layout, which every transformers
+version and serving stack reads; ``from_hf`` also accepts transformers 5's fused in-memory layout, so a
+live model's ``state_dict()`` converts too).
 
 Rotary layout: as for Llama 3 (models/common/hf_rotary.py), our rotary pairs channels (2i, 2i+1)
 and HF's pairs i with i + head_dim / 2, so the rows of wq / wk are permuted per head. Qwen3 normalises q
@@ -22,6 +20,14 @@ from torch.distributed.tensor import DTensor
 
 from models.common import hf_names
 from models.common.hf_config import attention_fields, with_token_ids
+from models.common.hf_experts import (
+    EXPERT_WEIGHTS,
+    HF_EXPERT_KEY,
+    HF_FUSED,
+    PerExpertCollector,
+    experts_to_hf,
+    split_fused,
+)
 from models.common.hf_rotary import permute_from_hf, permute_to_hf
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 
@@ -32,10 +38,7 @@ _PER_LAYER = {
     **hf_names.BLOCK_NORMS,
     "moe.router.gate.weight": "mlp.gate.weight",
 }
-_EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
 _EXPERT_BIAS = "moe.expert_bias"
-_HF_EXPERT_KEY = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_HF_FUSED = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
 
 
 def hf_config_dict(args: Qwen3MoeModelArgs, *, torch_dtype: str = "bfloat16", bos_token_id: int | None = None,
@@ -95,7 +98,7 @@ class Qwen3MoeStateDictAdapter:
 
     def our_keys(self) -> list[str]:
         """Every key of Qwen3MoeModel(args).state_dict(), tied output included."""
-        return hf_names.decoder_keys(self.args.n_layers, [*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS])
+        return hf_names.decoder_keys(self.args.n_layers, [*_PER_LAYER, *EXPERT_WEIGHTS, _EXPERT_BIAS])
 
     def _expected_shape(self, key: str) -> tuple[int, ...]:
         a, m = self.args, self.args.moe
@@ -148,14 +151,12 @@ class Qwen3MoeStateDictAdapter:
                     hf[hf_names.TOP_LEVEL[key]] = self._checked(key, tensor, key)
                 continue
             i, name = self._layer(hf_names.OUR_LAYER_KEY.match(key), key, "state dict")
-            tensor = self._checked(key, tensor, key) if name in (*_PER_LAYER, *_EXPERTS, _EXPERT_BIAS) else tensor
+            tensor = self._checked(key, tensor, key) if name in (*_PER_LAYER, *EXPERT_WEIGHTS, _EXPERT_BIAS) else tensor
             prefix = f"model.layers.{i}."
             if name in _PER_LAYER:
                 hf[prefix + _PER_LAYER[name]] = self._permute(name, tensor, permute_to_hf)
-            elif name in _EXPERTS:
-                # Clones: slices of one tensor share storage, which safetensors refuses to write.
-                for j in range(tensor.shape[0]):
-                    hf[f"{prefix}mlp.experts.{j}.{_EXPERTS[name]}.weight"] = tensor[j].clone()
+            elif name in EXPERT_WEIGHTS:
+                hf.update(experts_to_hf(prefix, name, tensor))
             elif name == _EXPERT_BIAS:
                 if bool(tensor.ne(0).any()):
                     raise ValueError(f"{key} is not zero: Hugging Face Qwen3-MoE has no expert bias, so the exported "
@@ -170,7 +171,7 @@ class Qwen3MoeStateDictAdapter:
         self._check_representable()
         a, tied = self.args, self.args.tie_word_embeddings
         ours: dict[str, torch.Tensor] = {}
-        per_expert: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        experts = PerExpertCollector(a.moe.num_experts)
         lm_head = None
         for hf_key, tensor in hf_state_dict.items():
             top = next((k for k, v in hf_names.TOP_LEVEL.items() if v == hf_key), None)
@@ -183,25 +184,19 @@ class Qwen3MoeStateDictAdapter:
             i, name = self._layer(hf_names.HF_LAYER_KEY.match(hf_key), hf_key, "Hugging Face")
             prefix = f"layers.{i}."
             ours_name = next((k for k, v in _PER_LAYER.items() if v == name), None)
-            expert = _HF_EXPERT_KEY.match(name)
+            expert = HF_EXPERT_KEY.match(name)
             if ours_name is not None:
                 ours[prefix + ours_name] = self._permute(
                     ours_name, self._checked(prefix + ours_name, tensor, hf_key), permute_from_hf)
             elif expert is not None:
-                w = {"gate_proj": "moe.experts.w1", "up_proj": "moe.experts.w3", "down_proj": "moe.experts.w2"}
-                per_expert.setdefault((i, w[expert.group(2)]), {})[int(expert.group(1))] = tensor
-            elif name in _HF_FUSED:
-                for ours_name, part in self._split_fused(name, tensor, hf_key).items():
+                experts.add(i, expert, tensor)
+            elif name in HF_FUSED:
+                for ours_name, part in split_fused(name, tensor, a.moe.hidden_dim, hf_key).items():
                     ours[prefix + ours_name] = self._checked(prefix + ours_name, part, hf_key)
             else:
                 raise KeyError(f"unexpected Hugging Face key {hf_key!r} for a Qwen3-MoE model")
-        for (i, ours_name), experts in per_expert.items():
-            key = f"layers.{i}.{ours_name}"
-            if sorted(experts) != list(range(a.moe.num_experts)):
-                missing = sorted(set(range(a.moe.num_experts)) - set(experts))
-                raise KeyError(f"layer {i} {_EXPERTS[ours_name]}: experts {missing[:5]} are missing or numbered beyond "
-                               f"num_experts={a.moe.num_experts}; the checkpoint does not match the flavor")
-            ours[key] = self._checked(key, torch.stack([experts[j] for j in range(a.moe.num_experts)]), key)
+        for key, tensor in experts.stacked().items():
+            ours[key] = self._checked(key, tensor, key)
         for i in {int(k.split(".")[1]) for k in ours if k.startswith("layers.")}:
             ours[f"layers.{i}.{_EXPERT_BIAS}"] = torch.zeros(a.moe.num_experts, dtype=torch.float32)
         if tied:
@@ -209,13 +204,3 @@ class Qwen3MoeStateDictAdapter:
         if strict:
             hf_names.check_complete(set(ours), self.our_keys(), "Hugging Face state dict", names=" (our names)")
         return ours
-
-    def _split_fused(self, name: str, tensor: torch.Tensor, hf_key: str) -> dict[str, torch.Tensor]:
-        if name == "mlp.experts.down_proj":
-            return {"moe.experts.w2": tensor}
-        hidden = self.args.moe.hidden_dim
-        if tensor.dim() != 3 or tensor.shape[1] != 2 * hidden:
-            raise ValueError(f"{hf_key} has shape {tuple(tensor.shape)}, expected (num_experts, {2 * hidden}, dim) "
-                             "for these model args; the checkpoint was saved from a different flavor")
-        # transformers 5 computes gate, up = (x @ gate_up_proj[e].T).chunk(2): gate rows first.
-        return {"moe.experts.w1": tensor[:, :hidden], "moe.experts.w3": tensor[:, hidden:]}

@@ -30,6 +30,10 @@ LONG_RUNNING = {
     "./run_train.sh --config qwen3_moe_debug --training.steps 20":
         "trains (tests/unit/test_qwen3_moe_training.py trains the family through the trainer)",
     "NPROC=2 ./run_train.sh --config qwen3_moe_debug --parallelism.dp_shard 2": "trains on 2 processes",
+    "./run_train.sh --config deepseek_v3_debug --training.steps 20":
+        "trains (tests/unit/test_deepseek_v3_training.py trains the family through the trainer)",
+    "python scripts/convert_to_hf.py --checkpoint outputs/checkpoint/step-200 --output deepseek_v3_debug_hf":
+        "needs the trained run (tests/unit/test_deepseek_v3_export_run.py runs it on a small checkpoint)",
     "./run_train.sh": "trains llama3_debug for 200 steps (minutes)",
     "scripts/run_tests.sh": "the whole test suite",
     "./run_train.sh --config llama3_debug --training.steps 50 --optimizer.lr 1e-3": "trains 50 steps",

@@ -82,7 +82,8 @@ def test_n_kv_heads_defaults_to_n_heads():
 def test_get_model_spec_and_unknown_name():
     spec = get_model_spec("llama3")
     assert spec is MODEL_SPECS["llama3"] and spec.model_cls is Transformer and spec.flavors is LLAMA3_FLAVORS
-    with pytest.raises(ValueError, match=r"unknown model.name 'llama'; valid: llama3, qwen3_moe\. Did you mean 'llama3'\?"):
+    valid = r"valid: deepseek_v3, llama3, qwen3_moe\."
+    with pytest.raises(ValueError, match=rf"unknown model.name 'llama'; {valid} Did you mean 'llama3'\?"):
         get_model_spec("llama")
 
 

@@ -92,3 +92,47 @@ def test_moe_args_refuse_bad_values_by_name():
         MoEArgs(bias_update_rate=-1e-3)
     with pytest.raises(ValueError, match="hidden_dim=0 must be a positive integer"):
         MoEArgs(hidden_dim=0)
+
+
+def _grouped_router(**kwargs) -> TokenChoiceRouter:
+    router = TokenChoiceRouter(8, 8, 2, score_func="sigmoid", norm_topk_prob=False, **kwargs)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(8))
+    return router
+
+
+# Groups of two: {0, 1} holds the best expert but a useless partner (sum of its two sigmoid scores 1.0), {2, 3}
+# and {4, 5} hold strong pairs (1.96 and 1.95), {6, 7} nothing.
+GROUPED_X = torch.tensor([[5.0, -5.0, 4.0, 3.9, 3.8, 3.7, -5.0, -5.0]])
+
+
+def test_group_limited_routing_picks_experts_only_from_the_best_groups():
+    assert _grouped_router()(GROUPED_X).experts.tolist() == [[0, 2]]  # no groups: the global top-2
+    r = _grouped_router(num_groups=4, topk_groups=2)(GROUPED_X)
+    assert r.experts.tolist() == [[2, 3]]  # expert 0 is the best one, but its group ranks third
+    torch.testing.assert_close(r.weights[0], torch.sigmoid(torch.tensor([4.0, 3.9])), rtol=0, atol=1e-7)
+    # Three groups kept: group {0, 1} (third) is back, so expert 0 is chosen again.
+    assert _grouped_router(num_groups=4, topk_groups=3)(GROUPED_X).experts.tolist() == [[0, 2]]
+    # The bias takes part in the group scores and in the choice inside them: lifting both experts of {0, 1} by 1
+    # makes it the best group, and expert 1 (score 0.007) is then chosen for its bias.
+    bias = torch.tensor([1.0, 1.0, 0, 0, 0, 0, 0, 0])
+    assert _grouped_router(num_groups=4, topk_groups=2)(GROUPED_X, expert_bias=bias).experts.tolist() == [[0, 1]]
+
+
+def test_group_settings_are_checked():
+    with pytest.raises(ValueError, match="num_groups=3 must be a positive divisor of num_experts=8"):
+        _grouped_router(num_groups=3)
+    with pytest.raises(ValueError, match="top_k=3 exceeds the 2 experts of topk_groups=1 groups of 2"):
+        TokenChoiceRouter(8, 8, 3, num_groups=4, topk_groups=1)
+    with pytest.raises(ValueError, match="num_groups=8 leaves 1 expert per group.*at most 4 groups"):
+        TokenChoiceRouter(8, 8, 1, num_groups=8, topk_groups=1)
+    with pytest.raises(ValueError, match="topk_groups=5 must be between 1 and num_groups=4"):
+        _grouped_router(num_groups=4, topk_groups=5)
+
+
+def test_moe_args_check_the_groups_with_their_own_prefix():
+    from models.common.moe import MoEArgs
+
+    with pytest.raises(ValueError, match="^moe args: num_groups=3 must be a positive divisor of num_experts=8$"):
+        MoEArgs(num_experts=8, top_k=2, num_groups=3)
+    assert MoEArgs(num_experts=8, top_k=2, num_groups=4, topk_groups=2).topk_groups == 2

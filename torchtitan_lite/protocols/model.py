@@ -50,3 +50,8 @@ class BaseModel(nn.Module):
     def training_stats_summary(self, values: dict[str, float]) -> str | None:
         """A short console form of read ``training_stats`` values, appended to the log line; None: nothing."""
         return None
+
+    def high_precision_parts(self) -> list[tuple[str, str]]:
+        """The model's parts that a low-precision Linear recipe leaves in high precision although they compute
+        something (not Linears, or Linears a recipe must not take), as (part, why), for --print-fp8-plan."""
+        return []

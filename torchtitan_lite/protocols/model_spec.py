@@ -111,6 +111,10 @@ class RunFacts:
     """The blocks are compiled."""
     param_dtype: torch.dtype
     """The compute dtype of the parameters (precision.param_dtype, 'auto' decided)."""
+    tp: int = 1
+    """Tensor-parallel degree (parallelism.tp)."""
+    ep: int = 1
+    """Expert-parallel degree (parallelism.ep)."""
 
 
 RunCheck = Callable[[RunFacts], None]

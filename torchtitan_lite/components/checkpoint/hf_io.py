@@ -39,7 +39,7 @@ def export_model_state(state: dict[str, Any], out_dir: str, adapter: Any, dtype:
     for key, value in state.items():
         value = value.full_tensor() if isinstance(value, DTensor) else value
         if write:
-            full[key] = value.detach().to(device="cpu", dtype=dtype)
+            full[key] = value.detach().to(device="cpu", dtype=export_dtype(adapter, key, dtype))
     if write:
         save_hf(out_dir, full, adapter, dtype, extra)
         logger.info("exported Hugging Face model to %s", out_dir)
@@ -56,7 +56,8 @@ def save_hf(out_dir: str, state_dict: dict[str, torch.Tensor], adapter: Any, dty
     folder that is renamed at the end, so ``out_dir`` is either absent or whole.
     """
     hf_state = adapter.to_hf(state_dict)
-    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in hf_state.items()}
+    tensors = {k: v.detach().to(device="cpu", dtype=export_dtype(adapter, k, dtype)).contiguous()
+               for k, v in hf_state.items()}
     config = dict(adapter.hf_config_dict(**config_fields))
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
     tmp = f"{out_dir.rstrip(os.sep)}.tmp"
@@ -70,6 +71,13 @@ def save_hf(out_dir: str, state_dict: dict[str, torch.Tensor], adapter: Any, dty
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
+
+
+def export_dtype(adapter: Any, key: str, dtype: torch.dtype) -> torch.dtype:
+    """float32 for a tensor whose name (ours or HF's) ends with one of the adapter's ``float32_suffixes`` (state
+    that steers a discrete choice, such as DeepSeek-V3's expert bias, which transformers keeps in float32 too),
+    ``dtype`` for every other."""
+    return torch.float32 if key.endswith(tuple(getattr(adapter, "float32_suffixes", ()))) else dtype
 
 
 def read_hf_config(hf_dir: str) -> dict[str, Any]:

@@ -106,8 +106,13 @@ class LinearQuantizer(ModelConverter):
         flops_fn = getattr(model, "flops_per_token", None)
         if total_flops_per_token is None and callable(flops_fn):
             total_flops_per_token = flops_fn(seq_len)
-        return f"{self.kind} converter ({self.settings()})\n" + format_float8_plan(
+        text = f"{self.kind} converter ({self.settings()})\n" + format_float8_plan(
             rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token)
+        parts_fn = getattr(model, "high_precision_parts", None)
+        parts = parts_fn() if callable(parts_fn) else []
+        if parts:
+            text += "\nkept in high precision by the model:\n" + "\n".join(f"  {part}: {why}" for part, why in parts)
+        return text
 
     @property
     def kind(self) -> str:

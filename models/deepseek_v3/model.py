@@ -1,0 +1,84 @@
+"""DeepSeek-V3 decoder: multi-head latent attention in every block; a dense SwiGLU in the first
+n_dense_layers blocks and DeepSeekMoE (sigmoid router with group-limited top-k and the auxiliary-loss-free
+expert bias, shared experts) in the rest. Multi-token prediction is not part of the model.
+
+Module names follow the Llama 3 family (tok_embeddings, layers.<i>.attention / attention_norm / ffn_norm,
+norm, output); a dense block's feed-forward is layers.<i>.feed_forward, an MoE block's layers.<i>.moe
+(models/common/moe.py). The HF adapter maps the names.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from models.common.decoder import Decoder
+from models.common.feed_forward import FeedForward
+from models.common.moe import MoE
+from models.common.moe_hooks import moe_aux_loss, update_expert_biases
+from models.common.pre_norm_block import PreNormBlock
+from models.common.router_stats import router_stats, router_summary
+from models.deepseek_v3.args import DeepSeekV3ModelArgs
+from models.deepseek_v3.attention import MultiHeadLatentAttention
+from torchtitan_lite.protocols.moe_facts import MoEFacts
+
+
+class DeepSeekV3Block(PreNormBlock):
+    """Latent attention and a dense (`feed_forward`) or MoE (`moe`) feed-forward, each behind an RMSNorm."""
+
+    attention: MultiHeadLatentAttention
+
+    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs) -> None:
+        if layer_id < args.n_dense_layers:
+            super().__init__(layer_id, args, MultiHeadLatentAttention(args), "feed_forward",
+                             FeedForward(args.dim, args.dense_hidden_dim))
+        else:
+            super().__init__(layer_id, args, MultiHeadLatentAttention(args), "moe", MoE(args.dim, args.moe))
+
+
+class DeepSeekV3Model(Decoder[DeepSeekV3ModelArgs]):
+    """tokens [batch, seq] -> logits [batch, seq, vocab]. Build on meta, then `to_empty` + `init_weights`.
+
+    The rotary table covers only the qk_rope_head_dim channels of each head, YaRN-scaled when the args say."""
+
+    def __init__(self, args: DeepSeekV3ModelArgs) -> None:
+        super().__init__(args, lambda i: DeepSeekV3Block(i, args), rope_scaling=args.rope_scaling,
+                         rope_dim=args.qk_rope_head_dim)
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The MoE layers' summed sequence-level balance loss of the latest training forward (None when off)."""
+        return moe_aux_loss(self)
+
+    def post_optimizer_step(self, dp_group: dist.ProcessGroup | None) -> None:
+        """Move every MoE layer's expert bias toward balance from the loads of the step (when the bias is on)."""
+        update_expert_biases(self, dp_group)
+
+    def training_stats(self, dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+        """The routers' load balance since the previous call (models/common/router_stats.py)."""
+        return router_stats(self, dp_group)
+
+    def training_stats_summary(self, values: dict[str, float]) -> str | None:
+        return router_summary(values)
+
+    def high_precision_parts(self) -> list[tuple[str, str]]:
+        """What DeepSeek-V3's FP8 recipe keeps in BF16 / FP32 (section 3.3.1 of its report), and where we differ."""
+        return [
+            ("tok_embeddings", "embedding lookup, no GEMM; the report keeps the embedding module high precision"),
+            ("output", "output head: the logits feed the softmax and the loss (keep_output_hp)"),
+            ("layers.*.moe.router.gate", "MoE gating: the router computes its logits in float32 from the gate's "
+                                         "weight whatever the recipe (a discrete choice of experts); name 'router.gate' "
+                                         "in filter_fqns so that the plan does not count it as converted"),
+            ("norms (attention_norm, ffn_norm, attention.q_norm / kv_norm, norm)", "normalisation operators"),
+            ("attention core", "softmax(q k^T) v stays in the compute dtype: the report's attention operators"),
+            ("layers.*.moe.experts", "routed experts run grouped GEMMs, which a Linear recipe does not swap: BF16 "
+                                     "here, where the report runs them in FP8"),
+        ]
+
+    def moe_facts(self) -> MoEFacts:
+        return self.args.moe_facts()
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward): 6 * active matmul parameters + the attention term
+        6 * n_layers * n_heads * (qk head dim + v head dim) * seq_len (Llama 3's 12 * h * head_dim * seq with
+        the score and value widths of latent attention apart), counting only the experts a token is routed to."""
+        a = self.args
+        return 6 * self.param_counts().active_matmul + 6 * a.n_layers * a.n_heads * (a.head_dim + a.v_head_dim) * seq_len
