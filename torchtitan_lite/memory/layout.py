@@ -24,7 +24,6 @@ from torch import nn
 from torchtitan_lite.components.quantization import linear_quantizer
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import TPRegion, tp_regions
-from torchtitan_lite.protocols.model_spec import ParallelPlan
 from torchtitan_lite.resolved_run import ResolvedRun
 
 MASTER_WEIGHT_BYTES = 4
@@ -122,7 +121,7 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     params = []
     for fqn, p in model.named_parameters():  # a tied matrix is listed once, as the embedding's weight
         module = fqn.rsplit(".", 1)[0]
-        tp_shape = _tp_shape(plan, module, tuple(p.shape), dims.tp)
+        tp_shape = _tp_shape(plan.param_tp_shard_dim(fqn), tuple(p.shape), dims.tp)
         params.append(ParamLayout(
             fqn=fqn, global_shape=tuple(p.shape), tp_shape=tp_shape, local_shape=_fsdp_shape(tp_shape, shard),
             unit=plan.fsdp_unit(module, tied=tied), is_linear=module in linear_modules,
@@ -134,7 +133,7 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
         ))
     linears = tuple(
         LinearLayout(fqn=fqn, in_features=m.in_features, out_features=m.out_features,
-                     tp_numel=math.prod(_tp_shape(plan, fqn, tuple(m.weight.shape), dims.tp)),
+                     tp_numel=math.prod(_tp_shape(plan.tp_shard_dim(fqn), tuple(m.weight.shape), dims.tp)),
                      converted=fqn in converted, casts_master_weight=fqn in from_master)
         for fqn, m in linear_modules.items()
     )
@@ -150,8 +149,7 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     )
 
 
-def _tp_shape(plan: ParallelPlan, module: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    dim = plan.tp_shard_dim(module)
+def _tp_shape(dim: int | None, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     if tp == 1 or dim is None:
         return shape
     # DTensor's Shard gives rank 0 the ceil-sized chunk.
