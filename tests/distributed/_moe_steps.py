@@ -14,6 +14,7 @@ split is trained too.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -78,41 +79,63 @@ def build(run: Run) -> tuple[Qwen3MoeModel, ParallelDims, Precision, object]:
     return model, dims, precision, config
 
 
+def optimizer_for(model: Qwen3MoeModel) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
 def train(run: Run, model: Qwen3MoeModel, dims: ParallelDims, precision: Precision, config) -> dict:
     """Train ``run.steps`` steps; per-step global losses and grad norms, the first gradients, every layer's
     final expert bias and the router statistics of the whole run."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    dp_group = dims.dp_mesh.get_group() if dims.dp_mesh is not None else None
-    shares = dims.dp_degree * run.dp_micro_batches
-    rows = global_batches(1)[0][0].shape[0] // shares
-    first_share = dims.dp_rank * run.dp_micro_batches
+    optimizer = optimizer_for(model)
     out: dict = {"losses": [], "grad_norms": []}
-    for step, (global_inputs, global_labels) in enumerate(global_batches(run.steps)):
-        global_tokens = (global_labels != IGNORE_INDEX).sum().float()
-        share_losses = []
-        for share in range(first_share, first_share + run.dp_micro_batches):
-            inputs = global_inputs[share * rows:(share + 1) * rows]
-            labels = global_labels[share * rows:(share + 1) * rows]
-            with precision.autocast(), loss_parallel_context(config.loss_parallel):
-                loss_sum, _ = cross_entropy_sum(model(inputs), labels)
-                loss = loss_sum / global_tokens
-                aux = model.aux_loss()
-                assert aux is not None
-                (loss + as_loss_term(aux, loss) / shares).backward()
-            share_losses.append(loss.detach())
-        if step == 0:
-            out["first_grads"] = full_grads(model)
-        out["grad_norms"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-        model.post_optimizer_step(dp_group)
-        value = sum(local_loss(loss) for loss in share_losses).clone()
-        if dp_group is not None:
-            dist.all_reduce(value, group=dp_group)
-        out["losses"].append(float(value))
-    out["bias"] = {name: layer.moe.expert_bias.clone() for name, layer in model.layers.items()}
-    out["router_stats"] = {k: float(v) for k, v in model.training_stats(dp_group).items()}
+    for step, batch in enumerate(global_batches(run.steps)):
+        loss, grad_norm = train_step(run, model, optimizer, dims, precision, config, batch,
+                                     on_grads=lambda: out.setdefault("first_grads", full_grads(model)))
+        out["losses"].append(loss)
+        out["grad_norms"].append(grad_norm)
+    out["bias"] = expert_biases(model)
+    out["router_stats"] = {k: float(v) for k, v in model.training_stats(_dp_group(dims)).items()}
     return out
+
+
+def train_step(run: Run, model: Qwen3MoeModel, optimizer: torch.optim.Optimizer, dims: ParallelDims,
+               precision: Precision, config, batch: tuple[torch.Tensor, torch.Tensor],
+               on_grads: Callable[[], object] = lambda: None) -> tuple[float, float]:
+    """One step on the global ``batch`` (this rank's shares of it): (global loss, gradient norm)."""
+    global_inputs, global_labels = batch
+    dp_group = _dp_group(dims)
+    shares = dims.dp_degree * run.dp_micro_batches
+    rows = global_inputs.shape[0] // shares
+    first_share = dims.dp_rank * run.dp_micro_batches
+    global_tokens = (global_labels != IGNORE_INDEX).sum().float()
+    share_losses = []
+    for share in range(first_share, first_share + run.dp_micro_batches):
+        inputs = global_inputs[share * rows:(share + 1) * rows]
+        labels = global_labels[share * rows:(share + 1) * rows]
+        with precision.autocast(), loss_parallel_context(config.loss_parallel):
+            loss_sum, _ = cross_entropy_sum(model(inputs), labels)
+            loss = loss_sum / global_tokens
+            aux = model.aux_loss()
+            assert aux is not None
+            (loss + as_loss_term(aux, loss) / shares).backward()
+        share_losses.append(loss.detach())
+    on_grads()
+    grad_norm = float(clip_grad_norm_(model.parameters(), MAX_NORM))
+    optimizer.step()
+    optimizer.zero_grad()
+    model.post_optimizer_step(dp_group)
+    value = sum(local_loss(loss) for loss in share_losses).clone()
+    if dp_group is not None:
+        dist.all_reduce(value, group=dp_group)
+    return float(value), grad_norm
+
+
+def expert_biases(model: Qwen3MoeModel) -> dict[str, torch.Tensor]:
+    return {name: layer.moe.expert_bias.clone() for name, layer in model.layers.items()}
+
+
+def _dp_group(dims: ParallelDims) -> dist.ProcessGroup | None:
+    return dims.dp_mesh.get_group() if dims.dp_mesh is not None else None
 
 
 def run_layout(rank: int, world_size: int, run: Run) -> dict:
