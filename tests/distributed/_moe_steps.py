@@ -89,8 +89,8 @@ def train(run: Run, model: Qwen3MoeModel, dims: ParallelDims, precision: Precisi
     optimizer = optimizer_for(model)
     out: dict = {"losses": [], "grad_norms": []}
     for step, batch in enumerate(global_batches(run.steps)):
-        loss, grad_norm = train_step(run, model, optimizer, dims, precision, config, batch,
-                                     on_grads=lambda: out.setdefault("first_grads", full_grads(model)))
+        keep = (lambda: out.update(first_grads=full_grads(model))) if step == 0 else (lambda: None)
+        loss, grad_norm = train_step(run, model, optimizer, dims, precision, config, batch, on_grads=keep)
         out["losses"].append(loss)
         out["grad_norms"].append(grad_norm)
     out["bias"] = expert_biases(model)
