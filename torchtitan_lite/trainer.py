@@ -43,7 +43,7 @@ from torchtitan_lite.config.sections import (
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.compile import compile_label, compile_stats, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
-from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
+from torchtitan_lite.distributed.tensor_parallel import as_loss_term, local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
 from torchtitan_lite.nonfinite import NonFiniteLossError, explain_nonfinite
 from torchtitan_lite.protocols.model import BaseModel
@@ -435,7 +435,7 @@ class Trainer(Configurable):
         aux = model.aux_loss()
         if aux is None:
             return loss
-        return loss + aux / (n_microbatches * self.parallel_dims.dp_degree)
+        return loss + as_loss_term(aux, loss) / (n_microbatches * self.parallel_dims.dp_degree)
 
     def _global_target_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # Counted where the labels are (the host) and sent to the device without reading anything back.

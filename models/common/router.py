@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from models.common.init import trunc_normal_
 
@@ -64,8 +65,11 @@ class TokenChoiceRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None) -> Routing:
         # Autocast would run the gate in bf16/fp16; the float32 copy of x keeps the logits exact.
+        # Under tensor parallelism the gate weight is a replicated DTensor (every rank routes the same tokens):
+        # its local copy is the whole matrix.
+        weight = self.gate.weight.to_local() if isinstance(self.gate.weight, DTensor) else self.gate.weight
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())
+            logits = F.linear(x.float(), weight.float())
         scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
         selection = scores if expert_bias is None else scores + expert_bias.float()
         if self.num_groups > 1:

@@ -1,8 +1,16 @@
 """Qwen3-MoE's parallel plan, as data, and the order in which the parallelisms are applied.
 
-Today the family runs data-parallel (FSDP2 / HSDP over every parameter, the 3-D expert weights sharded on
-their expert dim), with activation checkpointing and compile, in Llama 3's order. Tensor parallelism of
-the attention and expert parallelism of the MoE are not wired yet, so a TP degree is refused here.
+Tensor parallelism: the attention as Llama 3's (q / k / v column-parallel, wo row-parallel, so each rank
+holds n_heads / tp query and n_kv_heads / tp key/value heads) with the QK-norm applied to each rank's own
+heads (it normalises over head_dim, so it needs no communication; its weights' gradients are summed over
+the ranks); sequence-parallel norms, vocabulary-parallel embedding, output and loss as Llama 3. The MoE
+feed-forward runs expert tensor parallel (torchtitan_lite/distributed/expert_tensor_parallel.py): its input
+is gathered over the sequence, the router runs replicated on the same tokens in float32 (so every rank
+makes the same choices and counts the same tokens per expert), every expert's hidden dim is split over the
+ranks and the partial outputs are reduce-scattered back to the sequence-parallel layout.
+
+FSDP2 / HSDP shards every parameter over the data ranks (the 3-D expert weights on their expert dim).
+Order as Llama 3's: TP -> activation checkpointing -> compile -> FSDP. Expert parallelism is not wired here.
 """
 from __future__ import annotations
 
@@ -12,7 +20,14 @@ import torch
 
 from models.common.experts import GroupedExperts
 from torchtitan_lite.protocols.model import BaseModel
-from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, RunFacts, TPInput, build_tp_plan
+from torchtitan_lite.protocols.model_spec import (
+    BlockTPPlan,
+    MoETPPlan,
+    ParallelPlan,
+    RunFacts,
+    TPInput,
+    build_tp_plan,
+)
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 logger = logging.getLogger(__name__)
@@ -22,6 +37,13 @@ QWEN3_MOE_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
         inputs=(TPInput("attention", ("attention.wq", "attention.wk", "attention.wv"), "attention input", n_inputs=2),),
         rowwise=("attention.wo",),
         norms=("attention_norm", "ffn_norm"),
+        head_norms=("attention.q_norm", "attention.k_norm"),
+        moe=MoETPPlan(
+            module="moe", router="moe.router", experts="moe.experts",
+            # Flavors with shared experts (MoEArgs.num_shared_experts) split them as a dense SwiGLU.
+            shared_colwise=("moe.shared_experts.w1", "moe.shared_experts.w3"),
+            shared_rowwise=("moe.shared_experts.w2",),
+        ),
     ),
     blocks="layers",
     embedding="tok_embeddings",
@@ -31,22 +53,32 @@ QWEN3_MOE_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
 
 
 def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> BaseModel:
-    """AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
+    """TP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
     from torchtitan_lite.distributed.activation_checkpoint import apply_ac
     from torchtitan_lite.distributed.compile import apply_compile
     from torchtitan_lite.distributed.fsdp import apply_fsdp
+    from torchtitan_lite.distributed.tensor_parallel import apply_tp
 
     plan, dims = QWEN3_MOE_PARALLEL_PLAN, context.parallel_dims
-    if dims.tp_mesh is not None:
-        raise ValueError(f"qwen3_moe does not support tensor parallelism yet (parallelism.tp={dims.tp}): its MoE "
-                         "feed-forward has no TP plan; set --parallelism.tp 1 and use data parallelism (dp_shard)")
     # Also checked by resolve_run (check_qwen3_moe_run); repeated on the built model for a caller that
     # parallelizes without resolving a run.
-    grouped_mm = any(isinstance(m, GroupedExperts) and m.use_grouped_mm for m in model.modules())
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    grouped_mm = any(m.use_grouped_mm for m in experts)
     _check_compile_dtype(grouped_mm, context.compile_model, context.mp_policy.param_dtype)
     layouts = [dims.describe()]
+    if dims.tp_mesh is not None:
+        hidden_dim = experts[0].w1.shape[1] if experts else 0
+        _check_expert_tp(hidden_dim, dims.tp, grouped_mm)
+        regions = apply_tp(model, dims.tp_mesh, plan, sequence_parallel=context.sequence_parallel,
+                           loss_parallel=context.loss_parallel)
+        layouts.append("SP" if context.sequence_parallel else "no SP")
+        layouts.append("loss parallel" if context.loss_parallel else "replicated logits")
+        layouts.append(f"expert TP {dims.tp}")
+        float8 = sum(r.float8 for block in regions for r in block)
+        if float8:
+            layouts.append(f"float8 TP comms in {float8} of {sum(len(b) for b in regions)} regions")
     ac = apply_ac(model, context.activation_checkpoint.mode, context.activation_checkpoint.selective_option,
-                  compiled_tp=False)
+                  compiled_tp=context.compile_model and dims.tp_enabled)
     layouts.append(f"AC {ac}")
     if apply_compile(model, context.compile):
         layouts.append(f"compiled blocks ({context.compile.backend})")
@@ -58,8 +90,27 @@ def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> Base
 
 
 def check_qwen3_moe_run(facts: RunFacts) -> None:
-    """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config."""
-    _check_compile_dtype(facts.model_args.moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
+    """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config.
+    (The attention heads' split over tp is ParallelDims.validate_for_model's.)"""
+    moe = facts.model_args.moe
+    _check_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
+    if facts.tp > 1:
+        _check_expert_tp(moe.hidden_dim, facts.tp, moe.use_grouped_mm)
+
+
+def _check_expert_tp(hidden_dim: int, tp: int, grouped_mm: bool) -> None:
+    """Expert tensor parallelism splits every expert's (and each shared expert's) hidden dim over the tp ranks:
+    it must divide, and under torch._grouped_mm each slice must keep its 16-byte aligned strides."""
+    if hidden_dim % tp:
+        raise ValueError(
+            f"parallelism.tp={tp} must divide the MoE experts' hidden_dim={hidden_dim} (expert tensor parallelism "
+            f"gives each rank hidden_dim / tp channels of every expert); use a tp among the divisors of "
+            f"{hidden_dim}, or data parallelism (parallelism.dp_shard) instead")
+    if grouped_mm and (hidden_dim // tp) % 8:
+        raise ValueError(
+            f"parallelism.tp={tp} leaves each rank {hidden_dim // tp} of the experts' hidden_dim={hidden_dim} "
+            "channels, not a multiple of 8: torch._grouped_mm needs 16-byte aligned strides in bfloat16; use a "
+            "smaller tp, or set the flavor's moe.use_grouped_mm=False to run the per-expert loop")
 
 
 def _check_compile_dtype(grouped_mm: bool, compile_model: bool, compute_dtype: torch.dtype | None) -> None:

@@ -2,6 +2,7 @@
 the launch against the host's devices and memory, before any process starts."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -233,3 +234,22 @@ def test_compiling_grouped_moe_experts_outside_bfloat16_is_refused_before_launch
             f"--compile.enable false") in err
     assert check([*args[:-1], "bfloat16"])[0] == 0
     assert check([*args[:-4], "--precision.param_dtype", dtype])[0] == 0  # eager: any dtype
+
+
+def test_a_tp_that_does_not_split_the_moe_evenly_is_refused_before_launch(check, monkeypatch):
+    """Expert tensor parallelism splits every expert's hidden dim: the family's rule (ModelSpec.check_run, with
+    the run's tp) refuses an uneven or unaligned split at resolve, and the heads' rule a tp the heads do not
+    take."""
+    from models.qwen3_moe import QWEN3_MOE_FLAVORS
+
+    args = ["--config", "qwen3_moe_debug", "--tokenizer.path", "none", "--data.dataset", "embedded"]
+    assert check([*args, "--parallelism.tp", "2"], NPROC="2")[0] == 0
+    status, _, err = check([*args, "--parallelism.tp", "4"], NPROC="4")
+    assert status == 2 and "parallelism.tp=4 must divide the model's n_kv_heads=2" in err
+    debug = QWEN3_MOE_FLAVORS["debug"]
+    monkeypatch.setitem(QWEN3_MOE_FLAVORS, "debug", dataclasses.replace(debug, moe=dataclasses.replace(debug.moe,
+                                                                                                        hidden_dim=40)))
+    status, _, err = check([*args, "--parallelism.tp", "2"], NPROC="2")
+    assert status == 2
+    assert ("error: parallelism.tp=2 leaves each rank 20 of the experts' hidden_dim=40 channels, not a multiple of "
+            "8: torch._grouped_mm needs 16-byte aligned strides in bfloat16") in err

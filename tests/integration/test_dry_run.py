@@ -71,3 +71,12 @@ def test_405b_fp8_on_512_gpus_with_tp_8_and_hsdp_fits_80_gib(cli):
     assert "dry run: rank 0 of 512, HSDP 4x16 + TP 8" in out
     assert "FP8 plan: 882 of 883 Linear layers run in FP8" in out
     assert _peak_gib(out) < 80
+
+
+def test_qwen3_moe_with_fsdp_2_x_tp_2_sizes_the_expert_shards_it_builds(cli):
+    """The experts' 3-D weights split on their hidden dim by TP and on the expert dim by FSDP: the estimate
+    reads the same shard shapes off the plan as the build produces (checked by _dry_run)."""
+    out = _dry_run(cli, "qwen3_moe_debug", 4, "--parallelism.dp_shard", "2", "--parallelism.tp", "2")
+    assert "dry run: rank 0 of 4, FSDP 2 + TP 2" in out
+    params, _ = _bytes(out, "parameters")
+    assert params == 2_304_768  # 4 layers of 8 experts [8, 128, 128] x 3 and the rest, over 4 ranks, in fp32

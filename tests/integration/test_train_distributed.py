@@ -1,6 +1,9 @@
 """Multi-process launches through run_train.sh on CPU (gloo)."""
 from __future__ import annotations
 
+import shutil
+
+import pytest
 from _cli import read_scalars
 
 TINY = ["--model.n_layers", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
@@ -71,3 +74,26 @@ def test_fsdp2_blockwise_trains_with_the_fp8_all_gather(cli, tmp_path):
     assert "high precision: layers.*.attention.wk, layers.*.attention.wv (128 rows / dp_shard=2 = 64 rows" in log
     losses = read_scalars(tmp_path / "tb")["train/loss"]
     assert set(losses) == {1, 2, 3, 4, 5} and losses[5] < losses[1]
+
+
+def test_qwen3_moe_with_tensor_parallel_2_trains_as_one_process_from_the_same_seed_checkpoint(cli, tmp_path):
+    """The MoE family under TP 2 (attention split by heads, the MoE expert tensor parallel), through the CLI:
+    from one seed checkpoint its losses are the 1-process run's. (Without one each TP rank draws the same
+    numbers for its shard, which is another initial model.)"""
+    seed = ["--config", "qwen3_moe_debug", *TINY, "--checkpoint.enable", "true"]
+    made = cli([*seed, "--checkpoint.create_seed_checkpoint", "true", "--job.dump_folder", str(tmp_path / "seed")])
+    assert made.returncode == 0, made.stderr[-3000:]
+    losses = {}
+    for name, extra in {"one": (), "tp2": ("--parallelism.tp", "2")}.items():
+        shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / name / "checkpoint")
+        result = cli([*seed, *extra, "--training.steps", "5", "--job.dump_folder", str(tmp_path / name)],
+                     NPROC="2" if extra else "1")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        scalars = read_scalars(tmp_path / name / "tb")
+        losses[name] = scalars["train/loss"]
+        assert set(scalars["moe/imbalance_max"]) == {1, 2, 3, 4, 5}  # the router's health is reported
+    assert "parallelized qwen3_moe: TP 2, SP, loss parallel, expert TP 2" in result.stdout + result.stderr
+    assert set(losses["tp2"]) == {1, 2, 3, 4, 5}
+    # float32: only the order of sums differs (TP partial products); measured 1.2e-7 relative.
+    for step, loss in losses["one"].items():
+        assert losses["tp2"][step] == pytest.approx(loss, rel=1e-5), step

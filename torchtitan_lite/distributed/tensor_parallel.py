@@ -12,6 +12,10 @@ all-gather exactly when every Linear that consumes it is a torchao tensorwise Fl
 high-precision consumer would receive float8 data), and an output projection uses torchao's float8
 row-wise style when it is itself tensorwise float8 (its output-gradient all-gather then moves float8).
 Row-wise float8 recipes keep the plain styles: their per-row scales cannot be gathered with the data.
+
+An MoE feed-forward (``BlockTPPlan.moe``) is split by expert tensor parallelism
+(expert_tensor_parallel.py): its input is gathered and its partial output reduce-scattered in high
+precision, since the router reads that input in float32 and the experts' GEMMs are not float8 Linears.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -37,7 +41,13 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
-from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan
+from torchtitan_lite.distributed.expert_tensor_parallel import (
+    ColwiseInPartialRegion,
+    ExpertTensorParallel,
+    GatheredRegion,
+    ReplicatedRouter,
+)
+from torchtitan_lite.protocols.model_spec import BlockTPPlan, MoETPPlan, ParallelPlan
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +85,9 @@ def tp_regions(plan: BlockTPPlan, is_float8_tensorwise_linear: Callable[[str], b
     for fqn in plan.rowwise:
         float8 = is_float8_tensorwise_linear(fqn)
         regions.append(TPRegion(f"{fqn} output", float8, "tensorwise float8" if float8 else "not tensorwise float8"))
+    if plan.moe is not None:
+        regions.append(TPRegion(f"{plan.moe.module} input", False, "the router reads it in float32"))
+        regions.append(TPRegion(f"{plan.moe.module} output", False, "partial sums of the experts"))
     return regions
 
 
@@ -122,7 +135,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, seque
     for block in getattr(model, plan.blocks).values():
         regions = tp_regions(plan.block_tp, partial(_is_float8_in, block))
         all_regions.append(regions)
-        parallelize_module(block, tp_mesh, _block_styles(plan.block_tp, regions, residual, sequence_parallel))
+        parallelize_module(block, tp_mesh, _block_styles(plan.block_tp, regions, residual, sequence_parallel, block))
     float8 = sum(r.float8 for regions in all_regions for r in regions)
     total = sum(len(regions) for regions in all_regions)
     logger.info("applied TP %d%s%s to %d blocks (%d of %d communication regions in float8)", tp_mesh.size(),
@@ -131,8 +144,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, seque
     return all_regions
 
 
-def _block_styles(plan: BlockTPPlan, regions: list[TPRegion], residual: Placement,
-                  sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _block_styles(plan: BlockTPPlan, regions: list[TPRegion], residual: Placement, sequence_parallel: bool,
+                  block: nn.Module) -> dict[str, ParallelStyle]:
     float8 = {region.name: region.float8 for region in regions}
     styles: dict[str, ParallelStyle] = {}
     for tp_input in plan.inputs:
@@ -149,6 +162,28 @@ def _block_styles(plan: BlockTPPlan, regions: list[TPRegion], residual: Placemen
     if sequence_parallel:
         for norm in plan.norms:
             styles[norm] = SequenceParallel()
+    for norm in plan.head_norms:
+        # Input [batch, seq, local heads, head_dim]: each rank normalises its heads (dim 2) over head_dim.
+        styles[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if plan.moe is not None:
+        styles |= _moe_styles(plan.moe, block, residual)
+    return styles
+
+
+def _moe_styles(plan: MoETPPlan, block: nn.Module, residual: Placement) -> dict[str, ParallelStyle]:
+    """Expert tensor parallelism of the block's MoE layer; shared-expert entries only where the block has them."""
+    styles: dict[str, ParallelStyle] = {
+        plan.module: GatheredRegion(residual),
+        plan.router: ReplicatedRouter(),
+        plan.experts: ExpertTensorParallel(),
+    }
+    present = {fqn for fqn, _ in block.named_modules()}
+    for fqn in plan.shared_colwise:
+        if fqn in present:
+            styles[fqn] = ColwiseInPartialRegion()
+    for fqn in plan.shared_rowwise:
+        if fqn in present:
+            styles[fqn] = RowwiseParallel(output_layouts=Partial())
     return styles
 
 
@@ -183,6 +218,14 @@ def _styles(float8: bool) -> tuple[type, type, type]:
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
     """Context for computing the loss (and its backward) on vocab-sharded logits; a no-op when disabled."""
     return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def as_loss_term(value: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """``value``, the same on every TP rank (an MoE balance loss), in the form of ``loss``: a replicated
+    DTensor where loss parallelism made the loss one, so that the two can be added."""
+    if isinstance(loss, DTensor) and not isinstance(value, DTensor):
+        return DTensor.from_local(value, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+    return value
 
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,6 @@ from torchtitan_lite.components.quantization import linear_quantizer
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import TPRegion, tp_regions
 from torchtitan_lite.model_size import ParamCounts, param_counts
-from torchtitan_lite.protocols.model_spec import ParallelPlan
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 from torchtitan_lite.resolved_run import ResolvedRun
 
@@ -145,7 +144,8 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     for fqn, p in model.named_parameters():  # a tied matrix is listed once, as the embedding's weight
         module = fqn.rsplit(".", 1)[0]
         routed = facts is not None and facts.is_routed_expert(fqn, plan.blocks)
-        tp_shape = _ep_shape(tuple(p.shape), dims.ep) if routed else _tp_shape(plan, module, tuple(p.shape), dims.tp)
+        global_shape = _ep_shape(tuple(p.shape), dims.ep) if routed else tuple(p.shape)
+        tp_shape = _tp_shape(plan.param_tp_shard_dim(fqn), global_shape, dims.tp)
         params.append(ParamLayout(
             fqn=fqn, global_shape=tuple(p.shape), tp_shape=tp_shape,
             local_shape=_fsdp_shape(tp_shape, expert_shard if routed else shard), routed_expert=routed,
@@ -158,7 +158,7 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
         ))
     linears = tuple(
         LinearLayout(fqn=fqn, in_features=m.in_features, out_features=m.out_features,
-                     tp_numel=math.prod(_tp_shape(plan, fqn, tuple(m.weight.shape), dims.tp)),
+                     tp_numel=math.prod(_tp_shape(plan.tp_shard_dim(fqn), tuple(m.weight.shape), dims.tp)),
                      converted=fqn in converted, casts_master_weight=fqn in from_master)
         for fqn, m in linear_modules.items()
     )
@@ -195,8 +195,7 @@ def _all_gather_text(run: ResolvedRun, quantizer: Any, gather: dict[str, tuple[f
     return "FSDP all-gather bytes per weight element: " + "; ".join(parts)
 
 
-def _tp_shape(plan: ParallelPlan, module: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    dim = plan.tp_shard_dim(module)
+def _tp_shape(dim: int | None, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     if tp == 1 or dim is None:
         return shape
     # DTensor's Shard gives rank 0 the ceil-sized chunk.

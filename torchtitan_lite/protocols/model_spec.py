@@ -40,6 +40,33 @@ class TPInput:
 
 
 @dataclass(frozen=True)
+class MoETPPlan:
+    """Expert tensor parallelism of a block's MoE feed-forward (names relative to a block).
+
+    The layer's input is gathered over the sequence, so every TP rank routes the same tokens and counts the
+    same tokens per expert; the router runs replicated; every routed expert's hidden dim is split over the
+    ranks (w1 / w3 by their hidden rows, w2 by its hidden columns), as are the shared experts' (a dense
+    SwiGLU split like a feed-forward), so the layer's output is a partial sum, reduce-scattered back to the
+    sequence-parallel layout."""
+
+    module: str
+    """The MoE layer, e.g. 'moe': its input is gathered, its output reduced."""
+    router: str
+    """The router, e.g. 'moe.router': parameters replicated, run on the gathered tokens."""
+    experts: str
+    """The routed experts' module holding 3-D w1 / w3 [E, hidden, dim] and w2 [E, dim, hidden]."""
+    shared_colwise: tuple[str, ...] = ()
+    """Shared experts' input Linears (column-parallel), where a flavor has shared experts."""
+    shared_rowwise: tuple[str, ...] = ()
+    """Shared experts' output Linears (row-parallel, output left as a partial sum)."""
+
+    @property
+    def expert_shard_dims(self) -> dict[str, int]:
+        """Shard dim of each routed-expert weight: the hidden dim."""
+        return {f"{self.experts}.w1": 1, f"{self.experts}.w3": 1, f"{self.experts}.w2": 2}
+
+
+@dataclass(frozen=True)
 class BlockTPPlan:
     """Megatron-style split of one transformer block."""
 
@@ -48,6 +75,11 @@ class BlockTPPlan:
     """Output projections split by input features; their output is reduced (or reduce-scattered)."""
     norms: tuple[str, ...]
     """Norms that run sharded along the sequence under sequence parallelism."""
+    head_norms: tuple[str, ...] = ()
+    """Norms over each head's channels of [batch, seq, heads, head_dim] activations (Qwen3's QK-norm): each
+    rank normalises its own heads; their weights are replicated and their gradients summed over the ranks."""
+    moe: MoETPPlan | None = None
+    """The MoE feed-forward's expert tensor parallelism; None for a dense block."""
 
     @property
     def colwise(self) -> tuple[str, ...]:
@@ -83,6 +115,12 @@ class ParallelPlan:
             module = module.split(".", 2)[-1]
         return self.tp_shard_dims.get(module)
 
+    def param_tp_shard_dim(self, param: str) -> int | None:
+        """Shard dim of parameter ``param`` (full FQN) under TP: its own entry (a 3-D expert weight), else its
+        module's (a Linear's weight); None if whole."""
+        own = self.tp_shard_dim(param)
+        return own if own is not None else self.tp_shard_dim(param.rsplit(".", 1)[0])
+
     def fsdp_unit(self, module: str, *, tied: bool) -> str:
         """The FSDP unit that holds ``module``'s parameters: '<blocks>.<i>', the embedding, 'head' (final norm
         + output) or 'root'. A tied embedding/output matrix can belong to one unit only: the root."""
@@ -97,6 +135,9 @@ def build_tp_plan(block_tp: BlockTPPlan, **root: str) -> ParallelPlan:
     """A ParallelPlan whose shard dims follow from the Megatron split: column-parallel Linears and the
     embedding and output split dim 0 (output features / vocabulary rows), row-parallel Linears dim 1."""
     dims = {fqn: 0 for fqn in block_tp.colwise} | {fqn: 1 for fqn in block_tp.rowwise}
+    if block_tp.moe is not None:
+        dims |= {fqn: 0 for fqn in block_tp.moe.shared_colwise} | {fqn: 1 for fqn in block_tp.moe.shared_rowwise}
+        dims |= block_tp.moe.expert_shard_dims
     dims |= {root["embedding"]: 0, root["output"]: 0}
     return ParallelPlan(block_tp=block_tp, tp_shard_dims=dims, **root)
 

@@ -1,0 +1,158 @@
+"""A tiny Qwen3-MoE trained for a few steps under a given layout: the body of the MoE tensor-parallel tests.
+
+As _llama_steps (whose Run, batches, tolerances and reference rules it reuses): every layout trains from the
+same initial weights on the same global batches with the training loop's loss semantics, so every layout
+must reproduce the single-process losses. On top of the language-model loss each step adds the MoE layers'
+balance loss (its share of the global mean, as the trainer does) and, after the optimizer step, updates the
+expert bias from the loads summed over the data-parallel ranks only (``post_optimizer_step(dp_group)``):
+the tensor-parallel ranks route the same gathered tokens, so a correct layout leaves every bias as the
+single process's.
+
+The tiny model has one shared expert, which no published Qwen3-MoE flavor has, so that the shared experts'
+split is trained too.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from _llama_steps import MAX_NORM, Run, _OneRankFsdp, full_grads, global_batches, parallel_config
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+from models.common.moe import MoEArgs
+from models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs
+from models.qwen3_moe.parallelize import parallelize_qwen3_moe
+from torchtitan_lite.compat import float8_recipe_needs_emulation
+from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
+from torchtitan_lite.components.precision import Precision
+from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
+from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.tensor_parallel import as_loss_term, local_loss, loss_parallel_context
+from torchtitan_lite.protocols.parallelize import ParallelizeContext
+
+# Vocabulary as _llama_steps' batches; attention Linears multiples of 16 (float8); heads, KV heads and the
+# experts' hidden dim split over tp=2 (32 / 2 = 16 channels per rank, a multiple of 8 for torch._grouped_mm).
+TINY_MOE = Qwen3MoeModelArgs(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256, max_seq_len=64, rope_theta=10000.0,
+    moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=32, num_shared_experts=1, aux_loss_coeff=1e-2,
+                bias_update_rate=1e-3),
+)
+LR = 3e-3
+
+
+def initial_state_dict() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Qwen3MoeModel(TINY_MOE)
+    model.init_weights()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def build(run: Run) -> tuple[Qwen3MoeModel, ParallelDims, Precision, object]:
+    """Meta model -> float8 conversion of the attention -> parallelize_qwen3_moe -> materialise -> initial weights."""
+    one_rank_fsdp = run.world_size == 1 and run.dp_micro_batches > 1
+    dims = (_OneRankFsdp if one_rank_fsdp else ParallelDims)(run.dp_replicate, run.dp_shard, run.tp,
+                                                              world_size=run.world_size)
+    dims.build_mesh("cpu")
+    config = parallel_config(run, dims)
+    precision = Precision.Config(param_dtype=run.param_dtype).build(device="cpu", fsdp_enabled=dims.fsdp_enabled)
+    with torch.device("meta"):
+        model = Qwen3MoeModel(TINY_MOE)
+    if run.float8:
+        fp8_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(run.float8),
+                                         emulate=float8_recipe_needs_emulation(run.float8, "cpu") is not None)
+        # The attention Linears only: the router and the experts are not Linears the float8 converter owns.
+        convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda m, fqn: ".attention." in fqn)
+    parallelize_qwen3_moe(model, ParallelizeContext(
+        parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=config.sequence_parallel,
+        loss_parallel=config.loss_parallel, activation_checkpoint=config.activation_checkpoint,
+        compile_model=config.compile_model, compile=config.compile,
+        fsdp_reshard_after_forward=run.reshard_after_forward, fsdp_cpu_offload=False))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    if dims.fsdp_enabled or dims.tp_enabled:
+        set_model_state_dict(model, initial_state_dict(), options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(initial_state_dict())
+    return model, dims, precision, config
+
+
+def optimizer_for(model: Qwen3MoeModel) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def train(run: Run, model: Qwen3MoeModel, dims: ParallelDims, precision: Precision, config) -> dict:
+    """Train ``run.steps`` steps; per-step global losses and grad norms, the first gradients, every layer's
+    final expert bias and the router statistics of the whole run."""
+    optimizer = optimizer_for(model)
+    out: dict = {"losses": [], "grad_norms": []}
+    for step, batch in enumerate(global_batches(run.steps)):
+        keep = (lambda: out.update(first_grads=full_grads(model))) if step == 0 else (lambda: None)
+        loss, grad_norm = train_step(run, model, optimizer, dims, precision, config, batch, on_grads=keep)
+        out["losses"].append(loss)
+        out["grad_norms"].append(grad_norm)
+    out["bias"] = expert_biases(model)
+    out["router_stats"] = {k: float(v) for k, v in model.training_stats(_dp_group(dims)).items()}
+    return out
+
+
+def train_step(run: Run, model: Qwen3MoeModel, optimizer: torch.optim.Optimizer, dims: ParallelDims,
+               precision: Precision, config, batch: tuple[torch.Tensor, torch.Tensor],
+               on_grads: Callable[[], object] = lambda: None) -> tuple[float, float]:
+    """One step on the global ``batch`` (this rank's shares of it): (global loss, gradient norm)."""
+    global_inputs, global_labels = batch
+    dp_group = _dp_group(dims)
+    shares = dims.dp_degree * run.dp_micro_batches
+    rows = global_inputs.shape[0] // shares
+    first_share = dims.dp_rank * run.dp_micro_batches
+    global_tokens = (global_labels != IGNORE_INDEX).sum().float()
+    share_losses = []
+    for share in range(first_share, first_share + run.dp_micro_batches):
+        inputs = global_inputs[share * rows:(share + 1) * rows]
+        labels = global_labels[share * rows:(share + 1) * rows]
+        with precision.autocast(), loss_parallel_context(config.loss_parallel):
+            loss_sum, _ = cross_entropy_sum(model(inputs), labels)
+            loss = loss_sum / global_tokens
+            aux = model.aux_loss()
+            assert aux is not None
+            (loss + as_loss_term(aux, loss) / shares).backward()
+        share_losses.append(loss.detach())
+    on_grads()
+    grad_norm = float(clip_grad_norm_(model.parameters(), MAX_NORM))
+    optimizer.step()
+    optimizer.zero_grad()
+    model.post_optimizer_step(dp_group)
+    value = sum(local_loss(loss) for loss in share_losses).clone()
+    if dp_group is not None:
+        dist.all_reduce(value, group=dp_group)
+    return float(value), grad_norm
+
+
+def expert_biases(model: Qwen3MoeModel) -> dict[str, torch.Tensor]:
+    return {name: layer.moe.expert_bias.clone() for name, layer in model.layers.items()}
+
+
+def _dp_group(dims: ParallelDims) -> dist.ProcessGroup | None:
+    return dims.dp_mesh.get_group() if dims.dp_mesh is not None else None
+
+
+def run_layout(rank: int, world_size: int, run: Run) -> dict:
+    """Worker: build and train ``run`` on this rank."""
+    return train(run, *build(run))
+
+
+def train_runs(rank: int, world_size: int, runs: list[Run]) -> list[dict]:
+    """Worker: each run in turn in one process group."""
+    return [run_layout(rank, world_size, run) for run in runs]
+
+
+def run_single(run: Run) -> dict:
+    """The single-process reference of ``run`` (one spawned gloo process where it needs FSDP's one-rank mesh)."""
+    run = run.single_process()
+    if run.dp_micro_batches > 1:
+        from _harness import run_ranks
+
+        return run_ranks(run_layout, 1, run)[0]
+    return train(run, *build(run))
