@@ -235,15 +235,17 @@ class QuantizedGroupedMM:
 
     recipe: str
     emulate: bool
-    observer: list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]]
+    observer: list[Callable[..., None]]
+    """Called as ``observe(w, x, w_t, offsets, out)``: the weight as passed in, then the GEMM's operands in the
+    compute dtype and its output."""
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # Autocast does not cover these GEMMs: cast as the high-precision grouped_mm does (FSDP's mixed
         # precision has already cast the weights).
         device_type = x.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        x, w = x.to(dtype), w.to(dtype)
-        out = quantized_grouped_mm(x, w, offsets, recipe=self.recipe, emulate=self.emulate)
+        x_c, w_c = x.to(dtype), w.to(dtype)
+        out = quantized_grouped_mm(x_c, w_c, offsets, recipe=self.recipe, emulate=self.emulate)
         for observe in self.observer:
-            observe(x, w, offsets, out)
+            observe(w, x_c, w_c, offsets, out)
         return out

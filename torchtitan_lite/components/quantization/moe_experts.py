@@ -211,7 +211,7 @@ class GroupedExpertsConverter(ModelConverter):
                                  f"recipe. Filter the whole module ('{fqn}') or none of its weights")
             # An instance attribute shadows the class's grouped_mm: the module keeps its type, parameters and
             # state-dict keys.
-            setattr(module, "grouped_mm", QuantizedGroupedMM(self.config.recipe_name, emulate, []))
+            module.grouped_mm = QuantizedGroupedMM(self.config.recipe_name, emulate, [])  # type: ignore[method-assign]
 
     def post_optimizer_hook(self, model_parts: object) -> None:
         """Scales are dynamic: nothing to refresh."""
