@@ -28,9 +28,12 @@ class GroupedGemmExperts(Protocol):
 
 def grouped_gemm_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(fqn, module) of every grouped-GEMM expert module of ``model``, in module order."""
-    return [(fqn, module) for fqn, module in model.named_modules()
-            if isinstance(getattr(type(module), "grouped_gemm_weights", None), tuple)
-            and isinstance(module, GroupedGemmExperts)]
+    return [(fqn, module) for fqn, module in model.named_modules() if _is_grouped_experts(module)]
+
+
+def _is_grouped_experts(module: nn.Module) -> bool:
+    return isinstance(getattr(type(module), "grouped_gemm_weights", None), tuple) and isinstance(
+        module, GroupedGemmExperts)
 
 
 def high_precision_reason(module: nn.Module) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,8 +127,8 @@ class Fp8StatsCollector:
                 layer = _Layer(len(self.layers), _clean_fqn(fqn), module, casts, offset)
                 self.layers.append(layer)
                 offset += layer.width
-            for fqn, module, name, mm in converted_expert_gemms(part):
-                layer = _Layer(len(self.layers), _clean_fqn(f"{fqn}.{name}"), module, expert_casts(mm.recipe), offset,
+            for fqn, experts, name, mm in converted_expert_gemms(part):
+                layer = _Layer(len(self.layers), _clean_fqn(f"{fqn}.{name}"), experts, expert_casts(mm.recipe), offset,
                                expert_weight=name)
                 self.layers.append(layer)
                 offset += layer.width
@@ -158,7 +159,7 @@ class Fp8StatsCollector:
         for layer in linears:
             # Outside the forward FSDP holds the sharded parameter: with float8 all-gather this is the only
             # place the high-precision weight exists.
-            layer.sharded_weight = layer.module.weight
+            layer.sharded_weight = typing.cast(torch.Tensor, layer.module.weight)
         handles = [layer.module.register_forward_hook(self._forward_hook(layer), prepend=True) for layer in linears]
         observed = self._observe_experts()
         with _eager(self.model_parts):
@@ -232,7 +233,7 @@ class Fp8StatsCollector:
     def _measure_forward(self, layer: _Layer, x: torch.Tensor, output: torch.Tensor) -> None:
         from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
 
-        module = layer.module
+        module = typing.cast(nn.Linear, layer.module)
         with _plain_math(output):
             weight: torch.Tensor = module.weight
             if tensor_already_casted_to_fp8(weight) and layer.sharded_weight is not None:

@@ -172,8 +172,7 @@ class EmulatedGroupedMM(torch.autograd.Function):
     the padded layout (every group a multiple of the recipe's alignment)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor,  # type: ignore[override]
-                recipe: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor, recipe: str) -> torch.Tensor:
         tiles = TILES[recipe]
         ctx.save_for_backward(x, w_t, offsets)
         ctx.recipe = recipe
@@ -182,7 +181,7 @@ class EmulatedGroupedMM(torch.autograd.Function):
                                  offs=offsets)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x, w_t, offsets = ctx.saved_tensors
         tiles = TILES[ctx.recipe]
         dtype = x.dtype

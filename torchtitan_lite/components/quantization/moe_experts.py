@@ -25,7 +25,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from torchtitan_lite.components.quantization.float8_plan import check_filter_fqns, filter_reason
+from torchtitan_lite.components.quantization.float8_plan import filter_reason
 from torchtitan_lite.components.quantization.grouped_gemm import (
     GROUP_ALIGNMENT,
     GROUPED_RECIPES,
@@ -132,7 +132,10 @@ class GroupedExpertsConverter(ModelConverter):
                                  f"{', '.join(GROUPED_RECIPES)}")
             if self.kernel not in GROUPED_KERNELS:
                 raise ValueError(f"{_FIELD}.kernel={self.kernel!r} is not one of: {', '.join(GROUPED_KERNELS)}")
-            check_filter_fqns(self, _FIELD)
+            for entry in self.filter_fqns:
+                if not isinstance(entry, str) or not entry:
+                    raise ValueError(f"{_FIELD}.filter_fqns entry {entry!r} would match every module; use non-empty "
+                                     f"FQN substrings such as 'layers.0.moe.experts'")
 
     config: GroupedExpertsConverter.Config
 
@@ -211,7 +214,7 @@ class GroupedExpertsConverter(ModelConverter):
                                  f"recipe. Filter the whole module ('{fqn}') or none of its weights")
             # An instance attribute shadows the class's grouped_mm: the module keeps its type, parameters and
             # state-dict keys.
-            module.grouped_mm = QuantizedGroupedMM(self.config.recipe_name, emulate, [])  # type: ignore[method-assign]
+            vars(module)["grouped_mm"] = QuantizedGroupedMM(self.config.recipe_name, emulate, [])
 
     def post_optimizer_hook(self, model_parts: object) -> None:
         """Scales are dynamic: nothing to refresh."""
