@@ -193,3 +193,20 @@ def test_fp8_stats_measure_every_expert_gemm(recipe):
     assert "layers.0.attention.wq" in health and not any("router" in fqn for fqn in health)
     # Nothing is left installed after the stats micro-batch.
     assert all(not model.layers[str(i)].moe.experts.__dict__["grouped_mm"].observer for i in range(2))
+
+
+@pytest.mark.parametrize("config, first_table", [("qwen3_moe_debug_fp8", "float8 converter"),
+                                                 ("qwen3_moe_30b_a3b_fp8", "moe_experts converter")])
+def test_print_fp8_plan_shows_the_expert_table(config, first_table, capsys):
+    from config_registry import DEFAULT_REGISTRY
+    from torchtitan_lite.actions import run_action
+    from torchtitan_lite.config import parse_cli
+
+    cli = parse_cli(["--config", config, "--print-fp8-plan"], registry=DEFAULT_REGISTRY)
+    assert run_action(cli, registry=DEFAULT_REGISTRY) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(first_table)
+    layers = 4 if "debug" in config else 48
+    assert f"Expert plan: {3 * layers} of {3 * layers} expert grouped GEMMs run in low precision" in out
+    assert f"{layers} router Linear(s) stay in float32" in out
+    assert f"layers.{layers - 1}.moe.experts.w2" in out
