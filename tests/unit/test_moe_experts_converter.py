@@ -210,3 +210,30 @@ def test_print_fp8_plan_shows_the_expert_table(config, first_table, capsys):
     assert f"Expert plan: {3 * layers} of {3 * layers} expert grouped GEMMs run in low precision" in out
     assert f"{layers} router Linear(s) stay in float32" in out
     assert f"layers.{layers - 1}.moe.experts.w2" in out
+
+
+def test_compiled_converted_experts_match_eager_bit_for_bit():
+    model = _model()
+    _experts("mxfp8").convert(model)
+    experts = model.layers["0"].moe.experts
+    x = torch.randn(40, 128, dtype=torch.bfloat16)
+    counts = torch.tensor([0, 9, 3, 7, 1, 16, 4, 0])
+    eager = experts(x, counts)
+    compiled = torch.compile(experts, backend="aot_eager")(x, counts)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_high_precision_validation_runs_the_experts_in_bf16_and_restores_them():
+    from torchtitan_lite.components.quantization.low_precision_linears import high_precision_linears
+
+    model = _model()
+    experts = model.layers["0"].moe.experts
+    x = torch.randn(40, 128, dtype=torch.bfloat16)
+    counts = torch.tensor([0, 9, 3, 7, 1, 16, 4, 0])
+    bf16 = experts(x, counts)
+    _experts().convert(model)
+    quantized = experts(x, counts)
+    with high_precision_linears([model]) as switched:
+        assert switched == 2
+        torch.testing.assert_close(experts(x, counts), bf16, rtol=0, atol=0)
+    torch.testing.assert_close(experts(x, counts), quantized, rtol=0, atol=0)
