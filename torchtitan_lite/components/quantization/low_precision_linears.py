@@ -56,8 +56,9 @@ def high_precision_linears(model_parts: Iterable[nn.Module]) -> Iterator[int]:
     switched += [module for part in parts for module in part.modules() if isinstance(module, BlockwiseFP8Linear)]
     # Routed experts (moe_experts converter): their quantized grouped GEMM is an instance attribute shadowing
     # the class's high-precision one; taking it away for the block runs the experts in the compute dtype.
-    experts = [(module, vars(module).pop("grouped_mm")) for part in parts for module in part.modules()
-               if isinstance(vars(module).get("grouped_mm"), QuantizedGroupedMM)]
+    experts = [(experts_module, vars(experts_module).pop("grouped_mm")) for part in parts
+               for experts_module in part.modules()
+               if isinstance(vars(experts_module).get("grouped_mm"), QuantizedGroupedMM)]
     for module in switched:
         # An instance attribute shadows the class's forward; deleting it restores the FP8 / MX one.
         module.forward = types.MethodType(nn.Linear.forward, module)  # type: ignore[method-assign]
@@ -66,5 +67,5 @@ def high_precision_linears(model_parts: Iterable[nn.Module]) -> Iterator[int]:
     finally:
         for module in switched:
             del module.forward
-        for module, grouped_mm in experts:
-            vars(module)["grouped_mm"] = grouped_mm
+        for experts_module, grouped_mm in experts:
+            vars(experts_module)["grouped_mm"] = grouped_mm
