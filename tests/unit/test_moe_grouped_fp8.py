@@ -111,8 +111,8 @@ def test_emulated_gemms_equal_a_float64_reference_of_the_same_tiles(recipe):
 
 
 def _sqnr_db(value: torch.Tensor, reference: torch.Tensor) -> float:
-    reference = reference.double()
-    return float(10 * torch.log10(reference.square().sum() / (value.double() - reference).square().sum()))
+    reference = reference.detach().double()
+    return float(10 * torch.log10(reference.square().sum() / (value.detach().double() - reference).square().sum()))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
