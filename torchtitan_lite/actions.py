@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_lite.components.quantization import linear_quantizer
+from torchtitan_lite.components.quantization import expert_quantizer, linear_quantizer, low_precision_plan
 from torchtitan_lite.config import CliResult, ConfigError, list_configs_text, main_help_text
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
@@ -84,14 +84,15 @@ def _print_config(cli: CliResult, registry: ConfigRegistry) -> str:
 def _print_fp8_plan(cli: CliResult, registry: ConfigRegistry) -> str:
     """Build the model on meta and explain which Linear gets which FP8 recipe (float8 or MX), and why."""
     run = launch_run(cli.config, nnodes=cli.nnodes)
-    quantizer = linear_quantizer(run.converters.converters)
-    if quantizer is None:
+    converters = run.converters.converters
+    if linear_quantizer(converters) is None and expert_quantizer(converters) is None:
         return (f"config '{cli.config_name}' has no FP8 converter: every Linear runs in "
-                f"{cli.config.precision.param_dtype}. Add one with --model_converters.converters float8 (or mx)")
+                f"{cli.config.precision.param_dtype}. Add one with --model_converters.converters float8 (or mx; "
+                f"moe_experts for the routed experts of an MoE model)")
     with torch.device("meta"):
         model = run.model_spec.model_cls(run.model_args)
-    text = quantizer.explain(model, seq_len=run.training.seq_len,
-                             total_flops_per_token=model.flops_per_token(run.training.seq_len))
+    text = low_precision_plan(converters, model, seq_len=run.training.seq_len,
+                              total_flops_per_token=model.flops_per_token(run.training.seq_len)) or ""
     if not run.parallel_dims.tp_enabled:
         return text
     # What TP moves depends on which Linears were converted: convert a meta copy and read the regions.

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_lite.components.quantization import linear_quantizer
+from torchtitan_lite.components.quantization import low_precision_plan
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_run_memory
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES
@@ -100,10 +100,9 @@ def _shard_bytes(model: nn.Module, run: ResolvedRun) -> dict[str, int]:
 
 def _float8_text(run: ResolvedRun, model: nn.Module) -> str:
     """The FP8 plan of the converted model and, under TP, what each communication region moves."""
-    quantizer = linear_quantizer(run.converters.converters)
-    if quantizer is None:
+    text = low_precision_plan(run.converters.converters, model, seq_len=run.training.seq_len)
+    if text is None:
         return "no FP8 converter: every Linear runs in the precision above"
-    text = quantizer.explain(model, seq_len=run.training.seq_len)
     if run.parallel_dims.tp_enabled:
         text += "\n" + tp_communication_text(run.model_spec.parallel_plan, model, tp=run.parallel_dims.tp,
                                               high_precision=run.precision.param_dtype)

@@ -14,6 +14,8 @@ SwiGLU on a slice of the hidden channels, and the output is this rank's partial 
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +30,9 @@ multiples of 16 / element size (8 in bf16, 4 in float32)."""
 
 class GroupedExperts(nn.Module):
     """x [N, dim] sorted by expert with ``counts`` [E] tokens per expert -> [N, dim] (same order)."""
+
+    grouped_gemm_weights: ClassVar[tuple[str, ...]] = ("w1", "w3", "w2")
+    """The 3-D weights, one grouped GEMM each (torchtitan_lite.protocols.grouped_experts)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, use_grouped_mm: bool = True) -> None:
         super().__init__()

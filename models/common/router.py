@@ -11,7 +11,7 @@ bf16 rounding of near-tied logits would flip experts from one step to the next.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,10 @@ class Routing:
 class TokenChoiceRouter(nn.Module):
     """x [T, dim] -> Routing. ``expert_bias`` (aux-loss-free balancing) shifts which experts are chosen,
     never the weights they are combined with (DeepSeek-V3)."""
+
+    high_precision_reason: ClassVar[str] = (
+        "router gate: float32 in every recipe (an FP8 rounding of near-tied logits flips the top-k expert choice)")
+    """Read by the FP8 plans (torchtitan_lite.protocols.grouped_experts.high_precision_reason)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, *, score_func: ScoreFunc = "softmax",
                  norm_topk_prob: bool = True, route_scale: float = 1.0, num_groups: int = 1,

@@ -111,6 +111,12 @@ LONG_RUNNING = {
         "a template (<cfg>, <s>)",
     "python scripts/loss_compare.py --runs /tmp/ttl_seeds/<bf16> /tmp/ttl_seeds/<fp8> /tmp/ttl_seeds/<fp8_rowwise> "
     "/tmp/ttl_seeds/<mxfp8> --last 20": "a template (<bf16> ...)",
+    "OMP_NUM_THREADS=1 python train.py --config <cfg> --validation.enable false --job.dump_folder "
+    "/tmp/lpx_lc/par/<cfg> --metrics.log_freq 1 --metrics.enable_tensorboard true --metrics.save_tb_folder tb "
+    "--metrics.rank_0_only true --checkpoint.enable false": "a template (<cfg>)",
+    "python scripts/loss_compare.py --runs /tmp/lpx_lc/par/qwen3_moe_debug_bf16 /tmp/lpx_lc/par/qwen3_moe_debug_fp8 "
+    "/tmp/lpx_lc/par/qwen3_moe_debug_mxfp8 --last 20 --tolerance 0.05 --out /tmp/lpx_lc/moe_loss.png":
+        "needs the three finished 200-step runs",
 }
 
 

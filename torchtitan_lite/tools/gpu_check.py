@@ -10,7 +10,8 @@ among those; results of other stages already in the same ``--out`` folder are ke
 ``--stages ab`` then ``--stages cd`` into one folder gives the same report as one run:
 
 a. ``pytest -m gpu tests/gpu``: the tests that exist only for CUDA (real ``_scaled_mm`` vs emulation,
-   compiled FP8, FSDP2 float8 all-gather, TP float8 styles, DCP, FP16 scaler, memory estimate).
+   compiled FP8, FSDP2 float8 all-gather, TP float8 styles, DCP, FP16 scaler, memory estimate, MoE grouped
+   experts: bf16 against the per-expert loop, torchao's FP8 rowwise / MXFP8 grouped GEMMs against emulation).
 b. ``scripts/float8_layer_bench.py --shapes llama3_8b``: each Linear of an 8B block, BF16 vs each FP8
    recipe, compiled.
 c. ``scripts/benchmark.py``: an 8B-width model cut to 4 layers at seq 8192, BF16, FP8 tensorwise and

@@ -9,11 +9,12 @@ from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
 from torchtitan_lite.components.quantization.float8_blockwise import Float8BlockwiseConverter
 from torchtitan_lite.components.quantization.float8_plan import format_plan_summary
 from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer
+from torchtitan_lite.components.quantization.moe_experts import GroupedExpertsConverter
 from torchtitan_lite.components.quantization.mx import MXLinearConverter
 from torchtitan_lite.protocols.model_converter import ModelConverter
 
-__all__ = ["Float8BlockwiseConverter", "Float8LinearConverter", "LinearQuantizer", "MXLinearConverter", "fp8_plan_summary",
-           "linear_quantizer"]
+__all__ = ["Float8BlockwiseConverter", "Float8LinearConverter", "GroupedExpertsConverter", "LinearQuantizer",
+           "MXLinearConverter", "expert_quantizer", "fp8_plan_summary", "linear_quantizer", "low_precision_plan"]
 
 
 def linear_quantizer(converters: Sequence[ModelConverter]) -> LinearQuantizer | None:
@@ -23,14 +24,36 @@ def linear_quantizer(converters: Sequence[ModelConverter]) -> LinearQuantizer | 
     return found[0] if found else None
 
 
+def expert_quantizer(converters: Sequence[ModelConverter]) -> GroupedExpertsConverter | None:
+    """The run's converter that trains routed experts in low precision (moe_experts), or None."""
+    found = [c for c in converters if isinstance(c, GroupedExpertsConverter)]
+    return found[0] if found else None
+
+
+def low_precision_plan(converters: Sequence[ModelConverter], model: nn.Module, *, seq_len: int,
+                       total_flops_per_token: float | None = None) -> str | None:
+    """--print-fp8-plan's (and --dry-run's) tables: the Linears' plan, then the experts' plan; None without a
+    converter for either."""
+    quantizer, experts = linear_quantizer(converters), expert_quantizer(converters)
+    parts = []
+    if quantizer is not None:
+        parts.append(quantizer.explain(model, seq_len=seq_len, total_flops_per_token=total_flops_per_token))
+    if experts is not None:
+        parts.append(experts.explain(model))
+    return "\n\n".join(parts) if parts else None
+
+
 def fp8_plan_summary(converters: Sequence[ModelConverter], model: nn.Module) -> str | None:
-    """What the run's FP8 converter did to ``model`` (after ``convert``) in a few lines for the launch log, or
+    """What the run's FP8 converters did to ``model`` (after ``convert``) in a few lines for the launch log, or
     None without one. The full table is --print-fp8-plan's (and --dry-run's)."""
+    experts = expert_quantizer(converters)
+    expert_line = experts.summary() if experts is not None else None
     quantizer = linear_quantizer(converters)
     if quantizer is None or quantizer.plan is None:
-        return None
+        return expert_line
     seq_len = quantizer.context.seq_len
     flops_fn = getattr(model, "flops_per_token", None)
     total = flops_fn(seq_len) if callable(flops_fn) else None
-    return (f"{quantizer.kind} converter ({quantizer.plan_config.recipe_name}): "
+    text = (f"{quantizer.kind} converter ({quantizer.plan_config.recipe_name}): "
             + format_plan_summary(quantizer.plan, seq_len=seq_len, total_flops_per_token=total))
+    return text if expert_line is None else f"{text}\n{expert_line}"

@@ -7,6 +7,8 @@ the float8 and the MX converter use it; each supplies its own shape rule.
 A Linear stays in high precision when, checked in this order:
 
 1. its FQN contains a ``filter_fqns`` entry (substring match, e.g. 'output' for the LM head);
+1b. it sits in a module that the model keeps in high precision under every recipe (a class attribute
+   ``high_precision_reason``, e.g. the MoE router's gate: see torchtitan_lite.protocols.grouped_experts);
 2. it is the model's output projection and ``keep_output_hp`` is on (the default: the logits feed
    the softmax and the loss, where quantization error costs the most, and the layer is a small share
    of the FLOPs of a large model);
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch.nn as nn
+
+from torchtitan_lite.protocols.grouped_experts import high_precision_reason
 
 AUTO_FILTER_SMALL_KN = "auto_filter_small_kn"
 ALIGNMENT = 16
@@ -111,11 +115,14 @@ def float8_plan(model: nn.Module, converter_config: PlannedConverterConfig, *, o
     ``output_module`` is the FQN of the model's output projection (the family's ``ParallelPlan.output``).
     """
     edges = high_precision_edges(model, converter_config, output_module=output_module)
+    # Modules the model keeps in high precision under every recipe (the MoE router gate).
+    pinned = {fqn: reason for fqn, module in model.named_modules() if (reason := high_precision_reason(module))}
     rows = []
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        reason = (filter_reason(fqn, converter_config.filter_fqns) or _edge_reason(fqn, edges)
+        reason = (filter_reason(fqn, converter_config.filter_fqns) or _edge_reason(fqn, pinned)
+                  or _edge_reason(fqn, edges)
                   or converter_config.shape_skip_reason(module.in_features, module.out_features))
         recipe = None if reason else converter_config.recipe_name
         rows.append(PlanRow(fqn, module.in_features, module.out_features, recipe, reason))

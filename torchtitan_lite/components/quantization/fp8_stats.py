@@ -8,6 +8,10 @@ Every ``metrics.fp8_stats_freq`` steps, on that step's first micro-batch, for ev
 - the SQNR of its output against the same Linear computed without FP8 from the same operands, in the
   dtype the FP8 GEMM writes (the precision policy's): 10*log10(||ref||^2 / ||ref - fp8||^2).
 
+Routed experts converted by the moe_experts converter count as one layer per expert weight
+(``<experts fqn>.w1`` ...), measured from inside their grouped GEMM: the token-grouped operands, the weight
+with its per-expert scales, and the weight-gradient casts per token group (expert_stats.py).
+
 How it stays free on the other steps: nothing is installed between stats steps. On a stats step,
 hooks go onto the Linears for one forward + backward, and modules compiled with ``Module.compile`` run
 their eager forward for that micro-batch, so the compiled graphs never see a hook (no recompile, no
@@ -29,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +53,11 @@ from torchtitan_lite.components.quantization.cast_health import (
     operand_amax,
     row_chunks,
     rows_per_chunk,
+)
+from torchtitan_lite.components.quantization.expert_stats import (
+    converted_expert_gemms,
+    expert_casts,
+    measure_expert_cast,
 )
 from torchtitan_lite.components.quantization.low_precision_linears import is_mx_linear, low_precision_linears
 
@@ -80,10 +90,13 @@ class LayerHealth:
 
 
 class _Layer:
-    """A converted Linear and where its numbers accumulate during one stats micro-batch."""
+    """A converted Linear, or one expert weight's grouped GEMMs (``expert_weight``), and where its numbers
+    accumulate during one stats micro-batch."""
 
-    def __init__(self, index: int, fqn: str, module: nn.Linear, casts: list[Cast], offset: int) -> None:
+    def __init__(self, index: int, fqn: str, module: nn.Module, casts: list[Cast], offset: int,
+                 expert_weight: str | None = None) -> None:
         self.index, self.fqn, self.module, self.casts = index, fqn, module, casts
+        self.expert_weight = expert_weight
         self.slots = {cast.name: offset + 3 * i for i, cast in enumerate(casts)}
         self.energy_slot = offset + 3 * len(casts)  # signal, noise
         self.width = 3 * len(casts) + 2
@@ -114,6 +127,11 @@ class Fp8StatsCollector:
                 layer = _Layer(len(self.layers), _clean_fqn(fqn), module, casts, offset)
                 self.layers.append(layer)
                 offset += layer.width
+            for fqn, experts, name, mm in converted_expert_gemms(part):
+                layer = _Layer(len(self.layers), _clean_fqn(f"{fqn}.{name}"), experts, expert_casts(mm.recipe), offset,
+                               expert_weight=name)
+                self.layers.append(layer)
+                offset += layer.width
         if not self.layers:
             raise ValueError("metrics.fp8_stats_freq > 0 but the model has no FP8 / MX Linear to measure (every "
                              "Linear was filtered or no converter is configured); set metrics.fp8_stats_freq=0 "
@@ -132,23 +150,65 @@ class Fp8StatsCollector:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """Wrap the forward and backward of one micro-batch: every FP8 / MX Linear's casts are measured."""
+        """Wrap the forward and backward of one micro-batch: every FP8 / MX Linear's and expert GEMM's casts are
+        measured."""
+        linears = [layer for layer in self.layers if layer.expert_weight is None]
         for layer in self.layers:
             layer.forward_seen = layer.grad_seen = layer.sqnr_measured = False
             layer.measured = set()
+        for layer in linears:
             # Outside the forward FSDP holds the sharded parameter: with float8 all-gather this is the only
             # place the high-precision weight exists.
-            layer.sharded_weight = layer.module.weight
-        handles = [layer.module.register_forward_hook(self._forward_hook(layer), prepend=True)
-                   for layer in self.layers]
+            layer.sharded_weight = typing.cast(torch.Tensor, layer.module.weight)
+        handles = [layer.module.register_forward_hook(self._forward_hook(layer), prepend=True) for layer in linears]
+        observed = self._observe_experts()
         with _eager(self.model_parts):
             try:
                 yield
             finally:
                 for handle in handles:
                     handle.remove()
-                for layer in self.layers:
+                for observers, observer in observed:
+                    observers.remove(observer)
+                for layer in linears:
                     layer.sharded_weight = None
+
+    def _observe_experts(self) -> list[tuple[list[Any], Any]]:
+        """Attach an observer to every converted experts module's grouped GEMM; (its observer list, observer)."""
+        by_module: dict[int, dict[str, _Layer]] = {}
+        for layer in self.layers:
+            if layer.expert_weight is not None:
+                by_module.setdefault(id(layer.module), {})[layer.expert_weight] = layer
+        observed = []
+        for layers in by_module.values():
+            module = next(iter(layers.values())).module
+            observers = module.__dict__["grouped_mm"].observer
+            observer = self._expert_observer(module, layers)
+            observers.append(observer)
+            observed.append((observers, observer))
+        return observed
+
+    def _expert_observer(self, module: nn.Module, layers: dict[str, _Layer]) -> Callable[..., None]:
+        def observe(weight: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor,
+                    output: torch.Tensor) -> None:
+            # Which weight this GEMM multiplies by: the one sharing its storage (FSDP's unsharded parameter
+            # during the forward, or the parameter itself).
+            storage = weight.untyped_storage().data_ptr()
+            layer = next((layers[name] for name in layers
+                          if getattr(module, name).untyped_storage().data_ptr() == storage), None)
+            if layer is None or layer.forward_seen:
+                return  # not identifiable, or activation checkpointing's recomputation
+            layer.forward_seen = True
+            with _plain_math(output):
+                self._measure_operand(layer, "weight", _whole(w_t), offsets)
+                self._measure_operand(layer, "input", _whole(x), offsets)
+                reference = torch._grouped_mm(x, w_t, offs=offsets).double()
+                energies = torch.stack([reference.square().sum(), (reference - output.double()).square().sum()])
+                self._sums[layer.energy_slot:layer.energy_slot + 2] += energies
+                layer.sqnr_measured = True
+            if output.requires_grad:
+                output.register_hook(self._grad_hook(layer, offsets))
+        return observe
 
     def _forward_hook(self, layer: _Layer) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -161,19 +221,19 @@ class Fp8StatsCollector:
                 output.register_hook(self._grad_hook(layer))
         return hook
 
-    def _grad_hook(self, layer: _Layer) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(self, layer: _Layer, offsets: torch.Tensor | None = None) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if layer.grad_seen:
                 return
             layer.grad_seen = True
             with _plain_math(grad):
-                self._measure_operand(layer, "grad_output", grad)
+                self._measure_operand(layer, "grad_output", grad, offsets)
         return hook
 
     def _measure_forward(self, layer: _Layer, x: torch.Tensor, output: torch.Tensor) -> None:
         from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
 
-        module = layer.module
+        module = typing.cast(nn.Linear, layer.module)
         with _plain_math(output):
             weight: torch.Tensor = module.weight
             if tensor_already_casted_to_fp8(weight) and layer.sharded_weight is not None:
@@ -192,7 +252,9 @@ class Fp8StatsCollector:
             self._sums[layer.energy_slot:layer.energy_slot + 2] += energies
             layer.sqnr_measured = True
 
-    def _measure_operand(self, layer: _Layer, operand: str, x: torch.Tensor) -> None:
+    def _measure_operand(self, layer: _Layer, operand: str, x: torch.Tensor,
+                         offsets: torch.Tensor | None = None) -> None:
+        """``offsets``: the token groups of an expert GEMM's operands (None for a Linear)."""
         from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
 
         if tensor_already_casted_to_fp8(x):
@@ -204,7 +266,8 @@ class Fp8StatsCollector:
         for cast in layer.casts:
             if cast.operand == operand:
                 slot = layer.slots[cast.name]
-                self._sums[slot:slot + 3] += measure_cast(cast, x2d)
+                self._sums[slot:slot + 3] += (measure_cast(cast, x2d) if offsets is None
+                                              else measure_expert_cast(cast, x, offsets))
         layer.measured.add(operand)
 
     # ----------------------------------------------------------------------------------------------

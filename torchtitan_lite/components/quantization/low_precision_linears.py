@@ -43,18 +43,29 @@ def is_mx_linear(module: nn.Module) -> bool:
 @contextlib.contextmanager
 def high_precision_linears(model_parts: Iterable[nn.Module]) -> Iterator[int]:
     """Inside, every FP8 / MX Linear computes ``nn.Linear.forward`` (F.linear on its own weight, so autocast
-    or FSDP's parameter casts decide the dtype); yields how many were switched. Restored on exit."""
+    or FSDP's parameter casts decide the dtype) and every converted experts module its high-precision grouped
+    GEMM; yields how many modules were switched. Restored on exit."""
     from torchtitan_lite.components.quantization.blockwise_linear import BlockwiseFP8Linear
 
     # Blockwise Linears are switched too (they are not in low_precision_linears: FP8 statistics do not measure
     # them yet).
-    switched = [module for part in model_parts for _, module in low_precision_linears(part)]
-    switched += [module for part in model_parts for module in part.modules() if isinstance(module, BlockwiseFP8Linear)]
+    from torchtitan_lite.components.quantization.grouped_gemm import QuantizedGroupedMM
+
+    parts = list(model_parts)
+    switched = [module for part in parts for _, module in low_precision_linears(part)]
+    switched += [module for part in parts for module in part.modules() if isinstance(module, BlockwiseFP8Linear)]
+    # Routed experts (moe_experts converter): their quantized grouped GEMM is an instance attribute shadowing
+    # the class's high-precision one; taking it away for the block runs the experts in the compute dtype.
+    experts = [(experts_module, vars(experts_module).pop("grouped_mm")) for part in parts
+               for experts_module in part.modules()
+               if isinstance(vars(experts_module).get("grouped_mm"), QuantizedGroupedMM)]
     for module in switched:
         # An instance attribute shadows the class's forward; deleting it restores the FP8 / MX one.
         module.forward = types.MethodType(nn.Linear.forward, module)  # type: ignore[method-assign]
     try:
-        yield len(switched)
+        yield len(switched) + len(experts)
     finally:
         for module in switched:
             del module.forward
+        for experts_module, grouped_mm in experts:
+            vars(experts_module)["grouped_mm"] = grouped_mm

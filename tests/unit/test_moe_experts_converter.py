@@ -1,0 +1,239 @@
+"""The moe_experts converter: which expert GEMMs it converts (and that it really does), the plan with the router,
+its kernel choice, its composition with the dense float8 / mx converters, and the FP8 statistics of the experts."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from _conversion import context
+
+from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel
+from torchtitan_lite.components.quantization import Float8LinearConverter, GroupedExpertsConverter, MXLinearConverter
+from torchtitan_lite.components.quantization import moe_experts as moe_experts_module
+from torchtitan_lite.components.quantization.float8_plan import float8_plan
+from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
+from torchtitan_lite.components.quantization.grouped_gemm import QuantizedGroupedMM, quantized_grouped_mm
+from torchtitan_lite.components.quantization.moe_experts import decide_grouped_kernel
+from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
+
+EXPERT_GEMMS = [f"layers.{i}.moe.experts.{w}" for i in range(2) for w in ("w1", "w3", "w2")]
+ROUTERS = ["layers.0.moe.router.gate", "layers.1.moe.router.gate"]
+
+
+def _model(seed: int = 0, **overrides) -> Qwen3MoeModel:
+    args = dataclasses.replace(QWEN3_MOE_FLAVORS["debug"], n_layers=2, **overrides)
+    torch.manual_seed(seed)
+    model = Qwen3MoeModel(args)
+    model.init_weights()
+    return model
+
+
+def _experts(recipe: str = "rowwise", **kw) -> GroupedExpertsConverter:
+    return GroupedExpertsConverter.Config(recipe_name=recipe, **kw).build(context=context())
+
+
+def _tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_converted_experts_compute_the_quantized_gemms_not_the_bf16_ones(recipe):
+    model = _model()
+    experts = model.layers["0"].moe.experts
+    x = torch.randn(40, 128, dtype=torch.bfloat16)
+    counts = torch.tensor([0, 9, 3, 7, 1, 16, 4, 0])
+    before = experts(x, counts)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _experts(recipe).convert(model)
+    assert isinstance(experts.__dict__["grouped_mm"], QuantizedGroupedMM)
+    assert {k: v for k, v in model.state_dict().items()}.keys() == state.keys()  # checkpoints are unchanged
+    after = experts(x, counts)
+    # Negative control: a converter that left the experts in bf16 would give `before` exactly.
+    assert not torch.equal(after, before)
+    # ... and what it computes is the quantized recipe, GEMM by GEMM.
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+
+    def mm(a, w):
+        return quantized_grouped_mm(a, w.to(a.dtype).transpose(-2, -1), offsets, recipe=recipe, emulate=True)
+
+    h = torch.nn.functional.silu(mm(x, experts.w1)) * mm(x, experts.w3)
+    torch.testing.assert_close(after, mm(h, experts.w2), rtol=0, atol=0)
+
+
+def test_composes_with_the_dense_float8_converter_and_the_router_stays_float32():
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = _model()
+    reference = _model()
+    container = ModelConvertersContainer.Config(converters=[
+        Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["output"]),
+        GroupedExpertsConverter.Config(recipe_name="rowwise"),
+    ]).build(context=context())
+    container.convert(model)
+    modules = dict(model.named_modules())
+    assert all(isinstance(modules[f"layers.{i}.attention.{p}"], Float8Linear)
+               for i in range(2) for p in ("wq", "wk", "wv", "wo"))
+    assert all(type(modules[fqn]) is nn.Linear for fqn in ROUTERS)
+    assert all(isinstance(modules[f"layers.{i}.moe.experts"].__dict__.get("grouped_mm"), QuantizedGroupedMM)
+               for i in range(2))
+    tokens = _tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tokens).float().square().mean()
+        ref_loss = reference(tokens).float().square().mean()
+    loss.backward()
+    assert torch.isfinite(loss) and loss != ref_loss
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+def test_two_expert_converters_are_refused():
+    with pytest.raises(ValueError, match=r"\[0\] \(moe_experts\) and \[1\] \(moe_experts\) both convert grouped experts"):
+        ModelConvertersContainer.Config(converters=[GroupedExpertsConverter.Config(),
+                                                    GroupedExpertsConverter.Config(recipe_name="mxfp8")])
+
+
+def test_plan_lists_every_expert_gemm_and_the_router_with_its_reason():
+    model = _model()
+    text = _experts().explain(model)
+    assert "12" not in text.splitlines()[1]  # 2 layers: 6 expert GEMMs
+    assert "Expert plan: 6 of 6 expert grouped GEMMs run in low precision" in text
+    lines = {line.split()[0]: line for line in text.splitlines()[3:]}
+    assert list(lines) == EXPERT_GEMMS + ROUTERS
+    assert all(lines[fqn].split()[1:5] == ["8", "128", "128", "rowwise"] for fqn in EXPERT_GEMMS)
+    assert all("router gate: float32 in every recipe" in lines[fqn] for fqn in ROUTERS)
+    assert "token groups padded to 16 rows" in text and "grouped GEMMs emulated: cpu" in text
+
+
+def test_filter_and_shape_rules_keep_experts_in_high_precision():
+    model = _model()
+    rows = {r.fqn: r for r in _experts(filter_fqns=["layers.1.moe.experts"]).plan_rows(model)}
+    assert rows["layers.1.moe.experts.w2"].reason == "filter_fqns entry 'layers.1.moe.experts'"
+    assert rows["layers.0.moe.experts.w2"].recipe == "rowwise"
+    with pytest.raises(ValueError, match="runs all its grouped GEMMs in one recipe"):
+        _experts(filter_fqns=["experts.w2"]).convert(model)
+    narrow = _model(moe=dataclasses.replace(QWEN3_MOE_FLAVORS["debug"].moe, hidden_dim=48))
+    rows = {r.fqn: r for r in _experts("mxfp8").plan_rows(narrow)}
+    assert rows["layers.0.moe.experts.w1"].reason == "dims not divisible by 32 (mxfp8 grouped GEMM alignment)"
+    assert rows["layers.0.moe.experts.w1"].recipe is None
+
+
+def test_the_dense_float8_plan_keeps_the_router_gate_in_float32():
+    # At 30B width (dim 2048, 128 experts) the gate would pass every shape rule: only the router's own
+    # declaration keeps it out of FP8.
+    with torch.device("meta"):
+        model = Qwen3MoeModel(dataclasses.replace(QWEN3_MOE_FLAVORS["30B-A3B"], n_layers=1))
+    rows = {r.fqn: r for r in float8_plan(model, Float8LinearConverter.Config(recipe_name="rowwise"),
+                                          output_module="output")}
+    assert rows["layers.0.moe.router.gate"].recipe is None
+    assert rows["layers.0.moe.router.gate"].reason.startswith("router gate: float32 in every recipe")
+    assert rows["layers.0.attention.wq"].recipe == "rowwise"
+
+
+@pytest.mark.parametrize("recipe, kernel, device_type, capability, built, emulate, why", [
+    ("rowwise", "auto", "cpu", None, True, True, "cpu has no rowwise grouped GEMM kernels"),
+    ("rowwise", "auto", "cuda", (9, 0), True, False, "torchao rowwise grouped GEMM kernels on GPU (compute capability 9.0)"),
+    ("rowwise", "auto", "cuda", (8, 9), True, True, "lacks them (they need compute capability 9.0+ (Hopper))"),
+    ("rowwise", "auto", "cuda", (9, 0), False, True, "this torchao build lacks the rowwise grouped GEMM kernels"),
+    ("mxfp8", "auto", "cuda", (9, 0), True, True, "they need compute capability 10.0+ (Blackwell)"),
+    ("mxfp8", "native", "cuda", (10, 0), True, False, "torchao mxfp8 grouped GEMM kernels"),
+    ("mxfp8", "auto", "cuda", None, True, None, "decided on the GPU at launch"),
+    ("mxfp8", "emulated", "cuda", (10, 0), True, True, "as kernel='emulated' asks"),
+])
+def test_kernel_decision(recipe, kernel, device_type, capability, built, emulate, why):
+    decision = decide_grouped_kernel(recipe, kernel, device_type, capability, "GPU", built)
+    assert decision.emulate is emulate and why in decision.why
+
+
+@pytest.mark.parametrize("recipe, device_type, capability, message", [
+    ("rowwise", "cpu", None, "needs an NVIDIA GPU with compute capability 9.0+ (Hopper), and this run computes on cpu"),
+    ("mxfp8", "cuda", (9, 0), "GPU (compute capability 9.0) lacks them (they need compute capability 10.0+"),
+])
+def test_native_without_the_kernels_is_an_error(recipe, device_type, capability, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        decide_grouped_kernel(recipe, "native", device_type, capability, "GPU")
+
+
+def test_choice_is_logged_once_and_precision_rules(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(moe_experts_module, "native_kernels_built", lambda recipe: True)
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        converter = GroupedExpertsConverter.Config().build(context=context(device_type="cuda"))
+    assert converter.kernel.emulate is False
+    assert caplog.text.count("torchao rowwise grouped GEMM kernels on NVIDIA H100 80GB HBM3") == 1
+    with pytest.raises(ValueError, match="write bfloat16 only, which precision.param_dtype=float32 cannot take"):
+        GroupedExpertsConverter.Config().build(context=context("float32", device_type="cuda"))
+    with pytest.raises(ValueError, match="precision.param_dtype=float16"):
+        GroupedExpertsConverter.Config().build(context=context("float16"))
+    with pytest.raises(ValueError, match=r"recipe_name='blockwise' is not one of: rowwise, mxfp8"):
+        GroupedExpertsConverter.Config(recipe_name="blockwise")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_fp8_stats_measure_every_expert_gemm(recipe):
+    model = _model()
+    dense = MXLinearConverter.Config() if recipe == "mxfp8" else Float8LinearConverter.Config(recipe_name="rowwise")
+    ModelConvertersContainer.Config(converters=[dense, GroupedExpertsConverter.Config(recipe_name=recipe)]).build(
+        context=context()).convert(model)
+    collector = Fp8StatsCollector([model], freq=1)
+    with collector.capture(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(_tokens()).float().square().mean().backward()
+    health = {h.fqn: h for h in collector.collect()}
+    for fqn in EXPERT_GEMMS:
+        h = health[fqn]
+        assert set(h.amax) == {"input", "weight", "grad_output"}
+        assert set(h.underflow) == {"input", "weight", "grad_output", "weight_gi", "input_gw", "grad_output_gw"}
+        # Measured, not defaulted: the weight's amax is the parameter's.
+        weight = dict(model.named_parameters())[fqn]
+        assert h.amax["weight"] == pytest.approx(float(weight.bfloat16().abs().max()), rel=0)
+        assert 20.0 < h.output_sqnr_db < 40.0  # an e4m3 GEMM of bf16 operands (see test_moe_grouped_fp8)
+    assert "layers.0.attention.wq" in health and not any("router" in fqn for fqn in health)
+    # Nothing is left installed after the stats micro-batch.
+    assert all(not model.layers[str(i)].moe.experts.__dict__["grouped_mm"].observer for i in range(2))
+
+
+@pytest.mark.parametrize("config, first_table", [("qwen3_moe_debug_fp8", "float8 converter"),
+                                                 ("qwen3_moe_30b_a3b_fp8", "moe_experts converter")])
+def test_print_fp8_plan_shows_the_expert_table(config, first_table, capsys):
+    from config_registry import DEFAULT_REGISTRY
+    from torchtitan_lite.actions import run_action
+    from torchtitan_lite.config import parse_cli
+
+    cli = parse_cli(["--config", config, "--print-fp8-plan"], registry=DEFAULT_REGISTRY)
+    assert run_action(cli, registry=DEFAULT_REGISTRY) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(first_table)
+    layers = 4 if "debug" in config else 48
+    assert f"Expert plan: {3 * layers} of {3 * layers} expert grouped GEMMs run in low precision" in out
+    assert f"{layers} router Linear(s) stay in float32" in out
+    assert f"layers.{layers - 1}.moe.experts.w2" in out
+
+
+def test_compiled_converted_experts_match_eager_bit_for_bit():
+    model = _model()
+    _experts("mxfp8").convert(model)
+    experts = model.layers["0"].moe.experts
+    x = torch.randn(40, 128, dtype=torch.bfloat16)
+    counts = torch.tensor([0, 9, 3, 7, 1, 16, 4, 0])
+    eager = experts(x, counts)
+    compiled = torch.compile(experts, backend="aot_eager")(x, counts)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_high_precision_validation_runs_the_experts_in_bf16_and_restores_them():
+    from torchtitan_lite.components.quantization.low_precision_linears import high_precision_linears
+
+    model = _model()
+    experts = model.layers["0"].moe.experts
+    x = torch.randn(40, 128, dtype=torch.bfloat16)
+    counts = torch.tensor([0, 9, 3, 7, 1, 16, 4, 0])
+    bf16 = experts(x, counts)
+    _experts().convert(model)
+    quantized = experts(x, counts)
+    with high_precision_linears([model]) as switched:
+        assert switched == 2
+        torch.testing.assert_close(experts(x, counts), bf16, rtol=0, atol=0)
+    torch.testing.assert_close(experts(x, counts), quantized, rtol=0, atol=0)

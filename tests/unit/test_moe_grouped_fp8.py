@@ -1,0 +1,182 @@
+"""FP8 rowwise / MXFP8 grouped expert GEMMs (grouped_gemm.py): the emulated tiles against an independent float64
+reference, the bf16 GEMM, torchao's own MXFP8 emulation, and the token-group padding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtitan_lite.components.quantization.grouped_gemm import (
+    GROUP_ALIGNMENT,
+    pad_groups,
+    pad_rows,
+    quantized_grouped_mm,
+    unpad_rows,
+)
+
+E4M3 = torch.float8_e4m3fn
+RECIPES = ["rowwise", "mxfp8"]
+# An empty expert, odd sizes, one group longer than both alignments and one that is a multiple of 32.
+COUNTS = [5, 0, 37, 32, 1]
+K, N = 64, 96
+
+
+def _operands(dtype=torch.float32, seed=0):
+    """x [M, K], w_t [E, K, N] and an output gradient [M, N], with columns spread over 2^±4 so that per-row,
+    per-column and per-block scales all differ."""
+    g = torch.Generator().manual_seed(seed)
+    m, e = sum(COUNTS), len(COUNTS)
+
+    def spread(*shape):
+        return torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-4, 5, shape[-1:], generator=g).float())
+
+    x = spread(m, K).to(dtype)
+    w_t = spread(e, N, K).transpose(-2, -1).to(dtype)  # [E, K, N] column-major, as GroupedExperts passes it
+    grad = spread(m, N).to(dtype)
+    offsets = torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32)
+    return x, w_t, grad, offsets
+
+
+def _rowwise(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """torchao's axiswise cast (tensor_to_scale, power-of-2 scales), dequantized in float64."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    scale = tensor_to_scale(t, E4M3, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=dim,
+                            round_scales_to_power_of_2=True)
+    return to_fp8_saturated(t.float() * scale, E4M3).double() / scale.double()
+
+
+def _mx(t: torch.Tensor) -> torch.Tensor:
+    """MXFP8 blocks of 32 along the last dim (torchao to_mx, RCEIL), dequantized in float64."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
+
+    scale, data = to_mx(t.contiguous(), E4M3, 32, ScaleCalculationMode.RCEIL)
+    return (data.double().reshape(*t.shape[:-1], -1, 32) * get_fp_scale(scale).double().unsqueeze(-1)).reshape(t.shape)
+
+
+def _tiles(recipe: str, x_e, w_e, g_e):
+    """The quantized operands of one expert's three GEMMs, built group by group:
+    (forward A, forward B [K, N], dgrad A, dgrad B [N, K], wgrad A [K, tokens], wgrad B [tokens, N])."""
+    if recipe == "rowwise":
+        return (_rowwise(x_e, -1), _rowwise(w_e, 0), _rowwise(g_e, -1), _rowwise(w_e, -1).t(),
+                _rowwise(x_e, 0).t(), _rowwise(g_e, 0))
+    pad = -x_e.shape[0] % 32  # the weight-gradient blocks of 32 tokens lie inside this expert's group
+    x_p = torch.cat([x_e, x_e.new_zeros(pad, K)])
+    g_p = torch.cat([g_e, g_e.new_zeros(pad, N)])
+    return (_mx(x_e), _mx(w_e.t()).t(), _mx(g_e), _mx(w_e).t(), _mx(x_p.t()), _mx(g_p.t()).t())
+
+
+def _reference(recipe: str, x, w_t, grad, offsets):
+    """float64 (out, grad_x, grad_w_t) of the quantized tiles and, for each, sum |a||b| of its dot products."""
+    outs = [torch.zeros(x.shape[0], N, dtype=torch.float64), torch.zeros(x.shape[0], K, dtype=torch.float64),
+            torch.zeros(w_t.shape, dtype=torch.float64)]
+    mags = [torch.zeros_like(t) for t in outs]
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        rows = slice(start, end)
+        if end > start:
+            fa, fb, da, db, wa, wb = _tiles(recipe, x[rows], w_t[e], grad[rows])
+            for i, (a, b) in enumerate([(fa, fb), (da, db), (wa, wb)]):
+                target = outs[i][e] if i == 2 else outs[i][rows]
+                target.copy_(a @ b)
+                (mags[i][e] if i == 2 else mags[i][rows]).copy_(a.abs() @ b.abs())
+        start = end
+    return outs, mags
+
+
+def _emulated(recipe, x, w_t, grad, offsets):
+    x, w_t = x.clone().requires_grad_(), w_t.detach().clone().requires_grad_()
+    out = quantized_grouped_mm(x, w_t, offsets, recipe=recipe, emulate=True)
+    grad_x, grad_w = torch.autograd.grad(out, (x, w_t), grad)
+    return [out, grad_x, grad_w]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_emulated_gemms_equal_a_float64_reference_of_the_same_tiles(recipe):
+    x, w_t, grad, offsets = _operands()
+    got = _emulated(recipe, x, w_t, grad, offsets)
+    expected, magnitudes = _reference(recipe, x, w_t, grad, offsets)
+    plain = [torch._grouped_mm(x, w_t, offs=offsets)]
+    for name, value, ref, mag, length in zip(("output", "input gradient", "weight gradient"), got, expected,
+                                             magnitudes, (K, N, max(COUNTS))):
+        # The tiles are the same, so only float32 accumulation differs: |error| <= length * u * sum |a||b| with
+        # u = 2^-24 for any summation order; 2^-23 doubles the margin.
+        bound = length * 2.0 ** -23 * mag
+        assert ((value.double() - ref).abs() <= bound).all(), name
+    # Not vacuous: quantization moved the output far beyond that bound.
+    assert ((got[0].double() - plain[0]).abs() > K * 2.0 ** -23 * magnitudes[0]).float().mean() > 0.5
+    # The empty expert's weight gradient is exactly zero.
+    assert torch.count_nonzero(got[2][1]) == 0
+
+
+def _sqnr_db(value: torch.Tensor, reference: torch.Tensor) -> float:
+    reference = reference.detach().double()
+    return float(10 * torch.log10(reference.square().sum() / (value.detach().double() - reference).square().sum()))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_bf16_emulation_tracks_the_bf16_grouped_gemm_above_an_sqnr_floor(recipe):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(COUNTS), K, generator=g).bfloat16()
+    w_t = torch.randn(len(COUNTS), N, K, generator=g).transpose(-2, -1).bfloat16()
+    grad = torch.randn(sum(COUNTS), N, generator=g).bfloat16()
+    offsets = torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32)
+    got = _emulated(recipe, x, w_t, grad, offsets)
+    x_ref, w_ref = x.clone().requires_grad_(), w_t.detach().clone().requires_grad_()
+    out = torch._grouped_mm(x_ref, w_ref, offs=offsets)
+    expected = [out, *torch.autograd.grad(out, (x_ref, w_ref), grad)]
+    assert [t.dtype for t in got] == [torch.bfloat16] * 3
+    # e4m3 keeps 3 mantissa bits (relative rounding error <= 2^-4, ~31 dB per element); dot products of Gaussian
+    # operands land at 28-29 dB (measured). 25 dB leaves margin and still fails for e5m2 (2 bits, ~25 dB per
+    # element before the GEMM) or a scale that is off by a power of 2 in the saturating direction.
+    for name, value, ref in zip(("output", "input gradient", "weight gradient"), got, expected):
+        assert 25.0 < _sqnr_db(value, ref) < 40.0, name
+
+
+def test_mxfp8_emulation_equals_torchaos_own_emulated_mxfp8_grouped_gemm():
+    from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    g = torch.Generator().manual_seed(2)
+    counts = [32, 0, 64, 32]  # already aligned: torchao's emulation takes the groups as they are
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    x = torch.randn(sum(counts), K, generator=g).bfloat16()
+    w_t = torch.randn(len(counts), N, K, generator=g).transpose(-2, -1).bfloat16()
+    grad = torch.randn(sum(counts), N, generator=g).bfloat16()
+    results = []
+    for fn in (lambda a, b: quantized_grouped_mm(a, b, offsets, recipe="mxfp8", emulate=True),
+               lambda a, b: _to_mxfp8_then_scaled_grouped_mm(a, b, offsets, out_dtype=torch.bfloat16,
+                                                             kernel_preference=KernelPreference.EMULATED)):
+        a, b = x.clone().requires_grad_(), w_t.detach().clone().requires_grad_()
+        out = fn(a, b)
+        results.append([out, *torch.autograd.grad(out, (a, b), grad)])
+    for ours, theirs in zip(*results):
+        # Same tiles, both dequantized exactly to bf16 and multiplied by the same bf16 grouped GEMM.
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("alignment", sorted(set(GROUP_ALIGNMENT.values())))
+def test_padding_puts_every_group_on_an_aligned_start_and_round_trips(alignment):
+    counts = [0, 3, alignment, alignment + 1, 0, 1]
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    layout = pad_groups(offsets, sum(counts), alignment)
+    padded_counts = [-(-c // alignment) * alignment for c in counts]
+    assert layout.offsets.tolist() == torch.cumsum(torch.tensor(padded_counts), 0).tolist()
+    assert layout.total_rows % alignment == 0 and layout.total_rows >= layout.offsets[-1]
+    x = torch.arange(1, sum(counts) + 1, dtype=torch.float32).unsqueeze(1).repeat(1, 4)
+    padded = pad_rows(x, layout)
+    starts = [0, *layout.offsets.tolist()[:-1]]
+    for c, start, rows in zip(counts, starts, torch.split(x, counts)):
+        torch.testing.assert_close(padded[start:start + c], rows, rtol=0, atol=0)
+    assert int(torch.count_nonzero(padded[:, 0])) == sum(counts)  # everything else is zero padding
+    torch.testing.assert_close(unpad_rows(padded, layout), x, rtol=0, atol=0)
+
+
+def test_every_token_in_the_last_group_or_none_at_all():
+    for counts in ([0, 0, 7], [0, 0, 0]):
+        offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+        x = torch.randn(sum(counts), K)
+        w_t = torch.randn(3, N, K).transpose(-2, -1)
+        out = quantized_grouped_mm(x, w_t, offsets, recipe="rowwise", emulate=True)
+        assert out.shape == (sum(counts), N) and torch.isfinite(out).all()

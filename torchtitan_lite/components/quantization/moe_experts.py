@@ -1,0 +1,268 @@
+"""FP8 rowwise / MXFP8 routed experts: the ``moe_experts`` converter swaps the grouped GEMM of every expert module.
+
+It converts what the float8 and mx converters cannot reach: the experts' 3-D weights, computed as grouped GEMMs
+(torchtitan_lite.protocols.grouped_experts). It swaps no Linear, so it composes with either of them, which
+then take the attention (and dense feed-forward) Linears. The router gate stays in float32 under all of them:
+the MoE router declares it (``high_precision_reason``) and every FP8 plan honours that.
+
+Recipes (numerics in grouped_gemm.py):
+
+- rowwise: e4m3 with power-of-2 scales per token and per expert output column (torchao's FP8 rowwise grouped
+  GEMM, Hopper sm_90+); token groups padded to 16 rows;
+- mxfp8: e4m3 in blocks of 32 along each GEMM's contraction dim with e8m0 scales (torchao's MXFP8 grouped GEMM,
+  Blackwell sm_100+); token groups padded to 32 rows.
+
+Kernels (``kernel``): ``auto`` runs torchao's kernels where the GPU and this torchao build have them and
+emulates everywhere else (CPU, older GPUs, a build without the kernels), logging why once; ``native`` makes
+their absence an error; ``emulated`` always emulates (same tiles and scales, GEMM in the compute dtype).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from torchtitan_lite.components.quantization.float8_plan import filter_reason
+from torchtitan_lite.components.quantization.grouped_gemm import (
+    GROUP_ALIGNMENT,
+    GROUPED_RECIPES,
+    QuantizedGroupedMM,
+)
+from torchtitan_lite.protocols.grouped_experts import grouped_gemm_experts, high_precision_reason
+from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
+
+logger = logging.getLogger(__name__)
+
+_FIELD = "model_converters.converters[moe_experts]"
+GROUPED_KERNELS = ("auto", "native", "emulated")
+MIN_CAPABILITY = {"rowwise": (9, 0), "mxfp8": (10, 0)}
+"""FP8 grouped GEMMs (torch._scaled_grouped_mm) need Hopper; MX block-scaled ones Blackwell."""
+_RECIPE_TEXT = {"rowwise": "FP8 rowwise (e4m3, power-of-2 scales per token and per expert column)",
+                "mxfp8": "MXFP8 (e4m3, 32-element blocks with e8m0 scales)"}
+
+
+@dataclass(frozen=True)
+class ExpertPlanRow:
+    """One expert weight's grouped GEMM (``experts`` > 0) or one high-precision Linear (a router gate)."""
+
+    fqn: str
+    experts: int
+    """Experts of a grouped GEMM; 0 for a Linear."""
+    in_features: int
+    out_features: int
+    recipe: str | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class GroupedKernelDecision:
+    emulate: bool | None
+    """True: emulated GEMMs; False: torchao's kernels; None: decided on the GPU at launch."""
+    why: str
+
+
+def decide_grouped_kernel(recipe: str, kernel: str, device_type: str, capability: tuple[int, int] | None,
+                          device_name: str = "the GPU", kernels_built: bool = True) -> GroupedKernelDecision:
+    """Emulate or not for ``recipe`` / ``kernel`` on this device; ValueError when ``kernel='native'`` cannot be
+    honoured. ``kernels_built``: this torchao / triton build has the recipe's kernels."""
+    if kernel == "emulated":
+        return GroupedKernelDecision(True, "grouped GEMMs emulated, as kernel='emulated' asks")
+    need = MIN_CAPABILITY[recipe]
+    need_text = f"compute capability {need[0]}.{need[1]}+ ({'Hopper' if recipe == 'rowwise' else 'Blackwell'})"
+    emulated = "same tiles and scales, GEMM in the compute dtype; slower than BF16"
+    if device_type != "cuda":
+        if kernel == "native":
+            raise ValueError(f"{_FIELD}.kernel='native' needs an NVIDIA GPU with {need_text}, and this run computes "
+                             f"on {device_type}. Use kernel='auto' (emulates here) or kernel='emulated'")
+        return GroupedKernelDecision(True, f"grouped GEMMs emulated: {device_type} has no {recipe} grouped GEMM "
+                                           f"kernels (they need {need_text}); {emulated}")
+    if capability is None:
+        return GroupedKernelDecision(None, f"grouped GEMM kernels decided on the GPU at launch (torchao's on "
+                                           f"{need_text}, else {'an error' if kernel == 'native' else 'emulated'})")
+    found = f"{device_name} (compute capability {capability[0]}.{capability[1]})"
+    missing = ("" if capability >= need else f"{found} lacks them (they need {need_text})") or (
+        "" if kernels_built else f"this torchao build lacks the {recipe} grouped GEMM kernels for {found}")
+    if not missing:
+        return GroupedKernelDecision(False, f"torchao {recipe} grouped GEMM kernels on {found}")
+    if kernel == "native":
+        raise ValueError(f"{_FIELD}.kernel='native': {missing}. Use kernel='auto' to emulate ({emulated})"
+                         + (", or recipe_name='rowwise' (Hopper)" if recipe == "mxfp8" else ""))
+    return GroupedKernelDecision(True, f"grouped GEMMs emulated: {missing}; {emulated}")
+
+
+def native_kernels_built(recipe: str) -> bool:
+    """torchao's kernels for ``recipe`` can run in this process (triton; MXFP8's CUDA extension)."""
+    from torch.utils._triton import has_triton
+
+    if not has_triton():
+        return False
+    if recipe == "rowwise":
+        return True
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _SM100_KERNELS_AVAILABLE
+
+    return bool(_SM100_KERNELS_AVAILABLE)
+
+
+class GroupedExpertsConverter(ModelConverter):
+    """Runs the routed experts' grouped GEMMs in FP8 rowwise or MXFP8 (torchao kernels or their emulation)."""
+
+    @dataclass(kw_only=True)
+    class Config(ModelConverter.Config):
+        """FP8 rowwise / MXFP8 routed experts (grouped GEMMs); combine with float8 or mx for the Linears."""
+
+        kind: ClassVar[str] = "moe_experts"
+        swaps: ClassVar[str | None] = "grouped experts"
+
+        recipe_name: Literal["rowwise", "mxfp8"] = "rowwise"
+        """rowwise: FP8 e4m3 with power-of-2 scales per token and per expert output column (Hopper kernels);
+        mxfp8: e4m3 in 32-element blocks with e8m0 scales (Blackwell kernels)."""
+        kernel: Literal["auto", "native", "emulated"] = "auto"
+        """auto: torchao's grouped GEMM kernels where the GPU has them, emulated elsewhere with the reason logged;
+        native: the kernels or an error; emulated: always emulate (exact numerics, slower than BF16)."""
+        filter_fqns: list[str] = field(default_factory=list)
+        """Expert weights whose FQN (e.g. 'layers.0.moe.experts.w2') contains any entry stay in high
+        precision."""
+
+        def __post_init__(self) -> None:
+            if self.recipe_name not in GROUPED_RECIPES:
+                raise ValueError(f"{_FIELD}.recipe_name={self.recipe_name!r} is not one of: "
+                                 f"{', '.join(GROUPED_RECIPES)}")
+            if self.kernel not in GROUPED_KERNELS:
+                raise ValueError(f"{_FIELD}.kernel={self.kernel!r} is not one of: {', '.join(GROUPED_KERNELS)}")
+            for entry in self.filter_fqns:
+                if not isinstance(entry, str) or not entry:
+                    raise ValueError(f"{_FIELD}.filter_fqns entry {entry!r} would match every module; use non-empty "
+                                     f"FQN substrings such as 'layers.0.moe.experts'")
+
+    config: GroupedExpertsConverter.Config
+
+    def __init__(self, config: GroupedExpertsConverter.Config, *, context: ConversionContext) -> None:
+        super().__init__(config, context=context)
+        recipe = config.recipe_name
+        capability, name = _cuda_device(context.device_type)
+        built = native_kernels_built(recipe) if capability is not None else True
+        self.kernel = decide_grouped_kernel(recipe, config.kernel, context.device_type, capability, name, built)
+        self._check_precision()
+        self.plan: list[ExpertPlanRow] | None = None
+        """The rows of the last ``convert``."""
+        logger.info("%s: %s", _FIELD, self.kernel.why)
+
+    def _check_precision(self) -> None:
+        dtype = self.context.param_dtype
+        if dtype == torch.float16:
+            raise ValueError(f"{_FIELD} cannot be combined with precision.param_dtype=float16: torchao's FP8 and MXFP8 "
+                             f"grouped GEMMs write bfloat16 only. Use precision.param_dtype=bfloat16")
+        if dtype == torch.float32 and (self.config.kernel == "native" or self.kernel.emulate is False):
+            raise ValueError(f"{_FIELD}: torchao's grouped GEMM kernels run here and write bfloat16 only, which "
+                             f"precision.param_dtype=float32 cannot take. Use precision.param_dtype=bfloat16, or "
+                             f"kernel='emulated' for float32 numerics")
+
+    # ----------------------------------------------------------------------------------------------
+    # Plan
+
+    @property
+    def alignment(self) -> int:
+        return GROUP_ALIGNMENT[self.config.recipe_name]
+
+    def plan_rows(self, model: nn.Module) -> list[ExpertPlanRow]:
+        """Every expert weight of ``model`` with its recipe or why it stays in high precision, then every Linear
+        its modules keep in high precision (the router gates)."""
+        rows = []
+        for fqn, module in grouped_gemm_experts(model):
+            for name in type(module).grouped_gemm_weights:  # type: ignore[attr-defined]
+                experts, out_features, in_features = getattr(module, name).shape
+                weight_fqn = f"{fqn}.{name}"
+                reason = (filter_reason(weight_fqn, self.config.filter_fqns)
+                          or ("" if module.use_grouped_mm else "use_grouped_mm=False: the per-expert loop runs no "
+                                                               "grouped GEMM")
+                          or self._shape_reason(in_features, out_features))
+                rows.append(ExpertPlanRow(weight_fqn, experts, in_features, out_features,
+                                          None if reason else self.config.recipe_name, reason))
+        for fqn, module in model.named_modules():
+            reason = high_precision_reason(module)
+            if reason:
+                rows += [ExpertPlanRow(f"{fqn}.{sub}" if sub else fqn, 0, linear.in_features, linear.out_features,
+                                       None, reason)
+                         for sub, linear in module.named_modules() if isinstance(linear, nn.Linear)]
+        return rows
+
+    def _shape_reason(self, in_features: int, out_features: int) -> str:
+        align = self.alignment
+        if in_features % align or out_features % align:
+            return f"dims not divisible by {align} ({self.config.recipe_name} grouped GEMM alignment)"
+        return ""
+
+    # ----------------------------------------------------------------------------------------------
+    # Converter protocol
+
+    def convert(self, model: nn.Module) -> None:
+        """Install the quantized grouped GEMM on every planned experts module (in place; weights untouched)."""
+        self.plan = self.plan_rows(model)
+        converted = {row.fqn for row in self.plan if row.recipe is not None}
+        emulate = self.kernel.emulate is not False
+        for fqn, module in grouped_gemm_experts(model):
+            names = type(module).grouped_gemm_weights  # type: ignore[attr-defined]
+            planned = [name for name in names if f"{fqn}.{name}" in converted]
+            if not planned:
+                continue
+            if len(planned) != len(names):  # one GEMM primitive per module: all of its weights or none
+                raise ValueError(f"{_FIELD}.filter_fqns keeps {sorted(set(names) - set(planned))} of {fqn} in high "
+                                 f"precision but not {planned}: an experts module runs all its grouped GEMMs in one "
+                                 f"recipe. Filter the whole module ('{fqn}') or none of its weights")
+            # An instance attribute shadows the class's grouped_mm: the module keeps its type, parameters and
+            # state-dict keys.
+            vars(module)["grouped_mm"] = QuantizedGroupedMM(self.config.recipe_name, emulate, [])
+
+    def post_optimizer_hook(self, model_parts: object) -> None:
+        """Scales are dynamic: nothing to refresh."""
+
+    def settings(self) -> str:
+        return (f"recipe {self.config.recipe_name}: {_RECIPE_TEXT[self.config.recipe_name]}, token groups padded "
+                f"to {self.alignment} rows; {self.kernel.why}")
+
+    def explain(self, model: nn.Module) -> str:
+        return f"{self.kind} converter ({self.settings()})\n" + format_expert_plan(self.plan_rows(model))
+
+    def summary(self) -> str | None:
+        """The last ``convert``'s plan in one line, for the launch log."""
+        if self.plan is None:
+            return None
+        gemms = [row for row in self.plan if row.experts]
+        converted = sum(row.recipe is not None for row in gemms)
+        routers = sum(not row.experts for row in self.plan)
+        return (f"{self.kind} converter ({self.config.recipe_name}, "
+                f"{'emulated' if self.kernel.emulate is not False else 'torchao kernels'}): {converted} of "
+                f"{len(gemms)} expert grouped GEMMs in {self.config.recipe_name}; {routers} router gate(s) in "
+                f"float32; every expert weight with its recipe or reason: --print-fp8-plan")
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+
+def format_expert_plan(rows: list[ExpertPlanRow]) -> str:
+    """A table of every expert weight and high-precision router gate with its recipe or reason."""
+    gemms = [row for row in rows if row.experts]
+    converted = sum(row.recipe is not None for row in gemms)
+    header = ("fqn", "experts", "in", "out", "recipe", "high precision because")
+    body = [(r.fqn, str(r.experts) if r.experts else "-", str(r.in_features), str(r.out_features), r.recipe or "-",
+             r.reason) for r in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def fmt(line: tuple[str, ...]) -> str:
+        return "  ".join(cell.rjust(w) if i in (1, 2, 3) else cell.ljust(w)
+                         for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+
+    lines = [f"Expert plan: {converted} of {len(gemms)} expert grouped GEMMs run in low precision "
+             f"(in / out per expert); {len(rows) - len(gemms)} router Linear(s) stay in float32", fmt(header)]
+    return "\n".join(lines + [fmt(line) for line in body])
+
+
+def _cuda_device(device_type: str) -> tuple[tuple[int, int] | None, str]:
+    """(compute capability, name) of the current GPU; (None, '') on CPU or without a visible GPU."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None, ""
+    return torch.cuda.get_device_capability(), torch.cuda.get_device_name()
