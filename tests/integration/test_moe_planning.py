@@ -72,14 +72,9 @@ def test_an_moe_run_that_does_not_fit_is_pointed_to_expert_parallelism(check):
     assert check([*args, *LAYOUT_235B[:2]], NGPU="64", TTL_GPU_MEMORY_GIB="70")[0] == 0
 
 
-def _registered(name: str) -> bool:
-    return name in DEFAULT_REGISTRY.names()
-
-
 @pytest.mark.parametrize("config", [
     ["--config", "qwen3_moe_debug", "--model.flavor", "235B-A22B"],
-    pytest.param(["--config", "qwen3_moe_235b_fp8"], marks=pytest.mark.skipif(
-        not _registered("qwen3_moe_235b_fp8"), reason="the qwen3_moe_235b_fp8 config is not registered")),
+    ["--config", "qwen3_moe_235b_fp8"],
 ], ids=["235B-A22B-flavor", "qwen3_moe_235b_fp8"])
 def test_235b_dry_run_on_64_gpus_with_fsdp_64_and_ep_8_fits_80_gib(cli, config):
     result = cli([*config, *LAYOUT_235B, "--dry-run"], NGPU="64")

@@ -115,6 +115,7 @@ class GroupedExpertsConverter(ModelConverter):
 
         kind: ClassVar[str] = "moe_experts"
         swaps: ClassVar[str | None] = "grouped experts"
+        low_precision_experts: ClassVar[bool] = True
 
         recipe_name: Literal["rowwise", "mxfp8"] = "rowwise"
         """rowwise: FP8 e4m3 with power-of-2 scales per token and per expert output column (Hopper kernels);
