@@ -184,3 +184,69 @@ def test_compiled_blocks_with_activation_checkpointing_train_as_eager(tmp_path, 
     assert compiled == pytest.approx(eager, rel=1e-3)
     # Both runs: 3 steps x 2 micro-batches, each with its balance loss (debug flavor coefficient 1e-3).
     assert aux == [True] * 12
+
+
+CHOSEN = 3
+"""The expert a planted collapsed router sends every token to."""
+
+
+def _collapse_every_router(model: Qwen3MoeModel) -> None:
+    """Every router sees the same input for every token (a pre-hook replaces it by ones), and its gate gives
+    expert CHOSEN a logit 12.8 above the others': top-1 sends every token there. The margin is ~100 times
+    what three AdamW steps at lr 3e-3 can move a 128-wide gate row, and the expert bias moves 1.75e-3 a step."""
+    for block in model.layers.values():
+        router = block.moe.router
+        router.register_forward_pre_hook(lambda _module, args: (torch.ones_like(args[0]), *args[1:]))
+        with torch.no_grad():
+            router.gate.weight.zero_()
+            router.gate.weight[CHOSEN] = 0.1
+
+
+def test_a_collapsed_router_shows_full_imbalance_and_its_bias_responds_each_step(tmp_path, monkeypatch, caplog):
+    from tests.integration._cli import read_scalars
+
+    rate, experts = 1e-3, QWEN3_MOE_FLAVORS["debug"].moe.num_experts
+    _flavor(monkeypatch, top_k=1, bias_update_rate=rate)
+    trainer = _trainer(tmp_path, 3)
+    _collapse_every_router(trainer.model_parts[0])
+    with caplog.at_level("INFO", logger="torchtitan_lite"):
+        trainer.train()
+    scalars = read_scalars(tmp_path / "tb")
+    # One expert takes every token: max / mean = num_experts, the other 7 of 8 experts get none. Exact: counts
+    # of small integers and their ratio.
+    for layer in ("layers.0", "layers.1"):
+        for step in (1, 2, 3):
+            assert scalars[f"moe/{layer}/imbalance"][step] == experts
+            assert scalars[f"moe/{layer}/dead_share"][step] == (experts - 1) / experts
+            # Logged after the step's bias update: the centred sign step, rate * sign(mean - load) minus its
+            # mean, is -rate * (2E - 2) / E for the overloaded expert and 2 * rate / E for each idle one, once per
+            # step. Tolerance 1e-9: three float32 additions of values ~1e-3 round at ~1e-10.
+            assert scalars[f"moe/{layer}/bias_min"][step] == pytest.approx(-step * rate * (2 * experts - 2) / experts,
+                                                                          abs=1e-9)
+            assert scalars[f"moe/{layer}/bias_max"][step] == pytest.approx(step * 2 * rate / experts, abs=1e-9)
+        bias = trainer.model_parts[0].layers[layer.split(".")[1]].moe.expert_bias
+        assert int(bias.argmin()) == CHOSEN  # the chosen expert's bias fell, every other one's rose
+        assert float(bias[CHOSEN]) < 0 < float(torch.cat([bias[:CHOSEN], bias[CHOSEN + 1:]]).min())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == 3 and all(" moe imb 8.00 (layers.0) dead 0.88 aux " in line for line in lines)
+
+
+def test_no_bias_update_on_a_step_the_fp16_scaler_skipped(tmp_path, monkeypatch):
+    _flavor(monkeypatch, bias_update_rate=1e-3)
+    loads = _spy_bias_updates(monkeypatch)
+    trainer = _trainer(tmp_path, 3, "--precision.param_dtype", "float16")
+    original = trainer.loss_fn
+
+    def loss_fn(logits, labels):
+        # Step 2's first micro-batch: a finite loss whose gradient overflows, as an FP16 overflow does.
+        if trainer.train_state.step == 2 and not overflowed:
+            overflowed.append(True)
+            logits.register_hook(lambda grad: grad * float("inf"))
+        return original(logits, labels)
+
+    overflowed: list[bool] = []
+    trainer.loss_fn = loss_fn
+    trainer.train()
+    assert trainer.grad_scaler is not None and trainer.grad_scaler.skipped_steps == 1
+    # Steps 1 and 3 applied; step 2's loads were counted, and carry into step 3's update.
+    assert loads == [2.0 * TOKENS_PER_STEP, 4.0 * TOKENS_PER_STEP]
