@@ -107,7 +107,16 @@ def test_compiling_float32_grouped_experts_is_refused_with_the_fix(tmp_path):
         _trainer(tmp_path, 1, "--compile.enable", "true")
 
 
-def test_a_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_path):
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory) -> str:
+    """The checkpoint of a 1-step qwen3_moe_debug run (TINY)."""
+    folder = tmp_path_factory.mktemp("qwen3_moe_run")
+    trainer = _trainer(folder, 1, "--checkpoint.enable", "true", "--checkpoint.interval", "1")
+    trainer.train()
+    return str(folder / "checkpoint" / "step-1")
+
+
+def test_a_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_path, trained_checkpoint):
     """scripts/convert_to_hf.py on a qwen3_moe run: the folder loads in Qwen3MoeForCausalLM and its float32
     logits equal our model's from the DCP checkpoint (tolerance as in test_qwen3_moe_hf: rounding only)."""
     transformers = pytest.importorskip("transformers")
@@ -115,15 +124,33 @@ def test_a_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_p
     from torchtitan_lite.components.checkpoint.run_config import config_for_checkpoint
     from torchtitan_lite.components.generation import load_from_dcp
 
-    trainer = _trainer(tmp_path, 1, "--checkpoint.enable", "true", "--checkpoint.interval", "1")
-    trainer.train()
-    checkpoint = str(tmp_path / "checkpoint" / "step-1")
-    _script("convert_to_hf").main(["--checkpoint", checkpoint, "--output", str(tmp_path / "hf")])
+    _script("convert_to_hf").main(["--checkpoint", trained_checkpoint, "--output", str(tmp_path / "hf")])
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
-    ours = load_from_dcp(checkpoint, config_for_checkpoint(checkpoint, registry=DEFAULT_REGISTRY)).model
+    ours = load_from_dcp(trained_checkpoint, config_for_checkpoint(trained_checkpoint, registry=DEFAULT_REGISTRY)).model
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-5
+
+
+def test_the_readme_hugging_face_round_trip_keeps_the_weights_and_the_samples(tmp_path, trained_checkpoint):
+    """README "Train an MoE model": convert_to_hf -> generate --hf-dir, and convert_from_hf writes a seed holding
+    the run's weights bit for bit; greedy sampling from the exported folder gives the run's text."""
+    from tests.unit.test_hf_export_run import _script
+    from torchtitan_lite.components.checkpoint.run_config import config_for_checkpoint
+    from torchtitan_lite.components.generation import load_from_dcp
+    from torchtitan_lite.tools import generate as generate_tool
+
+    hf, seed = str(tmp_path / "qwen3_moe_hf"), str(tmp_path / "qwen3_moe_seed")
+    _script("convert_to_hf").main(["--checkpoint", trained_checkpoint, "--output", hf])
+    _script("convert_from_hf").main(["--hf-dir", hf, "--output", seed])
+    config = config_for_checkpoint(trained_checkpoint, registry=DEFAULT_REGISTRY)
+    run, seeded = load_from_dcp(trained_checkpoint, config).model, load_from_dcp(seed, config).model
+    assert run.state_dict().keys() == seeded.state_dict().keys()
+    assert all(torch.equal(value, seeded.state_dict()[key]) for key, value in run.state_dict().items())
+    prompt = ["--prompt", "def main(", "--max-new-tokens", "8"]
+    texts = [generate_tool.main([*source, *prompt], registry=DEFAULT_REGISTRY)
+             for source in (["--checkpoint", trained_checkpoint], ["--hf-dir", hf])]
+    assert texts[0].startswith("def main(") and len(texts[0]) > len("def main(") and texts[1] == texts[0]
 
 
 def test_router_metrics_reach_tensorboard_and_the_console(tmp_path, monkeypatch, caplog):
