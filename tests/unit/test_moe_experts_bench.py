@@ -28,9 +28,10 @@ def _rows(markdown: str) -> list[tuple[str, str, str, str, float]]:
 
 
 def test_each_case_is_timed_in_each_dtype(tmp_path):
-    text = _run("--dtypes", "float32", "bfloat16", tmp_path=tmp_path)
+    text = _run("--dtypes", "float32", "bfloat16", "--rounds", "2", tmp_path=tmp_path)
     assert "- debug: dim 128, expert hidden 128, 8 experts top-2, batch 1 x seq 8 = 8 tokens" in text
-    assert "median of 1 forward + backward passes after 0 warmup" in text and "load average" in text
+    assert "median of 1 forward + backward passes after 0 warmup, fastest of 2 round(s)" in text
+    assert "load average" in text
     rows = _rows(text)
     expected = [(case, impl, "debug", dtype) for dtype in ("float32", "bfloat16")
                 for case, impl in (("experts", "grouped"), ("experts", "loop"), ("MoE layer", "torchtitan_lite"),
@@ -56,7 +57,8 @@ def test_the_routing_fills_top_k_slots_per_token():
     assert int(counts.sum()) == shape.tokens * shape.top_k and counts.shape == (shape.num_experts,)
 
 
-@pytest.mark.parametrize(("argv", "message"), [(["--repeats", "0"], "--repeats 0"), (["--seq", "0"], "--seq 0")])
+@pytest.mark.parametrize(("argv", "message"), [(["--repeats", "0"], "--repeats 0"), (["--rounds", "0"], "--rounds 0"),
+                                                   (["--seq", "0"], "--seq 0")])
 def test_bad_arguments_are_refused(capsys, argv, message):
     with pytest.raises(SystemExit):
         main(argv, experts=None, layer=None, model=None)
