@@ -36,6 +36,20 @@ LONG_RUNNING = {
         "needs the trained run (tests/unit/test_deepseek_v3_export_run.py runs it on a small checkpoint)",
     "NPROC=2 ./run_train.sh --config qwen3_moe_debug --parallelism.tp 2 --training.steps 5":
         "trains on 2 processes (tests/integration/test_train_distributed.py runs it against one process)",
+    "./run_train.sh --config qwen3_moe_debug_bf16 --training.steps 20":
+        "trains (tests/unit/test_qwen3_moe_training.py trains qwen3_moe_debug_bf16, compiled and eager)",
+    "NPROC=2 ./run_train.sh --config qwen3_moe_debug --parallelism.ep 2 --training.steps 20":
+        "trains on 2 processes with expert parallelism",
+    "./run_train.sh --config qwen3_moe_debug --training.steps 20 --checkpoint.interval 20 --job.dump_folder "
+    "outputs/qwen3_moe": "trains (tests/unit/test_qwen3_moe_training.py checkpoints a 1-step run and round-trips it)",
+    "python scripts/convert_to_hf.py --checkpoint outputs/qwen3_moe/checkpoint/step-20 --output qwen3_moe_hf":
+        "needs the trained run (test_qwen3_moe_training.py runs the round trip on a small checkpoint)",
+    "python scripts/generate.py --hf-dir qwen3_moe_hf --prompt \"def main(\" --max-new-tokens 32":
+        "needs the exported run (test_qwen3_moe_training.py samples it from both folders)",
+    "python scripts/convert_from_hf.py --hf-dir qwen3_moe_hf --output qwen3_moe_seed":
+        "needs the exported run (test_qwen3_moe_training.py compares the seed with the run bitwise)",
+    "./run_train.sh --config qwen3_moe_debug --checkpoint.enable true --checkpoint.initial_load_path qwen3_moe_seed":
+        "trains from the seed",
     "./run_train.sh": "trains llama3_debug for 200 steps (minutes)",
     "scripts/run_tests.sh": "the whole test suite",
     "./run_train.sh --config llama3_debug --training.steps 50 --optimizer.lr 1e-3": "trains 50 steps",

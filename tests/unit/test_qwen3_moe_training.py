@@ -107,7 +107,16 @@ def test_compiling_float32_grouped_experts_is_refused_with_the_fix(tmp_path):
         _trainer(tmp_path, 1, "--compile.enable", "true")
 
 
-def test_a_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_path):
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory) -> str:
+    """The checkpoint of a 1-step qwen3_moe_debug run (TINY)."""
+    folder = tmp_path_factory.mktemp("qwen3_moe_run")
+    trainer = _trainer(folder, 1, "--checkpoint.enable", "true", "--checkpoint.interval", "1")
+    trainer.train()
+    return str(folder / "checkpoint" / "step-1")
+
+
+def test_a_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_path, trained_checkpoint):
     """scripts/convert_to_hf.py on a qwen3_moe run: the folder loads in Qwen3MoeForCausalLM and its float32
     logits equal our model's from the DCP checkpoint (tolerance as in test_qwen3_moe_hf: rounding only)."""
     transformers = pytest.importorskip("transformers")
@@ -115,15 +124,33 @@ def test_a_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_p
     from torchtitan_lite.components.checkpoint.run_config import config_for_checkpoint
     from torchtitan_lite.components.generation import load_from_dcp
 
-    trainer = _trainer(tmp_path, 1, "--checkpoint.enable", "true", "--checkpoint.interval", "1")
-    trainer.train()
-    checkpoint = str(tmp_path / "checkpoint" / "step-1")
-    _script("convert_to_hf").main(["--checkpoint", checkpoint, "--output", str(tmp_path / "hf")])
+    _script("convert_to_hf").main(["--checkpoint", trained_checkpoint, "--output", str(tmp_path / "hf")])
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
-    ours = load_from_dcp(checkpoint, config_for_checkpoint(checkpoint, registry=DEFAULT_REGISTRY)).model
+    ours = load_from_dcp(trained_checkpoint, config_for_checkpoint(trained_checkpoint, registry=DEFAULT_REGISTRY)).model
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-5
+
+
+def test_the_readme_hugging_face_round_trip_keeps_the_weights_and_the_samples(tmp_path, trained_checkpoint):
+    """README "Train an MoE model": convert_to_hf -> generate --hf-dir, and convert_from_hf writes a seed holding
+    the run's weights bit for bit; greedy sampling from the exported folder gives the run's text."""
+    from tests.unit.test_hf_export_run import _script
+    from torchtitan_lite.components.checkpoint.run_config import config_for_checkpoint
+    from torchtitan_lite.components.generation import load_from_dcp
+    from torchtitan_lite.tools import generate as generate_tool
+
+    hf, seed = str(tmp_path / "qwen3_moe_hf"), str(tmp_path / "qwen3_moe_seed")
+    _script("convert_to_hf").main(["--checkpoint", trained_checkpoint, "--output", hf])
+    _script("convert_from_hf").main(["--hf-dir", hf, "--output", seed])
+    config = config_for_checkpoint(trained_checkpoint, registry=DEFAULT_REGISTRY)
+    run, seeded = load_from_dcp(trained_checkpoint, config).model, load_from_dcp(seed, config).model
+    assert run.state_dict().keys() == seeded.state_dict().keys()
+    assert all(torch.equal(value, seeded.state_dict()[key]) for key, value in run.state_dict().items())
+    prompt = ["--prompt", "def main(", "--max-new-tokens", "8"]
+    texts = [generate_tool.main([*source, *prompt], registry=DEFAULT_REGISTRY)
+             for source in (["--checkpoint", trained_checkpoint], ["--hf-dir", hf])]
+    assert texts[0].startswith("def main(") and len(texts[0]) > len("def main(") and texts[1] == texts[0]
 
 
 def test_router_metrics_reach_tensorboard_and_the_console(tmp_path, monkeypatch, caplog):
@@ -184,3 +211,69 @@ def test_compiled_blocks_with_activation_checkpointing_train_as_eager(tmp_path, 
     assert compiled == pytest.approx(eager, rel=1e-3)
     # Both runs: 3 steps x 2 micro-batches, each with its balance loss (debug flavor coefficient 1e-3).
     assert aux == [True] * 12
+
+
+CHOSEN = 3
+"""The expert a planted collapsed router sends every token to."""
+
+
+def _collapse_every_router(model: Qwen3MoeModel) -> None:
+    """Every router sees the same input for every token (a pre-hook replaces it by ones), and its gate gives
+    expert CHOSEN a logit 12.8 above the others': top-1 sends every token there. The margin is ~100 times
+    what three AdamW steps at lr 3e-3 can move a 128-wide gate row, and the expert bias moves 1.75e-3 a step."""
+    for block in model.layers.values():
+        router = block.moe.router
+        router.register_forward_pre_hook(lambda _module, args: (torch.ones_like(args[0]), *args[1:]))
+        with torch.no_grad():
+            router.gate.weight.zero_()
+            router.gate.weight[CHOSEN] = 0.1
+
+
+def test_a_collapsed_router_shows_full_imbalance_and_its_bias_responds_each_step(tmp_path, monkeypatch, caplog):
+    from tests.integration._cli import read_scalars
+
+    rate, experts = 1e-3, QWEN3_MOE_FLAVORS["debug"].moe.num_experts
+    _flavor(monkeypatch, top_k=1, bias_update_rate=rate)
+    trainer = _trainer(tmp_path, 3)
+    _collapse_every_router(trainer.model_parts[0])
+    with caplog.at_level("INFO", logger="torchtitan_lite"):
+        trainer.train()
+    scalars = read_scalars(tmp_path / "tb")
+    # One expert takes every token: max / mean = num_experts, the other 7 of 8 experts get none. Exact: counts
+    # of small integers and their ratio.
+    for layer in ("layers.0", "layers.1"):
+        for step in (1, 2, 3):
+            assert scalars[f"moe/{layer}/imbalance"][step] == experts
+            assert scalars[f"moe/{layer}/dead_share"][step] == (experts - 1) / experts
+            # Logged after the step's bias update: the centred sign step, rate * sign(mean - load) minus its
+            # mean, is -rate * (2E - 2) / E for the overloaded expert and 2 * rate / E for each idle one, once per
+            # step. Tolerance 1e-9: three float32 additions of values ~1e-3 round at ~1e-10.
+            assert scalars[f"moe/{layer}/bias_min"][step] == pytest.approx(-step * rate * (2 * experts - 2) / experts,
+                                                                          abs=1e-9)
+            assert scalars[f"moe/{layer}/bias_max"][step] == pytest.approx(step * 2 * rate / experts, abs=1e-9)
+        bias = trainer.model_parts[0].layers[layer.split(".")[1]].moe.expert_bias
+        assert int(bias.argmin()) == CHOSEN  # the chosen expert's bias fell, every other one's rose
+        assert float(bias[CHOSEN]) < 0 < float(torch.cat([bias[:CHOSEN], bias[CHOSEN + 1:]]).min())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == 3 and all(" moe imb 8.00 (layers.0) dead 0.88 aux " in line for line in lines)
+
+
+def test_no_bias_update_on_a_step_the_fp16_scaler_skipped(tmp_path, monkeypatch):
+    _flavor(monkeypatch, bias_update_rate=1e-3)
+    loads = _spy_bias_updates(monkeypatch)
+    trainer = _trainer(tmp_path, 3, "--precision.param_dtype", "float16")
+    original = trainer.loss_fn
+
+    def loss_fn(logits, labels):
+        # Step 2's first micro-batch: a finite loss whose gradient overflows, as an FP16 overflow does.
+        if trainer.train_state.step == 2 and not overflowed:
+            overflowed.append(True)
+            logits.register_hook(lambda grad: grad * float("inf"))
+        return original(logits, labels)
+
+    overflowed: list[bool] = []
+    trainer.loss_fn = loss_fn
+    trainer.train()
+    assert trainer.grad_scaler is not None and trainer.grad_scaler.skipped_steps == 1
+    # Steps 1 and 3 applied; step 2's loads were counted, and carry into step 3's update.
+    assert loads == [2.0 * TOKENS_PER_STEP, 4.0 * TOKENS_PER_STEP]

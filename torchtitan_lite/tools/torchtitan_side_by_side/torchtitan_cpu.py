@@ -8,6 +8,8 @@
     python _torchtitan_cpu.py compile-time --module M --dtype float32|bfloat16 --batch B --seq-len S --steps N
         the cold / warm compile time of the blocks of the model in config module M (function
         ``ttl_side_by_side``), compiled by torchtitan's own ``apply_compile``; one process, no process group
+    python _torchtitan_cpu.py moe-bench SPEC_JSON
+        its MoE layer and Qwen3 MoE model timed at our shapes (torchtitan_lite.tools.moe_experts_bench_torchtitan)
 
 torchtitan 0.3.0 on a machine without an accelerator, with torch 2.13, fails in five places. Each
 shim is applied only where the thing it replaces is missing or unusable:
@@ -56,7 +58,7 @@ from typing import Any
 
 def main(argv: list[str]) -> int:
     """``tokenizer OUT_DIR VOCAB_SIZE FILE...`` or ``train [torchtitan flags]``; 2 with the usage otherwise."""
-    if not argv or argv[0] not in ("tokenizer", "train", "compile-time"):
+    if not argv or argv[0] not in ("tokenizer", "train", "compile-time", "moe-bench"):
         print(__doc__, file=sys.stderr)
         return 2
     if argv[0] == "tokenizer":
@@ -65,6 +67,11 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[0] == "compile-time":
         measure_compile_time(argv[1:])
+        return 0
+    if argv[0] == "moe-bench":
+        from torchtitan_lite.tools.moe_experts_bench_torchtitan import main as moe_bench
+
+        moe_bench(argv[1])
         return 0
     apply_cpu_shims()
     sys.argv = ["torchtitan.train", *argv[1:]]
