@@ -141,8 +141,15 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
                                   cuda_available=cuda_available)
     compile_model = config.compile.enable and "model" in config.compile.components
+    if dims.ep_enabled and spec.parallel_plan.experts is None:
+        raise ValueError(
+            f"parallelism.ep={dims.ep} splits routed experts over ranks, but model.name={config.model.name!r} is a "
+            "dense family without experts; set --parallelism.ep 1, or train a Mixture-of-Experts family "
+            "(e.g. --config qwen3_moe_debug)")
     if spec.check_run is not None:
-        spec.check_run(RunFacts(model_args=args, compile_model=compile_model, param_dtype=precision.param_dtype))
+        spec.check_run(RunFacts(model_args=args, compile_model=compile_model, param_dtype=precision.param_dtype,
+                                ep=dims.ep, tp=dims.tp, ac_mode=config.activation_checkpoint.mode,
+                                ac_selective_option=config.activation_checkpoint.selective_option))
     context = ConversionContext(
         device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
         fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,

@@ -2,7 +2,8 @@
 
 Weights follow nn.Linear's (out, in) layout per expert, stacked on dim 0: w1, w3 [E, hidden, dim] and
 w2 [E, dim, hidden]. Each slice is the weight an HF per-expert Linear holds, and dim 0 is the one that
-expert parallelism shards.
+expert parallelism shards: under EP the parameters are DTensors sharded on dim 0 over the EP ranks, and
+the forward computes with this rank's slice (the counts then cover the local experts only).
 
 ``GroupedExperts.grouped_mm`` is the single GEMM primitive of the grouped path: a low-precision
 converter (FP8 rowwise, MXFP8, their emulation) replaces that one method and inherits everything else.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from models.common.init import trunc_normal_
 
@@ -47,11 +49,17 @@ class GroupedExperts(nn.Module):
             return self.grouped_forward(x, counts)
         return self.loop_forward(x, counts)
 
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) of the experts this rank computes: the whole tensors, or under expert parallelism the
+        local slice of the EP-sharded DTensors (differentiable: the gradient lands in that slice)."""
+        return _local(self.w1), _local(self.w2), _local(self.w3)
+
     def grouped_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.local_weights()
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = F.silu(self.grouped_mm(x, self.w1.transpose(-2, -1), offsets))
-        h = h * self.grouped_mm(x, self.w3.transpose(-2, -1), offsets)
-        return self.grouped_mm(h, self.w2.transpose(-2, -1), offsets)
+        h = F.silu(self.grouped_mm(x, w1.transpose(-2, -1), offsets))
+        h = h * self.grouped_mm(x, w3.transpose(-2, -1), offsets)
+        return self.grouped_mm(h, w2.transpose(-2, -1), offsets)
 
     def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x [N, in] @ w [E, in, out] per group: rows offsets[e-1]:offsets[e] use expert e (int32 cumulative
@@ -66,10 +74,15 @@ class GroupedExperts(nn.Module):
     def loop_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Reference: one F.linear SwiGLU per expert over its slice of rows. An expert without tokens runs on
         zero rows, which keeps every weight in the graph (with a zero gradient) however the tokens fall."""
-        outputs = [F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e])
+        w1, w2, w3 = self.local_weights()
+        outputs = [F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
                    for e, rows in enumerate(torch.split(x, counts.tolist(), dim=0))]
         return torch.cat(outputs, dim=0)
 
     def extra_repr(self) -> str:
         e, hidden, dim = self.w1.shape
         return f"num_experts={e}, dim={dim}, hidden_dim={hidden}, use_grouped_mm={self.use_grouped_mm}"
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
