@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from models.common.all_to_all_dispatch import AllToAllTokenDispatcher
 from models.common.moe_hooks import moe_layers
 
+
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, checkpointed: bool = False) -> int:
     """Shard every MoE layer's experts over ``ep_mesh`` (1-D) in place; returns the number of layers.
 

@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from models.common.experts import GroupedExperts
 from models.common.expert_parallel import apply_expert_parallel
+from models.common.experts import GroupedExperts
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, RunFacts, TPInput, build_tp_plan
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
@@ -34,6 +34,10 @@ QWEN3_MOE_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
     experts="moe.experts",
 )
 
+EP_COMPILE_REGIONS = ("attention_norm", "attention", "ffn_norm", "moe.router", "moe.experts")
+"""What is compiled of each block under expert parallelism: everything but the MoE layer's dispatch and
+combine, whose all-to-all split sizes are host integers (a whole-block graph would break there)."""
+
 
 def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> BaseModel:
     """EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
@@ -47,18 +51,20 @@ def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> Base
                          "feed-forward has no TP plan; set --parallelism.tp 1 and use data parallelism (dp_shard)")
     # Also checked by resolve_run (check_qwen3_moe_run); repeated on the built model for a caller that
     # parallelizes without resolving a run.
-    grouped_mm = any(isinstance(m, GroupedExperts) and m.use_grouped_mm for m in model.modules())
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    grouped_mm = any(m.use_grouped_mm for m in experts)
     _check_compile_dtype(grouped_mm, context.compile_model, context.mp_policy.param_dtype)
     layouts = [dims.describe()]
     ac_config = context.activation_checkpoint
     if dims.ep_mesh is not None:
-        _check_expert_parallel(model.args.moe.num_experts, dims.ep, dims.tp, ac_config.mode, ac_config.selective_option)
+        _check_expert_parallel(experts[0].num_experts, dims.ep, dims.tp, ac_config.mode, ac_config.selective_option)
         apply_expert_parallel(model, dims.ep_mesh, checkpointed=ac_config.mode != "none")
         layouts.append(f"experts split over EP {dims.ep}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
     ac = apply_ac(model, ac_config.mode, ac_config.selective_option, compiled_tp=False)
     layouts.append(f"AC {ac}")
-    if apply_compile(model, context.compile):
-        layouts.append(f"compiled blocks ({context.compile.backend})")
+    if apply_compile(model, context.compile, EP_COMPILE_REGIONS if dims.ep_mesh is not None else ()):
+        what = "blocks but the expert all-to-all" if dims.ep_mesh is not None else "blocks"
+        layouts.append(f"compiled {what} ({context.compile.backend})")
     if dims.fsdp_mesh is not None:
         apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=context.mp_policy,
                    reshard_after_forward=context.fsdp_reshard_after_forward, cpu_offload=context.fsdp_cpu_offload,

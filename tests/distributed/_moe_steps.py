@@ -12,7 +12,6 @@ compute and only the order of float sums differs.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +32,12 @@ from models.common.moe import MoEArgs
 from models.common.moe_hooks import moe_layers
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 from models.qwen3_moe.model import Qwen3MoeModel
-from models.qwen3_moe.parallelize import parallelize_qwen3_moe
+from models.qwen3_moe.parallelize import EP_COMPILE_REGIONS, parallelize_qwen3_moe
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig
+from torchtitan_lite.distributed.compile import apply_compile
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
@@ -66,6 +66,9 @@ class Run:
     """On one process: FSDP on a one-rank mesh, for data parallelism's parameter casts (low precision)."""
     drop_remote_tokens: bool = False
     """Negative control: the all-to-all dispatcher drops the tokens routed to another rank's experts."""
+    compile_ep_regions: bool = False
+    """With compile on one process: compile what expert parallelism compiles (EP_COMPILE_REGIONS), not whole
+    blocks, so that inductor's fusions, which change bf16 roundings, are the same as the EP run's."""
 
     @property
     def world_size(self) -> int:
@@ -73,7 +76,8 @@ class Run:
 
     def single_process(self) -> Run:
         return dataclasses.replace(self, dp_replicate=1, dp_shard=1, ep=1, shares=self.world_size * self.shares,
-                                   one_rank_fsdp=self.param_dtype != "float32", drop_remote_tokens=False)
+                                   one_rank_fsdp=self.param_dtype != "float32", drop_remote_tokens=False,
+                                   compile_ep_regions=self.compile and self.ep > 1)
 
 
 class _OneRankFsdp(ParallelDims):
@@ -116,11 +120,15 @@ def build(run: Run, *, load_initial: bool = True):
     precision = Precision.Config(param_dtype=run.param_dtype).build(device="cpu", fsdp_enabled=dims.fsdp_enabled)
     with torch.device("meta"):
         model = Qwen3MoeModel(TINY_MOE)
+    compile_config = CompileConfig(enable=run.compile, components=["model"])
+    compile_blocks = run.compile and not run.compile_ep_regions
     parallelize_qwen3_moe(model, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=False, loss_parallel=False,
         activation_checkpoint=ActivationCheckpointConfig(mode=run.ac_mode, selective_option=run.ac_option),
-        compile_model=run.compile, compile=CompileConfig(enable=run.compile, components=["model"]),
+        compile_model=compile_blocks, compile=dataclasses.replace(compile_config, enable=compile_blocks),
         fsdp_reshard_after_forward="default", fsdp_cpu_offload=False))
+    if run.compile_ep_regions:
+        apply_compile(model, compile_config, EP_COMPILE_REGIONS)
     if run.drop_remote_tokens:
         for moe in moe_layers(model):
             moe.dispatcher = _DroppingDispatcher(TINY_MOE.moe.num_experts, dims.ep_mesh.get_group())
@@ -238,3 +246,16 @@ def load_and_continue(rank: int, world_size: int, run: Run, folder: str, steps: 
     return {"state": state, "next": train(run, model, dims, precision, optimizer, first=steps, steps=2)}
 
 
+
+
+def collectives_of_one_step(rank: int, world_size: int, run: Run) -> dict[str, list[str]]:
+    """The collectives (op names) of the first step's forward and of its backward, separately."""
+    from _collectives import CollectiveLog
+
+    model, dims, precision, _ = build(run)
+    inputs, labels = (t[rank * 2:(rank + 1) * 2] for t in global_batches(1)[0])
+    with CollectiveLog() as forward:
+        loss_sum, _ = cross_entropy_sum(model(inputs), labels)
+    with CollectiveLog() as backward:
+        loss_sum.backward()
+    return {"forward": [c.op for c in forward.calls], "backward": [c.op for c in backward.calls]}

@@ -18,7 +18,7 @@ import functools
 import pytest
 import torch
 from _harness import run_ranks
-from _moe_steps import Run, run_single, train_runs
+from _moe_steps import Run, collectives_of_one_step, run_single, train_runs
 
 FP32_RTOL = 1e-6
 STEPS = 20
@@ -85,3 +85,45 @@ def test_negative_control_dropping_the_tokens_sent_to_another_rank_is_detected()
     got = _launch(2)["ep2_drops_remote_tokens"][0]
     ref = _reference(2)
     assert _rel_diff(got["losses"], ref["losses"][:3]) > 50 * FP32_RTOL
+
+
+def _exchanges_of_one_step(rank: int, world_size: int) -> dict[str, dict[str, int]]:
+    counts = {}
+    for ac_mode in ("none", "full"):
+        calls = collectives_of_one_step(rank, world_size, Run(dp_shard=2, ep=2, ac_mode=ac_mode))
+        counts[ac_mode] = {phase: ops.count("all_to_all_single") for phase, ops in calls.items()}
+    return counts
+
+
+def test_full_checkpointing_replays_the_exchanges_instead_of_communicating_again():
+    # Per MoE layer (2 here), the forward exchanges the counts, the rows and the results (3 all-to-alls) and
+    # the backward sends the gradients of the two row exchanges back (2). A recomputation that routed and
+    # exchanged again would add the forward's 3 per layer to the backward.
+    for counts in run_ranks(_exchanges_of_one_step, 2, timeout_s=120):
+        assert counts == {"none": {"forward": 6, "backward": 4}, "full": {"forward": 6, "backward": 4}}
+
+
+# Compile needs bfloat16 (torch._grouped_mm is traced for bf16 only). The reference is the one-process bf16 run
+# (FSDP on a one-rank mesh: the same parameter casts) compiled as EP compiles a block (EP_COMPILE_REGIONS: all
+# but the MoE dispatch and combine), so inductor's fusions are the same. What EP still changes in bf16: an
+# expert's weight gradient is one bf16 GEMM over both ranks' rows where the reference rounds each share's
+# separately, a bf16-rounding difference that training compounds. Measured per step (20 steps), EP 2 compiled
+# against the reference: 0 at step 1 (the forward is the same), at most 5.0e-5 over steps 1-10 and 8.7e-4
+# over 1-20; the float32 run against the same reference (bf16's effect): 2.6e-5 at step 1, 4.8e-4 over 1-10.
+# So the first ten steps are checked two-sided (the float32 run must fail the bound), all twenty against the
+# bf16 noise level only.
+BF16_FIRST_10_RTOL = 1.5e-4
+BF16_20_STEPS_RTOL = 2e-3
+
+
+def test_expert_parallel_with_compile_and_full_ac_matches_one_process_bf16():
+    runs = [Run(dp_shard=2, ep=2, param_dtype="bfloat16", compile=True, steps=STEPS),
+            Run(dp_shard=2, ep=2, param_dtype="bfloat16", compile=True, ac_mode="full", steps=STEPS)]
+    compiled, compiled_full_ac = run_ranks(train_runs, 2, runs, timeout_s=900)[0]
+    reference, fp32 = run_single(runs[0]), _reference(2)
+    assert compiled["losses"][0] == reference["losses"][0]
+    assert _rel_diff(compiled["losses"][:10], reference["losses"][:10]) < BF16_FIRST_10_RTOL
+    assert _rel_diff(fp32["losses"][:10], reference["losses"][:10]) > BF16_FIRST_10_RTOL
+    assert _rel_diff(compiled["losses"], reference["losses"]) < BF16_20_STEPS_RTOL
+    # Full checkpointing replays the forward's routing and exchanges: the same numbers to the bit.
+    assert compiled_full_ac["losses"] == compiled["losses"]
