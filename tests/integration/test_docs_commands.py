@@ -30,6 +30,8 @@ LONG_RUNNING = {
     "./run_train.sh --config qwen3_moe_debug --training.steps 20":
         "trains (tests/unit/test_qwen3_moe_training.py trains the family through the trainer)",
     "NPROC=2 ./run_train.sh --config qwen3_moe_debug --parallelism.dp_shard 2": "trains on 2 processes",
+    "NPROC=2 ./run_train.sh --config qwen3_moe_debug --parallelism.ep 2 --training.steps 20":
+        "trains on 2 processes (tests/integration/test_train_expert_parallel.py runs it for 4 steps)",
     "./run_train.sh": "trains llama3_debug for 200 steps (minutes)",
     "scripts/run_tests.sh": "the whole test suite",
     "./run_train.sh --config llama3_debug --training.steps 50 --optimizer.lr 1e-3": "trains 50 steps",
