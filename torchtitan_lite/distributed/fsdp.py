@@ -84,6 +84,8 @@ def apply_fsdp(
 
         use_byte_view_all_gather(model)
     kind = f"HSDP {tuple(fsdp_mesh.shape)}" if fsdp_mesh.ndim == 2 else f"FSDP {fsdp_mesh.size()}"
+    if expert_mesh is not None:
+        kind += f" (experts over {'x'.join(map(str, expert_mesh.shape))} rank(s) of {expert_mesh.mesh_dim_names})"
     logger.info("applied %s: %d blocks, reshard_after_forward=%s, param_dtype=%s, reduce_dtype=%s%s", kind,
                 len(blocks), reshard_after_forward, policy.param_dtype, policy.reduce_dtype, ", CPU offload" if cpu_offload else "")
     return model
