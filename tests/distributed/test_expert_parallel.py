@@ -5,11 +5,12 @@ The reference runs each rank's share of every global batch in turn on one proces
 _moe_steps.py). In float32 a layout changes only the order of sums (an expert's weight gradient sums the
 rows of every EP rank in one GEMM instead of one share after the other; FSDP reduce-scatters the other
 gradients), and the routing, the balance loss and the expert-bias update are computed from the same
-numbers. Measured on a 2-core AMD EPYC (Zen 5) CPU over 20 AdamW steps: the losses of every float32 layout
-below equal the reference exactly (difference 0); FP32_RTOL = 1e-6 leaves room for summation order on
-other CPUs, while a real error is far larger: dropping the tokens routed to the other rank's experts (the
-negative control) moves the losses by 1.7e-4 relative within 3 steps (the freshly initialised experts add
-little to the residual stream yet), 165 times the tolerance.
+numbers. Measured on a 2-core AMD EPYC (Zen 5) CPU over 20 AdamW steps, max relative difference from the
+reference: losses 1.2e-7 (EP 2, with or without checkpointing) and 1.0e-7 (FSDP 2 x EP 2, HSDP 2 x EP 2,
+EP 4); gradient norms 3.6e-7 and 2.4e-7. FP32_RTOL = 1e-6 (losses) and GRAD_NORM_RTOL = 2e-6 leave room
+for summation order on other CPUs, while a real error is far larger: dropping the tokens routed to the other
+rank's experts (the negative control) moves the losses by 1.7e-4 relative within 3 steps (the freshly
+initialised experts add little to the residual stream yet), 165 times the tolerance.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from _harness import run_ranks
 from _moe_steps import Run, collectives_of_one_step, run_single, train_runs
 
 FP32_RTOL = 1e-6
+GRAD_NORM_RTOL = 2e-6
 STEPS = 20
 
 
@@ -61,7 +63,7 @@ def test_expert_parallel_float32_losses_and_gradients_match_one_process(world_si
     got, ref = _launch(world_size)[name][0], _reference(world_size)
     assert len(got["losses"]) == STEPS
     assert _rel_diff(got["losses"], ref["losses"]) <= FP32_RTOL, (got["losses"], ref["losses"])
-    assert _rel_diff(got["grad_norms"], ref["grad_norms"]) <= FP32_RTOL
+    assert _rel_diff(got["grad_norms"], ref["grad_norms"]) <= GRAD_NORM_RTOL
     # Expert gradients are SUMMED over the ranks that sent tokens (all-to-all backward) and over efsdp /
     # dp_replicate (FSDP): a missing or doubled contribution would be off by a factor, not by rounding.
     assert set(got["first_grads"]) == set(ref["first_grads"])

@@ -14,8 +14,8 @@ from _moe_steps import Run, load_and_continue, save_after
 SAVED_AT = 3
 EP2 = Run(dp_shard=2, ep=2)
 EP1 = Run(dp_shard=2)
-# A different layout of the same run changes only the order of float32 sums; measured: the continued losses
-# are equal (see test_expert_parallel.py for the layouts' own comparison).
+# A different layout of the same run changes only the order of float32 sums (test_expert_parallel.py
+# measures at most 1.2e-7 relative over 20 steps of these layouts).
 FP32_RTOL = 1e-6
 
 
