@@ -15,17 +15,28 @@ from models.common.all_to_all_dispatch import AllToAllTokenDispatcher
 from models.common.moe_hooks import moe_layers
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, checkpointed: bool = False) -> int:
-    """Shard every MoE layer's experts over ``ep_mesh`` (1-D) in place; returns the number of layers.
-
-    checkpointed: the blocks will be activation-checkpointed, so the dispatchers keep their exchanges for
-    the recomputation (which then neither re-routes nor communicates)."""
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
+    """Shard every MoE layer's experts over ``ep_mesh`` (1-D) in place; returns the number of layers."""
     layers = moe_layers(model)
     for moe in layers:
         experts = moe.experts
-        dispatcher = AllToAllTokenDispatcher(moe.args.num_experts, ep_mesh.get_group(), save_for_recompute=checkpointed)
+        dispatcher = AllToAllTokenDispatcher(moe.args.num_experts, ep_mesh.get_group())
         for name, param in list(experts.named_parameters(recurse=False)):
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)]),
                                                           requires_grad=param.requires_grad))
         moe.dispatcher = dispatcher
     return len(layers)
+
+
+def keep_exchanges_for_recompute(blocks: nn.ModuleDict) -> int:
+    """After activation checkpointing is applied: the all-to-all dispatchers of the checkpointed blocks keep
+    their exchanges for the recomputation (which then neither re-routes nor communicates); the others keep
+    nothing. Returns the number of dispatchers that keep them."""
+    kept = 0
+    for block in blocks.values():
+        checkpointed = hasattr(block, "_checkpoint_wrapped_module")
+        for moe in moe_layers(block):
+            if isinstance(moe.dispatcher, AllToAllTokenDispatcher):
+                moe.dispatcher.save_for_recompute = checkpointed
+                kept += checkpointed
+    return kept

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from models.common.expert_parallel import apply_expert_parallel
+from models.common.expert_parallel import apply_expert_parallel, keep_exchanges_for_recompute
 from models.common.experts import GroupedExperts
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, RunFacts, TPInput, build_tp_plan
@@ -58,9 +58,10 @@ def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> Base
     ac_config = context.activation_checkpoint
     if dims.ep_mesh is not None:
         _check_expert_parallel(experts[0].num_experts, dims.ep, dims.tp, ac_config.mode, ac_config.selective_option)
-        apply_expert_parallel(model, dims.ep_mesh, checkpointed=ac_config.mode != "none")
+        apply_expert_parallel(model, dims.ep_mesh)
         layouts.append(f"experts split over EP {dims.ep}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
     ac = apply_ac(model, ac_config.mode, ac_config.selective_option, compiled_tp=False)
+    keep_exchanges_for_recompute(model.layers)
     layouts.append(f"AC {ac}")
     if apply_compile(model, context.compile, EP_COMPILE_REGIONS if dims.ep_mesh is not None else ()):
         what = "blocks but the expert all-to-all" if dims.ep_mesh is not None else "blocks"
