@@ -148,7 +148,8 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     compile_model = config.compile.enable and "model" in config.compile.components
     if spec.check_run is not None:
         spec.check_run(RunFacts(model_args=args, compile_model=compile_model, param_dtype=precision.param_dtype,
-                                tp=dims.tp, ep=dims.ep))
+                                ep=dims.ep, tp=dims.tp, ac_mode=config.activation_checkpoint.mode,
+                                ac_selective_option=config.activation_checkpoint.selective_option))
     context = ConversionContext(
         device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
         fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,

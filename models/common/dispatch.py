@@ -8,6 +8,7 @@ change: it only ever sees (rows sorted by local expert, tokens per local expert)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +28,15 @@ class DispatchHandle:
     """[T * top_k] position in the flattened (token, slot) list of each sorted row."""
     num_tokens: int
     top_k: int
+
+
+class TokenDispatcher(Protocol):
+    """What the MoE layer calls: ``dispatch`` returns the rows for the experts this rank holds, sorted by
+    (local) expert, with their counts; ``combine`` returns the expert outputs to token order, weighted."""
+
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+
+    def combine(self, y: torch.Tensor, handle: Any, weights: torch.Tensor) -> torch.Tensor: ...
 
 
 class LocalTokenDispatcher:

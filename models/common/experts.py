@@ -2,7 +2,8 @@
 
 Weights follow nn.Linear's (out, in) layout per expert, stacked on dim 0: w1, w3 [E, hidden, dim] and
 w2 [E, dim, hidden]. Each slice is the weight an HF per-expert Linear holds, and dim 0 is the one that
-expert parallelism shards.
+expert parallelism shards: under EP the parameters are DTensors sharded on dim 0 over the EP ranks, and
+the forward computes with this rank's slice (the counts then cover the local experts only).
 
 ``GroupedExperts.grouped_mm`` is the single GEMM primitive of the grouped path: a low-precision
 converter (FP8 rowwise, MXFP8, their emulation) replaces that one method and inherits everything else.
@@ -58,7 +59,9 @@ class GroupedExperts(nn.Module):
         return self.loop_forward(x, counts)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w2, w3) as plain tensors: this rank's slices where tensor parallelism made them DTensors."""
+        """(w1, w2, w3) of what this rank computes: the whole tensors, or the local slices of the DTensors
+        that expert parallelism (expert dim) or tensor parallelism (hidden dim) made them (differentiable: the
+        gradient lands in that slice)."""
         return _local(self.w1), _local(self.w2), _local(self.w3)
 
     def grouped_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
 
 Replaceable parts, so that later work plugs in without touching this module:
   * ``experts.grouped_mm`` (models/common/experts.py): the GEMM a low-precision converter swaps;
-  * ``dispatcher`` (models/common/dispatch.py): local sort/unsort today, all-to-all over an expert-parallel
-    mesh later (``dispatch`` / ``combine`` with the same signatures);
+  * ``dispatcher`` (models/common/dispatch.py): local sort/unsort, or the all-to-all over an expert-parallel
+    group (models/common/all_to_all_dispatch.py) that a family's parallelize swaps in with the expert slice;
   * the balancing state is two buffers: ``expert_bias`` (persistent: it checkpoints and, being [E],
     reshards with the experts) and ``tokens_per_expert`` (this step's loads, zeroed by the update);
   * what the router metrics read (models/common/router_stats.py) is kept apart, so reading it never disturbs
@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.common.dispatch import LocalTokenDispatcher, tokens_per_expert
+from models.common.dispatch import LocalTokenDispatcher, TokenDispatcher, tokens_per_expert
 from models.common.experts import GroupedExperts
 from models.common.feed_forward import FeedForward
 from models.common.load_balance import expert_bias_delta, sequence_aux_loss
+from models.common.recompute import recomputing
 from models.common.router import SCORE_FUNCS, ScoreFunc, TokenChoiceRouter, check_groups
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 
@@ -106,7 +107,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, use_grouped_mm=args.use_grouped_mm)
         self.shared_experts = (FeedForward(dim, args.num_shared_experts * args.hidden_dim)
                                if args.num_shared_experts else None)
-        self.dispatcher = LocalTokenDispatcher(args.num_experts)
+        self.dispatcher: TokenDispatcher = LocalTokenDispatcher(args.num_experts)
         # float32 whatever the model's dtype: a bf16 bias could not hold 1e-3 steps on top of scores ~0.5.
         self.expert_bias: torch.Tensor
         self.tokens_per_expert: torch.Tensor
@@ -147,7 +148,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         routing = self.router(tokens, self.expert_bias if self.uses_expert_bias else None)
         if self.training:
-            self._record(routing.experts, routing.scores, batch, seq_len, recomputing=_recomputing())
+            self._record(routing.experts, routing.scores, batch, seq_len, recomputing=recomputing())
         rows, counts, handle = self.dispatcher.dispatch(tokens, routing.experts)
         out = self.dispatcher.combine(self.experts(rows, counts), handle, routing.weights)
         if self.shared_experts is not None:
@@ -199,11 +200,3 @@ class MoE(nn.Module):
         self.expert_bias += expert_bias_delta(loads, self.args.bias_update_rate)
         loads.zero_()
 
-
-def _recomputing() -> bool:
-    """True while autograd runs a backward pass, i.e. when activation checkpointing recomputes this forward:
-    the loads and the aux loss of that recomputation were already recorded by the original forward.
-    A compiled block never re-runs its Python forward (the compiled backward recomputes inside the graph)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1

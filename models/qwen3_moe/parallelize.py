@@ -10,7 +10,10 @@ makes the same choices and counts the same tokens per expert), every expert's hi
 ranks and the partial outputs are reduce-scattered back to the sequence-parallel layout.
 
 FSDP2 / HSDP shards every parameter over the data ranks (the 3-D expert weights on their expert dim).
-Order as Llama 3's: TP -> activation checkpointing -> compile -> FSDP. Expert parallelism is not wired here.
+Under expert parallelism (parallelism.ep) the experts are split over the EP ranks with all-to-all token
+dispatch, and FSDP shards them over the ranks left (expert_fsdp_mesh); every other parameter is sharded
+over dp_shard as without EP. EP together with TP is refused. Order: TP or EP -> activation checkpointing
+-> compile -> FSDP.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import logging
 
 import torch
 
+from models.common.expert_parallel import apply_expert_parallel, keep_exchanges_for_recompute
 from models.common.experts import GroupedExperts
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import (
@@ -49,11 +53,16 @@ QWEN3_MOE_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
     embedding="tok_embeddings",
     output="output",
     final_norm="norm",
+    experts="moe.experts",
 )
+
+EP_COMPILE_REGIONS = ("attention_norm", "attention", "ffn_norm", "moe.router", "moe.experts")
+"""What is compiled of each block under expert parallelism: everything but the MoE layer's dispatch and
+combine, whose all-to-all split sizes are host integers (a whole-block graph would break there)."""
 
 
 def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> BaseModel:
-    """TP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
+    """TP or EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
     from torchtitan_lite.distributed.activation_checkpoint import apply_ac
     from torchtitan_lite.distributed.compile import apply_compile
     from torchtitan_lite.distributed.fsdp import apply_fsdp
@@ -77,14 +86,22 @@ def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> Base
         float8 = sum(r.float8 for block in regions for r in block)
         if float8:
             layouts.append(f"float8 TP comms in {float8} of {sum(len(b) for b in regions)} regions")
-    ac = apply_ac(model, context.activation_checkpoint.mode, context.activation_checkpoint.selective_option,
+    ac_config = context.activation_checkpoint
+    if dims.ep_mesh is not None:
+        _check_expert_parallel(experts[0].num_experts, dims.ep, dims.tp, ac_config.mode, ac_config.selective_option)
+        apply_expert_parallel(model, dims.ep_mesh)
+        layouts.append(f"experts split over EP {dims.ep}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
+    ac = apply_ac(model, ac_config.mode, ac_config.selective_option,
                   compiled_tp=context.compile_model and dims.tp_enabled)
+    keep_exchanges_for_recompute(model.layers)
     layouts.append(f"AC {ac}")
-    if apply_compile(model, context.compile):
-        layouts.append(f"compiled blocks ({context.compile.backend})")
+    if apply_compile(model, context.compile, EP_COMPILE_REGIONS if dims.ep_mesh is not None else ()):
+        what = "blocks but the expert all-to-all" if dims.ep_mesh is not None else "blocks"
+        layouts.append(f"compiled {what} ({context.compile.backend})")
     if dims.fsdp_mesh is not None:
         apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=context.mp_policy,
-                   reshard_after_forward=context.fsdp_reshard_after_forward, cpu_offload=context.fsdp_cpu_offload)
+                   reshard_after_forward=context.fsdp_reshard_after_forward, cpu_offload=context.fsdp_cpu_offload,
+                   expert_mesh=dims.expert_fsdp_mesh)
     logger.info("parallelized qwen3_moe: %s", ", ".join(layouts))
     return model
 
@@ -94,6 +111,7 @@ def check_qwen3_moe_run(facts: RunFacts) -> None:
     (The attention heads' split over tp is ParallelDims.validate_for_model's.)"""
     moe = facts.model_args.moe
     _check_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
+    _check_expert_parallel(moe.num_experts, facts.ep, facts.tp, facts.ac_mode, facts.ac_selective_option)
     if facts.tp > 1:
         _check_expert_tp(moe.hidden_dim, facts.tp, moe.use_grouped_mm)
 
@@ -111,6 +129,27 @@ def _check_expert_tp(hidden_dim: int, tp: int, grouped_mm: bool) -> None:
             f"parallelism.tp={tp} leaves each rank {hidden_dim // tp} of the experts' hidden_dim={hidden_dim} "
             "channels, not a multiple of 8: torch._grouped_mm needs 16-byte aligned strides in bfloat16; use a "
             "smaller tp, or set the flavor's moe.use_grouped_mm=False to run the per-expert loop")
+
+
+def _check_expert_parallel(num_experts: int, ep: int, tp: int, ac_mode: str, ac_selective_option: str) -> None:
+    if ep == 1:
+        return
+    if num_experts % ep:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"parallelism.ep={ep} must divide the model's num_experts={num_experts} (every EP rank holds the same "
+            f"number of experts); use an ep among {divisors}")
+    if tp > 1:
+        raise ValueError(
+            f"qwen3_moe does not support expert parallelism together with tensor parallelism yet (parallelism.ep={ep}, "
+            f"parallelism.tp={tp}); set --parallelism.tp 1, or --parallelism.ep 1")
+    if ac_mode == "selective" and ac_selective_option == "op":
+        # torch 2.13's selective checkpointing replays ops by count, and the experts' own FSDP unit inside the
+        # block runs its all-gather hooks a different number of times in the recomputation.
+        raise ValueError(
+            f"activation_checkpoint.mode=selective with selective_option=op does not work with expert parallelism "
+            f"(parallelism.ep={ep}) on this PyTorch: per-op checkpointing cannot replay the experts' FSDP hooks; use "
+            "--activation_checkpoint.mode full, or --activation_checkpoint.selective_option 2 (every 2nd block)")
 
 
 def _check_compile_dtype(grouped_mm: bool, compile_model: bool, compute_dtype: torch.dtype | None) -> None:

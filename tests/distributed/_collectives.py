@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _COLLECTIVES = frozenset({
+    "all_to_all_single",
     "_allgather_base_", "allgather_", "all_gather_into_tensor", "allreduce_", "all_reduce",
     "_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor", "broadcast_", "broadcast",
 })

@@ -39,7 +39,7 @@ LONG_RUNNING = {
     "./run_train.sh --config qwen3_moe_debug_bf16 --training.steps 20":
         "trains (tests/unit/test_qwen3_moe_training.py trains qwen3_moe_debug_bf16, compiled and eager)",
     "NPROC=2 ./run_train.sh --config qwen3_moe_debug --parallelism.ep 2 --training.steps 20":
-        "trains on 2 processes with expert parallelism",
+        "trains on 2 processes (tests/integration/test_train_expert_parallel.py runs it for 4 steps)",
     "./run_train.sh --config qwen3_moe_debug --training.steps 20 --checkpoint.interval 20 --job.dump_folder "
     "outputs/qwen3_moe": "trains (tests/unit/test_qwen3_moe_training.py checkpoints a 1-step run and round-trips it)",
     "python scripts/convert_to_hf.py --checkpoint outputs/qwen3_moe/checkpoint/step-20 --output qwen3_moe_hf":

@@ -27,18 +27,31 @@ from torchtitan_lite.protocols.model import BaseModel
 logger = logging.getLogger(__name__)
 
 
-def apply_compile(model: BaseModel, compile_config: CompileConfig) -> int:
+def apply_compile(model: BaseModel, compile_config: CompileConfig, regions: tuple[str, ...] = ()) -> int:
     """Compile every block of `model.layers` in place (`Module.compile`, so parameter names are unchanged).
 
-    Returns the number of compiled blocks. A no-op unless compile is enabled with 'model' in components.
+    regions: compile these block-relative submodules of each block instead of the whole block, leaving the
+    code between them eager (where a block runs something a graph cannot hold, e.g. the host-side split
+    sizes of an expert-parallel all-to-all). Returns the number of compiled blocks. A no-op unless compile
+    is enabled with 'model' in components.
     """
     if not (compile_config.enable and "model" in compile_config.components):
         return 0
     for block in model.layers.values():
-        block.compile(backend=compile_config.backend, fullgraph=compile_config.fullgraph)
+        for module in _regions(block, regions) if regions else [block]:
+            module.compile(backend=compile_config.backend, fullgraph=compile_config.fullgraph)
     logger.info("compiling %d blocks with backend=%s fullgraph=%s, once per block kind (first step pays the "
                 "compile time)", len(model.layers), compile_config.backend, compile_config.fullgraph)
     return len(model.layers)
+
+
+def _regions(block: torch.nn.Module, regions: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The block's submodules named in ``regions``, looked up through an activation-checkpoint wrapper."""
+    by_name = {name.replace("_checkpoint_wrapped_module.", ""): m for name, m in block.named_modules()}
+    missing = [r for r in regions if r not in by_name]
+    if missing:
+        raise ValueError(f"compile regions {missing} are not submodules of {type(block).__name__}")
+    return [by_name[r] for r in regions]
 
 
 def maybe_compile_loss(loss_fn: Callable, *, enabled: bool, backend: str) -> Callable:

@@ -28,8 +28,14 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: ReshardPolicy = "default",
     cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard `model` in place over `fsdp_mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns it.
+
+    expert_mesh: under expert parallelism, the mesh the routed experts of each block (``plan.experts``,
+    already EP-sharded) are sharded over instead: their own FSDP unit inside the block's. Their gradients
+    are then summed over that mesh only; the all-to-all's backward has already brought every EP rank's
+    contribution to the expert's owner.
 
     reshard_after_forward: 'always' frees every unit's gathered parameters after its forward (re-gathered
     in backward), 'never' keeps them (ZeRO-2-like memory, no backward all-gather), 'default' reshards all
@@ -47,8 +53,8 @@ def apply_fsdp(
     policy = mp_policy or MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
 
-    def shard(modules: nn.Module | list[nn.Module], reshard: bool) -> None:
-        fully_shard(modules, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+    def shard(modules: nn.Module | list[nn.Module], reshard: bool, mesh: DeviceMesh = fsdp_mesh) -> None:
+        fully_shard(modules, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
 
     always = reshard_after_forward == "always"
     never = reshard_after_forward == "never"
@@ -60,8 +66,10 @@ def apply_fsdp(
     if not tied:
         shard(embedding, not never)
     for i, block in enumerate(blocks):
-        last = i == len(blocks) - 1
-        shard(block, always or (not never and not last))
+        reshard = always or (not never and i < len(blocks) - 1)
+        if expert_mesh is not None:
+            shard(_block_experts(block, plan), reshard, expert_mesh)
+        shard(block, reshard)
     if not tied:
         shard([model.get_submodule(plan.final_norm), output], always)
     shard(model, always)
@@ -76,6 +84,18 @@ def apply_fsdp(
 
         use_byte_view_all_gather(model)
     kind = f"HSDP {tuple(fsdp_mesh.shape)}" if fsdp_mesh.ndim == 2 else f"FSDP {fsdp_mesh.size()}"
+    if expert_mesh is not None:
+        kind += f" (experts over {'x'.join(map(str, expert_mesh.shape))} rank(s) of {expert_mesh.mesh_dim_names})"
     logger.info("applied %s: %d blocks, reshard_after_forward=%s, param_dtype=%s, reduce_dtype=%s%s", kind,
                 len(blocks), reshard_after_forward, policy.param_dtype, policy.reduce_dtype, ", CPU offload" if cpu_offload else "")
     return model
+
+
+def _block_experts(block: nn.Module, plan: ParallelPlan) -> nn.Module:
+    """The block's routed experts by the plan's block-relative name, through an activation-checkpoint wrapper."""
+    if plan.experts is None:
+        raise ValueError("an expert mesh was given but the family's plan names no experts (ParallelPlan.experts)")
+    for name, module in block.named_modules():
+        if name.replace("_checkpoint_wrapped_module.", "") == plan.experts:
+            return module
+    raise ValueError(f"block {type(block).__name__} has no module {plan.experts!r} (ParallelPlan.experts)")

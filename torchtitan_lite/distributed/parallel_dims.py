@@ -1,7 +1,9 @@
 """Parallelism degrees and the device meshes built from them.
 
 The world is laid out as a (dp_replicate, dp_shard, tp) grid, tp innermost so that tensor-parallel ranks
-are neighbours (same host on GPU clusters). Every check here is arithmetic on the degrees, so a wrong
+are neighbours (same host on GPU clusters). Expert parallelism borrows its ranks from dp_shard: dp_shard is
+unflattened into (efsdp, ep), ep inner, so the ranks that exchange tokens are neighbours and the efsdp ranks
+that hold the same experts shard those experts' weights (FSDP). Every check here is arithmetic on the degrees, so a wrong
 layout fails before any process group exists.
 """
 from __future__ import annotations
@@ -59,6 +61,7 @@ class ParallelDims:
         self.world_size = world_size
         self.world_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
+        self._expert_mesh: DeviceMesh | None = None
 
     def validate_for_model(self, args: Any, seq_len: int, *, sequence_parallel: bool = True) -> None:
         """Check that the model's shapes split over `tp`; `args` needs n_heads, n_kv_heads, tie_word_embeddings."""
@@ -145,9 +148,13 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
                                 mesh_dim_names=MESH_DIM_NAMES)
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        if self.ep_enabled:
+            # The same ranks as the world mesh, dp_shard seen as (efsdp, ep): the meshes sliced from it share
+            # the world's root, which FSDP needs to shard the EP-sharded expert weights further.
+            self._expert_mesh = mesh._unflatten("dp_shard", (self.expert_fsdp_degree, self.ep), ("efsdp", "ep"))
         self.world_mesh = mesh
-        logger.info("device mesh %s: dp_replicate=%d dp_shard=%d tp=%d",
-                    device_type, self.dp_replicate, self.dp_shard, self.tp)
+        logger.info("device mesh %s: dp_replicate=%d dp_shard=%d tp=%d%s", device_type, self.dp_replicate,
+                    self.dp_shard, self.tp, f" (ep={self.ep} x efsdp={self.expert_fsdp_degree})" if self.ep_enabled else "")
         return mesh
 
     @property
@@ -163,6 +170,19 @@ class ParallelDims:
         if self.hsdp_enabled:
             return self.world_mesh["dp_replicate", "dp_shard"]
         return self.world_mesh["dp_shard"]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """1-D mesh of the ranks that split the experts and exchange tokens (all-to-all); None without EP."""
+        return self._expert_mesh["ep"] if self._expert_mesh is not None else None
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh expert weights are FSDP-sharded over under EP: efsdp (the dp_shard ranks holding the same
+        experts), with dp_replicate in front for HSDP; None without EP."""
+        if self._expert_mesh is None:
+            return None
+        return self._expert_mesh["dp_replicate", "efsdp"] if self.hsdp_enabled else self._expert_mesh["efsdp"]
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:

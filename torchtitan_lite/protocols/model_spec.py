@@ -107,6 +107,9 @@ class ParallelPlan:
     """The norm before the output projection (sequence parallel with SP)."""
     tp_shard_dims: dict[str, int] = field(default_factory=dict)
     """Weight dim each TP-split module shards, by block-relative or root-level module name."""
+    experts: str | None = None
+    """Block-relative name of the routed experts (3-D weights, expert dim 0) that expert parallelism splits and
+    FSDP shards over the ranks left after EP, e.g. 'moe.experts'; None for a dense family."""
 
     def tp_shard_dim(self, module: str) -> int | None:
         """Shard dim of ``module``'s weight under TP (full FQN, e.g. 'layers.3.attention.wo'); None if whole."""
@@ -152,10 +155,14 @@ class RunFacts:
     """The blocks are compiled."""
     param_dtype: torch.dtype
     """The compute dtype of the parameters (precision.param_dtype, 'auto' decided)."""
-    tp: int = 1
-    """Tensor-parallel degree (parallelism.tp)."""
     ep: int = 1
     """Expert-parallel degree (parallelism.ep)."""
+    tp: int = 1
+    """Tensor-parallel degree (parallelism.tp)."""
+    ac_mode: str = "none"
+    """activation_checkpoint.mode."""
+    ac_selective_option: str = "op"
+    """activation_checkpoint.selective_option."""
 
 
 RunCheck = Callable[[RunFacts], None]

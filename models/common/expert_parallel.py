@@ -1,0 +1,42 @@
+"""Expert parallelism for any family built on models/common/moe.py: split every MoE layer's routed experts
+over the EP ranks and swap in the all-to-all dispatcher. The MoE layer itself does not change.
+
+The expert weights become DTensors sharded on dim 0 (the expert dim) over the EP mesh, so a checkpoint
+holds the global [num_experts, ...] tensors and DCP reshards it between EP degrees. The router and its
+expert bias stay replicated: every rank routes its own tokens over all experts.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from models.common.all_to_all_dispatch import AllToAllTokenDispatcher
+from models.common.moe_hooks import moe_layers
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
+    """Shard every MoE layer's experts over ``ep_mesh`` (1-D) in place; returns the number of layers."""
+    layers = moe_layers(model)
+    for moe in layers:
+        experts = moe.experts
+        dispatcher = AllToAllTokenDispatcher(moe.args.num_experts, ep_mesh.get_group())
+        for name, param in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)]),
+                                                          requires_grad=param.requires_grad))
+        moe.dispatcher = dispatcher
+    return len(layers)
+
+
+def keep_exchanges_for_recompute(blocks: nn.ModuleDict) -> int:
+    """After activation checkpointing is applied: the all-to-all dispatchers of the checkpointed blocks keep
+    their exchanges for the recomputation (which then neither re-routes nor communicates); the others keep
+    nothing. Returns the number of dispatchers that keep them."""
+    kept = 0
+    for block in blocks.values():
+        checkpointed = hasattr(block, "_checkpoint_wrapped_module")
+        for moe in moe_layers(block):
+            if isinstance(moe.dispatcher, AllToAllTokenDispatcher):
+                moe.dispatcher.save_for_recompute = checkpointed
+                kept += checkpointed
+    return kept
