@@ -1,7 +1,7 @@
 """Live FP8 health: per converted Linear, what its casts do to the tensors of one training micro-batch.
 
-Every ``metrics.fp8_stats_freq`` steps, on that step's first micro-batch, for every FP8 / MX Linear
-(torchao ``Float8Linear``, ``MXFP8Linear``):
+Every ``metrics.fp8_stats_freq`` steps, on that step's first micro-batch, for every FP8 / MX / blockwise
+FP8 Linear (torchao ``Float8Linear``, ``MXFP8Linear``, this project's ``BlockwiseFP8Linear``):
 
 - the amax of its input, weight and output gradient (the gradient includes an FP16 loss scale);
 - per cast (``cast_health``): the share of elements it saturates and the share it flushes to zero;
@@ -39,9 +39,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from torchtitan_lite.components.quantization.blockwise_linear import BlockwiseFP8Linear
 from torchtitan_lite.components.quantization.cast_health import (
     OPERANDS,
     Cast,
+    blockwise_casts,
     float8_casts,
     measure_cast,
     mx_casts,
@@ -110,7 +112,7 @@ class Fp8StatsCollector:
         offset = 0
         for part in self.model_parts:
             for fqn, module in low_precision_linears(part):
-                casts = mx_casts(module) if is_mx_linear(module) else float8_casts(module.config)
+                casts = _casts(module)
                 layer = _Layer(len(self.layers), _clean_fqn(fqn), module, casts, offset)
                 self.layers.append(layer)
                 offset += layer.width
@@ -179,7 +181,8 @@ class Fp8StatsCollector:
             if tensor_already_casted_to_fp8(weight) and layer.sharded_weight is not None:
                 weight = layer.sharded_weight  # FSDP float8 all-gather: measure the master weights it casts
             weight = _whole(weight)
-            if is_mx_linear(module):  # the MX GEMM reads both operands in the dtype it writes
+            # The MX and the blockwise GEMMs read both operands in the dtype they write.
+            if is_mx_linear(module) or isinstance(module, BlockwiseFP8Linear):
                 weight = weight.to(output.dtype)
             self._measure_operand(layer, "weight", weight)
             if tensor_already_casted_to_fp8(x):
@@ -299,6 +302,14 @@ def threshold_crossings(step: int, health: list[LayerHealth], *, saturation: flo
                         f"{100 * share:.3g}% of its elements ({why}; threshold {100 * limit:.3g}%), amax "
                         f"{h.amax.get(_operand(name), math.nan):.3g}")))
     return crossings
+
+
+def _casts(module: nn.Module) -> list[Cast]:
+    if is_mx_linear(module):
+        return mx_casts(module)
+    if isinstance(module, BlockwiseFP8Linear):
+        return blockwise_casts(module)
+    return float8_casts(module.config)
 
 
 def _operand(cast_name: str) -> str:
