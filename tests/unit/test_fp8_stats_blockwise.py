@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_lite.components.quantization import cast_health
-from torchtitan_lite.components.quantization.blockwise_fp8 import fake_1x128, fake_128x128
+from torchtitan_lite.components.quantization.blockwise_fp8 import fake_1x128, fake_128x128, quantize_128x128
 from torchtitan_lite.components.quantization.blockwise_linear import BlockwiseFP8Linear
 from torchtitan_lite.components.quantization.cast_health import blockwise_casts, measure_cast
 from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
@@ -121,6 +121,36 @@ def test_collector_measures_blockwise_linears_on_their_micro_batch(power_of_2):
     assert 25 < first.output_sqnr_db < 35   # e4m3 (3 mantissa bits) on every tile: ~28-29 dB
     assert set(health["2"].saturated) == {"input", "weight", "grad_output", "grad_output_gw", "input_gw"}
     assert not model[0]._forward_hooks   # nothing stays installed
+
+
+def test_a_weight_gathered_as_fp8_blocks_is_measured_from_its_master_weight():
+    """With FSDP's blockwise FP8 all-gather the Linear computes with already quantized blocks (``_data``,
+    ``_scale``): their zeros are no longer 'nonzero elements cast to 0', so the weight cast is measured on the
+    master weight FSDP held before the forward, as for float8's all-gather."""
+    model = _two_blockwise_layers(power_of_2=False)
+    master = model[0].weight
+    with torch.no_grad():
+        master[0, 0] = 1e6   # flushes the rest of its 128x128 block
+    x = torch.randn(128, 256)
+
+    def weight_health(gathered: bool):
+        collector = Fp8StatsCollector([model], freq=1)
+        with collector.capture():
+            if gathered:   # what FSDP's unsharded parameter looks like during the forward
+                data, scale = quantize_128x128(master.detach(), power_of_2=False)
+                weight = nn.Parameter(fake_128x128(master.detach(), power_of_2=False))
+                weight._data, weight._scale = data, scale
+                model[0].weight = weight
+            model(x).square().mean().backward()
+            model[0].weight = master
+        return {h.fqn: h for h in collector.collect()}["0"]
+
+    plain, gathered = weight_health(False), weight_health(True)
+    # Every other element of the outlier's block (|w| < 0.07 < 2^-10 * 1e6 / 448) flushes; the 384 x 256 weight
+    # holds 6 blocks. The dequantized blocks have those elements at 0 already: measured there, the share would be 0.
+    assert plain.underflow["weight"] == (128 * 128 - 1) / (384 * 256)
+    assert gathered.underflow["weight"] == plain.underflow["weight"]
+    assert gathered.amax["weight"] == plain.amax["weight"] == 1e6
 
 
 def test_fp8_stats_are_logged_for_a_blockwise_training_run(tmp_path, caplog):

@@ -16,8 +16,8 @@ graph break); every other micro-batch and step runs the compiled code untouched.
 What the numbers cover with parallelism. Every operand is measured whole, as the cast sees it:
 tensor-parallel DTensors are gathered (``full_tensor``) for the measurement, FSDP's weights are the
 unsharded ones of the forward, and with FSDP float8 all-gather (the weight reaches the Linear already
-in float8) the weight is measured from the sharded float32 master weights the all-gather casts,
-gathered. Each data-parallel rank measures its own micro-batch; rank sums (elements, saturated,
+in float8, or as blockwise FP8 blocks) the weight is measured from the sharded float32 master weights the
+all-gather casts, gathered. Each data-parallel rank measures its own micro-batch; rank sums (elements, saturated,
 underflowed, signal and noise energy) and maxima (amax) are reduced over the data-parallel group, so
 shares and SQNR are those of the whole global micro-batch. With tensor parallelism and the tensorwise
 recipe, torchao casts a Linear's input and output gradient to float8 inside the tensor-parallel
@@ -178,8 +178,9 @@ class Fp8StatsCollector:
         module = layer.module
         with _plain_math(output):
             weight: torch.Tensor = module.weight
-            if tensor_already_casted_to_fp8(weight) and layer.sharded_weight is not None:
-                weight = layer.sharded_weight  # FSDP float8 all-gather: measure the master weights it casts
+            if (tensor_already_casted_to_fp8(weight) or _gathered_as_fp8_blocks(weight)) \
+                    and layer.sharded_weight is not None:
+                weight = layer.sharded_weight  # FSDP FP8 all-gather: measure the master weights it casts
             weight = _whole(weight)
             # The MX and the blockwise GEMMs read both operands in the dtype they write.
             if is_mx_linear(module) or isinstance(module, BlockwiseFP8Linear):
@@ -365,6 +366,13 @@ def _plain_math(like: torch.Tensor) -> Iterator[None]:
     device_type = like.device.type
     with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):
         yield
+
+
+def _gathered_as_fp8_blocks(weight: torch.Tensor) -> bool:
+    """The weight reached the Linear as blockwise FP8 blocks (E4M3 ``_data`` and ``_scale``), from FSDP's
+    blockwise FP8 all-gather: its values are already quantized, so the casts are measured on the master weights."""
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    return hasattr(local, "_data") and hasattr(local, "_scale")
 
 
 def _clean_fqn(fqn: str) -> str:
