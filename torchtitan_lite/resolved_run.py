@@ -162,9 +162,6 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         raise ValueError(f"metrics.fp8_stats_freq={config.metrics.fp8_stats_freq} measures FP8 / MX Linears, but "
                          f"model_converters.converters is empty; add a float8 converter (e.g. --config "
                          f"llama3_debug_fp8) or set metrics.fp8_stats_freq=0")
-    if config.metrics.fp8_stats_freq > 0 and any(c.config.kind == "float8_blockwise" for c in converters.converters):
-        raise ValueError(f"metrics.fp8_stats_freq={config.metrics.fp8_stats_freq} does not measure blockwise FP8 "
-                         f"Linears yet (it covers the float8 and mx converters); set metrics.fp8_stats_freq=0")
     return ResolvedRun(
         world_size=world_size, device_type=device_type, parallel_dims=dims, model_spec=spec, model_args=args,
         moe_facts=moe_facts,

@@ -210,12 +210,3 @@ def test_a_compiled_blockwise_linear_matches_eager_bit_for_bit():
     compiled = run(torch.compile(model.up, backend="aot_eager", fullgraph=True))
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
 
-
-def test_fp8_statistics_are_refused_before_the_run():
-    import config_registry
-    from torchtitan_lite.resolved_run import resolve_run
-
-    cfg = config_registry.get("llama3_debug_fp8_blockwise")
-    cfg.metrics.fp8_stats_freq = 10
-    with pytest.raises(ValueError, match="metrics.fp8_stats_freq=10 does not measure blockwise FP8 Linears yet"):
-        resolve_run(cfg, world_size=1, device_type="cpu")

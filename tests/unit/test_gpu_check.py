@@ -34,13 +34,23 @@ def test_plan_lists_stages_a_to_d_and_their_commands_within_the_budget(tmp_path)
     assert len(commands) == 5  # the wheel install, then one command per stage
     assert commands[0].startswith(f"{sys.executable} -m pip install --no-index --no-deps")
     assert "-m pytest -m gpu tests/gpu" in commands[1]
-    assert "scripts/float8_layer_bench.py --shapes llama3_8b" in commands[2]
+    assert ("scripts/float8_layer_bench.py --shapes llama3_8b --recipes tensorwise rowwise rowwise_with_gw_hp "
+            "blockwise") in commands[2]
     assert ("scripts/benchmark.py --configs llama3_8b llama3_8b_fp8 llama3_8b_fp8_rowwise --baseline llama3_8b"
             in commands[3])
     assert "--model.n_layers 4 --training.seq_len 8192" in commands[3] and "--compile.enable true" in commands[3]
     assert "scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 --steps 200" in commands[4]
     assert f"output under {tmp_path / 'out'}" in lines[0]
     assert sum(s.timeout_s for s in gpu_check.build_stages("python", tmp_path)) <= gpu_check.BUDGET_S
+
+
+def test_stage_b_recipes_are_the_benchmarks_own():
+    from torchtitan_lite.tools import float8_layer_bench
+
+    command = gpu_check.build_stages("python", Path("/out"))[1].command
+    args = float8_layer_bench.parse_args(command[2:])
+    assert args.shapes == ["llama3_8b"] and args.recipes == ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"]
+    float8_layer_bench.check_blockwise_shapes(float8_layer_bench.parse_shapes(args.shapes, args.tokens))  # 8B: whole blocks
 
 
 def test_stage_c_overrides_resolve_for_every_benchmarked_config():
@@ -69,6 +79,9 @@ def test_figures_from_stage_outputs(tmp_path):
                  "rowwise ms | rowwise speedup |\n|---|---:|\n| all (sum) | | | | 10.0 | | 7.0 | 1.43x | 8.0 | 1.25x |\n")
     assert gpu_check._layer_bench_figure(tmp_path, bench_log) == (
         True, "sum of the 8B Linears, FP8 over BF16: tensorwise 1.43x, rowwise 1.25x")
+    emulated = "blockwise: blockwise GEMMs emulated: NVIDIA L40S (compute capability 8.9) is not ...\n" + bench_log
+    assert gpu_check._layer_bench_figure(tmp_path, emulated)[1].endswith(
+        "rowwise 1.25x (blockwise emulated on this GPU: not the kernels' speed)")
 
     row = dict(tokens_per_s_device=10000.0, tflops_device=400.0, mfu_percent=40.4, peak_memory_gib=30.0,
                compile_s=50.0)

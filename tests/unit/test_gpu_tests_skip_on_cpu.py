@@ -12,7 +12,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 GPU_TEST_FILES = ("test_gpu_float8.py", "test_gpu_fsdp.py", "test_gpu_tp.py", "test_gpu_checkpoint.py",
                   "test_gpu_grad_scaler.py", "test_gpu_memory_estimate.py", "test_gpu_profiler.py",
-                  "test_gpu_moe_experts.py")
+                  "test_gpu_moe_experts.py", "test_gpu_blockwise.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour; on a GPU the tests run")
@@ -30,7 +30,8 @@ def test_pytest_m_gpu_skips_every_gpu_test_with_needs_cuda(tmp_path):
     assert set(skips.values()) == {"needs CUDA"}
     files = {classname.rsplit(".", 1)[-1] + ".py" for classname, _ in skips}
     assert files == set(GPU_TEST_FILES)
-    # 3 + 2 + 1 float8, 2 FSDP, 1 TP, 1 DCP, 1 scaler, 4 memory cases, 1 profiler, 4 MoE grouped experts.
-    assert len(skips) == 20
+    # 3 + 2 + 1 float8, 2 FSDP, 1 TP, 1 DCP, 1 scaler, 4 memory cases, 1 profiler, 4 MoE grouped experts,
+    # 2 + 1 blockwise.
+    assert len(skips) == 23
     last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith("20 skipped"), last
+    assert last.startswith("23 skipped"), last

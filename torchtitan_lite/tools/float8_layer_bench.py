@@ -4,6 +4,7 @@
     python scripts/float8_layer_bench.py --shapes llama3_70b --tokens 16384
     python scripts/float8_layer_bench.py --shapes 8192,4096,14336 16384,8192,8192
     python scripts/float8_layer_bench.py --shapes 256,256,256 --no-compile   # a quick CPU check
+    python scripts/float8_layer_bench.py --shapes llama3_8b --recipes tensorwise blockwise
 
 A shape M,K,N is a Linear with K inputs and N outputs applied to M tokens (local batch x sequence).
 A preset ``llama3_<flavor>`` takes every distinct Linear of one transformer block plus the output
@@ -13,6 +14,12 @@ up, and timed over ``--iters`` forward+backward passes with a fixed upstream gra
 on a GPU, a synchronised wall clock on CPU). Speedup = high-precision time / FP8 time, so > 1 means
 FP8 is faster. FP8 pays off only on large GEMMs with compile on FP8 tensor cores (sm_89+); a CPU
 has no FP8 matrix units, so there the table only shows that the code runs.
+
+``blockwise`` (not timed unless named in ``--recipes``) is the float8_blockwise converter's Linear
+(DeepSeek-V3: 1x128 activation / gradient tiles, 128x128 weight blocks, float32 scales), run eagerly:
+on an sm_90 GPU its native path is torchao's Triton quantization kernels and cuBLAS's blockwise GEMM,
+which need no compile; anywhere else it is emulated, which the header says (those times are not the
+kernels'). Its shapes need K and N multiples of 128.
 """
 from __future__ import annotations
 
@@ -24,12 +31,15 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+DEFAULT_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""torchao Float8Linear recipes, timed by default."""
+BLOCKWISE = "blockwise"
+RECIPES = (*DEFAULT_RECIPES, BLOCKWISE)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DEFAULT_TOKENS = 8192
 PRESET_PREFIX = "llama3_"
@@ -94,8 +104,9 @@ def parse_shapes(specs: list[str], tokens: int) -> list[Shape]:
 
 
 def make_variant(recipe: str | None, k: int, n: int, dtype: torch.dtype, device: torch.device, *,
-                 compile: bool) -> nn.Module:
-    """A bias-free Linear(k, n) in ``dtype``, converted to Float8Linear with ``recipe`` when given."""
+                 compile: bool, tokens: int = DEFAULT_TOKENS) -> nn.Module:
+    """A bias-free Linear(k, n) in ``dtype``, converted to Float8Linear with ``recipe`` when given (blockwise:
+    BlockwiseFP8Linear, never compiled; see the module docstring)."""
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
@@ -103,12 +114,41 @@ def make_variant(recipe: str | None, k: int, n: int, dtype: torch.dtype, device:
 
     torch.manual_seed(0)
     module: nn.Module = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+    if recipe == BLOCKWISE:
+        from torchtitan_lite.components.quantization.blockwise_linear import blockwise_linear_from
+
+        emulate = blockwise_kernel(device, dtype, tokens).emulate is not False
+        return blockwise_linear_from(cast(nn.Linear, module), emulate=emulate, power_of_2=False)
     if recipe is not None:
         # A torch whose CPU _scaled_mm lacks rowwise scales emulates them (the CPU table only shows the code runs).
         emulate = float8_recipe_needs_emulation(recipe, device.type) is not None
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
         module = Float8Linear.from_float(copy.deepcopy(module), config=config)
     return cast(nn.Module, torch.compile(module)) if compile else module  # compiling a Module gives a Module
+
+
+def blockwise_kernel(device: torch.device, dtype: torch.dtype, tokens: int) -> Any:
+    """The float8_blockwise converter's kernel decision (kernel='auto', float32 scales) for this device."""
+    from torchtitan_lite.components.quantization.float8_blockwise import (
+        decide_blockwise_kernel,
+        native_kernels_missing,
+    )
+
+    on_gpu = device.type == "cuda"
+    return decide_blockwise_kernel(
+        "auto", device_type=device.type, capability=torch.cuda.get_device_capability(device) if on_gpu else None,
+        device_name=torch.cuda.get_device_name(device) if on_gpu else "the GPU", param_dtype=dtype,
+        power_of_2=False, seq_len=tokens, missing=native_kernels_missing() if on_gpu else "")
+
+
+def check_blockwise_shapes(shapes: list[Shape]) -> None:
+    """ValueError naming the shapes whose K or N is not a multiple of 128 (the blockwise tile)."""
+    from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK
+
+    bad = [f"{s.name} ({s.k} x {s.n})" for s in shapes if s.k % BLOCK or s.n % BLOCK]
+    if bad:
+        raise ValueError(f"--recipes {BLOCKWISE} needs K and N multiples of {BLOCK} (128x128 weight blocks); not: "
+                         f"{', '.join(bad)}. Drop those shapes or the recipe")
 
 
 def time_fwd_bwd(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, *, warmup: int, iters: int) -> float:
@@ -148,7 +188,7 @@ def bench_shape(shape: Shape, recipes: list[str], dtype: torch.dtype, device: to
     grad_out = torch.randn(shape.m, shape.n, generator=gen).to(device, dtype)
     times = {}
     for recipe in [None, *recipes]:
-        module = make_variant(recipe, shape.k, shape.n, dtype, device, compile=compile)
+        module = make_variant(recipe, shape.k, shape.n, dtype, device, compile=compile, tokens=shape.m)
         times[recipe or "hp"] = time_fwd_bwd(module, x, grad_out, warmup=warmup, iters=iters)
         del module
         if compile:
@@ -210,7 +250,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="M,K,N triples and/or presets llama3_<flavor> (default: llama3_8b)")
     parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                         help="M (tokens = local batch x sequence) for presets")
-    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES, help="FP8 recipes to time")
+    parser.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=RECIPES,
+                        help=f"FP8 recipes to time (default: {' '.join(DEFAULT_RECIPES)}; {BLOCKWISE} on request)")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                         help="dtype of the high-precision baseline and of the FP8 Linears' inputs/weights")
     parser.add_argument("--no-compile", action="store_true", help="time eager modules (FP8 is slow without compile)")
@@ -237,6 +278,8 @@ def main(argv: list[str]) -> int:
     try:
         shapes = parse_shapes(args.shapes, args.tokens)
         check_fp8_support(device)
+        if BLOCKWISE in args.recipes:
+            check_blockwise_shapes(shapes)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -245,7 +288,12 @@ def main(argv: list[str]) -> int:
     compiled = "eager (no compile)" if args.no_compile else "torch.compile"
     print(f"float8 Linear forward+backward on {describe_device(device)}, {compiled}, {args.dtype} baseline; "
           f"torch {torch.__version__}, torchao {torchao.__version__}; median of {args.iters} after {args.warmup} "
-          f"warm-up iterations\n", flush=True)
+          f"warm-up iterations", flush=True)
+    if BLOCKWISE in args.recipes:
+        decision = blockwise_kernel(device, dtype, shapes[0].m)
+        times = "eager" if decision.emulate is False else "eager; NOT the kernels' speed"
+        print(f"{BLOCKWISE}: {decision.why} ({times})", flush=True)
+    print(flush=True)
     rows = []
     for shape in shapes:
         rows.append((shape, bench_shape(shape, args.recipes, dtype, device, compile=not args.no_compile,

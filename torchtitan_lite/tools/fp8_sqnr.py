@@ -4,6 +4,7 @@
     python scripts/fp8_sqnr.py --config llama3_debug_fp8_rowwise --checkpoint outputs/checkpoint --batches 4
     python scripts/fp8_sqnr.py --config llama3_debug_fp8 --precision.param_dtype float32 --model.n_layers 2
     python scripts/fp8_sqnr.py --config llama3_debug_mxfp8
+    python scripts/fp8_sqnr.py --config llama3_debug_fp8_blockwise
 
 Builds the config's model (initialised from ``training.seed``, or loaded from a DCP checkpoint: a
 ``step-<N>`` folder, or a checkpoint folder whose newest complete step is taken), casts its
@@ -11,8 +12,10 @@ parameters to the config's ``precision.param_dtype`` as FSDP's mixed-precision p
 runs ``--batches`` batches of the config's training data through it. A forward hook on every Linear
 the config's FP8 converter converts runs that Linear twice on the input it receives: as is (the
 high-precision reference) and as the converter's low-precision twin: torchao ``Float8Linear`` built
-with the float8 converter's config, or the mx converter's MXFP8 Linear (emulated MX GEMMs: the same
-MX rounding as the real kernels); a fixed random upstream gradient drives both backward passes.
+with the float8 converter's config, the mx converter's MXFP8 Linear (emulated MX GEMMs: the same
+MX rounding as the real kernels), or the float8_blockwise converter's ``BlockwiseFP8Linear`` (emulated:
+the same 1x128 / 128x128 tiles and scales as the kernels, float32 accumulation); a fixed random upstream
+gradient drives both backward passes.
 
     SQNR = 10 * log10(||reference||^2 / ||reference - fp8||^2)
 
@@ -187,26 +190,40 @@ def format_report(results: list[LinearSqnr], *, min_fwd_sqnr: float | None = Non
 
 
 def float8_converter_config(cfg: Any, config_name: str) -> Any:
-    """The config's FP8 converter entry (float8 or mx); ValueError naming the fix when it has none."""
+    """The config's FP8 converter entry (float8, mx or float8_blockwise); ValueError naming the fix when it has
+    none."""
     from torchtitan_lite.components.quantization import Float8LinearConverter, MXLinearConverter
+    from torchtitan_lite.components.quantization.float8_blockwise import Float8BlockwiseConverter
 
-    entries = [c for c in cfg.model_converters.converters
-               if isinstance(c, (Float8LinearConverter.Config, MXLinearConverter.Config))]
+    kinds = (Float8LinearConverter.Config, MXLinearConverter.Config, Float8BlockwiseConverter.Config)
+    entries = [c for c in cfg.model_converters.converters if isinstance(c, kinds)]
     if not entries:
-        raise ValueError(f"config '{config_name}' has no FP8 converter; use an FP8 config (e.g. llama3_debug_fp8 or "
-                         f"llama3_debug_mxfp8) or add one with --model_converters.converters float8 (or mx)")
+        raise ValueError(f"config '{config_name}' has no FP8 converter; use an FP8 config (e.g. llama3_debug_fp8, "
+                         f"llama3_debug_mxfp8 or llama3_debug_fp8_blockwise) or add one with "
+                         f"--model_converters.converters float8 (or mx, float8_blockwise)")
     return entries[0]
 
 
 def twin_factory(converter_config: Any, cfg: Any) -> TwinFactory:
     """The low-precision twin of a Linear as the config's converter would train it."""
     from torchtitan_lite.components.quantization import MXLinearConverter
+    from torchtitan_lite.components.quantization.float8_blockwise import Float8BlockwiseConverter
 
+    if isinstance(converter_config, Float8BlockwiseConverter.Config):
+        return blockwise_twin(power_of_2=converter_config.power_of_2_scales)
     if not isinstance(converter_config, MXLinearConverter.Config):
         return float8_twin(effective_float8_config(converter_config, cfg))
     converter = _quietly(lambda: MXLinearConverter(converter_config, context=_probe_context(cfg)),
                          "torchtitan_lite.components.quantization.mx")
     return converter.mx_linear
+
+
+def blockwise_twin(*, power_of_2: bool) -> TwinFactory:
+    """Twins that are emulated BlockwiseFP8Linears: the tiles and scales of torchao's kernels (which need an sm_90
+    GPU), so the SQNR is the recipe's on any device."""
+    from torchtitan_lite.components.quantization.blockwise_linear import blockwise_linear_from
+
+    return lambda linear: blockwise_linear_from(linear, emulate=True, power_of_2=power_of_2)
 
 
 def _probe_context(cfg: Any) -> Any:

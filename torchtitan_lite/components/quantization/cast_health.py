@@ -3,8 +3,9 @@
 Each cast a converted Linear performs is reproduced as torchao performs it: the same operand in the
 same layout, the same target format (e4m3 / e5m2), the same scale granularity, and torchao's own
 scale arithmetic (``amax_to_scale`` with its power-of-2 rounding for float8, the reference ``to_mx``
-with the layer's e8m0 rounding mode for MX). Operands are walked in row chunks, so the extra memory
-is a few chunks of float32 whatever the tensor's size.
+with the layer's e8m0 rounding mode for MX, the blockwise recipe's own ``quantize_1x128`` /
+``quantize_128x128`` for blockwise FP8). Operands are walked in row chunks, so the extra memory is a
+few chunks of float32 whatever the tensor's size.
 
 Per cast, over the operand's elements:
 
@@ -18,7 +19,8 @@ Per cast, over the operand's elements:
 Operands are arranged as 2-D tensors: input ``[tokens, in]``, weight ``[out, in]``, output gradient
 ``[tokens, out]``. A cast groups its scales along the last dim (``dim=-1``: one scale per row, or MX
 blocks of 32 along a row) or along the first (``dim=0``: per column, or blocks down a column), which is
-how each of the three GEMMs of forward and backward consumes the operand.
+how each of the three GEMMs of forward and backward consumes the operand. Blockwise casts group
+1x128 tiles the same way, or 128x128 blocks (the weight's, one cast for both GEMMs that read it).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
+from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK, quantize_1x128, quantize_128x128
+
 OPERANDS = ("input", "weight", "grad_output")
 CHUNK_ELEMENTS = 1 << 24
 """Elements per row chunk: 64 MiB of float32 per temporary."""
@@ -37,7 +41,7 @@ MX_BLOCK = 32
 _MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2, torch.float8_e4m3fnuz: 3, torch.float8_e5m2fnuz: 2}
 _FORMAT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.float8_e4m3fnuz: "e4m3fnuz",
            torch.float8_e5m2fnuz: "e5m2fnuz"}
-Granularity = Literal["tensorwise", "axiswise", "mx"]
+Granularity = Literal["tensorwise", "axiswise", "mx", "tile", "block"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class Cast:
     dim: int
     """-1: scales grouped along each row (per row, or MX blocks along it); 0: along each column."""
     power_of_2: bool = False
-    """Float8 scales rounded down to a power of 2 (torchao's rowwise recipes)."""
+    """Float8 scales rounded down to a power of 2 (torchao's rowwise recipes, blockwise with power_of_2_scales)."""
     mx_mode: Any = None
     """torchao ScaleCalculationMode of an MX cast (how the e8m0 block scale is rounded)."""
 
@@ -66,6 +70,10 @@ class Cast:
             mode = getattr(self.mx_mode, "value", self.mx_mode)
             return f"{fmt} MX blocks of {MX_BLOCK} along {'rows' if self.dim == -1 else 'columns'} ({mode})"
         pow2 = ", power-of-2 scales" if self.power_of_2 else ""
+        if self.granularity == "tile":
+            return f"{fmt} 1x{BLOCK} tiles along {'rows' if self.dim == -1 else 'columns'}{pow2}"
+        if self.granularity == "block":
+            return f"{fmt} {BLOCK}x{BLOCK} blocks{pow2}"
         return f"{fmt} per {'row' if self.dim == -1 else 'column'}{pow2}"
 
 
@@ -115,6 +123,19 @@ def mx_casts(module: nn.Module) -> list[Cast]:
     return casts
 
 
+def blockwise_casts(module: nn.Module) -> list[Cast]:
+    """The casts of a ``BlockwiseFP8Linear`` (blockwise_fp8.py), all e4m3: the forward reads the input in 1x128
+    tiles along its features and the weight in 128x128 blocks; the input-gradient GEMM the output gradient in
+    1x128 tiles along its features and the same weight blocks (no second weight cast); the weight-gradient GEMM
+    both the output gradient and the input in 1x128 tiles along the tokens (down the columns)."""
+    e4m3, p2 = torch.float8_e4m3fn, bool(module.power_of_2)
+    return [Cast("input", "input", e4m3, "tile", -1, power_of_2=p2),
+            Cast("weight", "weight", e4m3, "block", -1, power_of_2=p2),
+            Cast("grad_output", "grad_output", e4m3, "tile", -1, power_of_2=p2),
+            Cast("grad_output_gw", "grad_output", e4m3, "tile", 0, power_of_2=p2),
+            Cast("input_gw", "input", e4m3, "tile", 0, power_of_2=p2)]
+
+
 def saturation_threshold(dtype: torch.dtype) -> float:
     """``max + ulp(max) / 2``: the smallest scaled magnitude that rounding alone would not bring to ``max``."""
     top = torch.finfo(dtype).max
@@ -133,6 +154,9 @@ def measure_cast(cast: Cast, x: torch.Tensor) -> torch.Tensor:
     threshold = saturation_threshold(cast.dtype)
     if cast.granularity == "mx":
         _measure_mx(cast, x, counts, threshold)
+        return counts
+    if cast.granularity in ("tile", "block"):
+        _measure_blockwise(cast, x, counts, threshold)
         return counts
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
@@ -179,6 +203,22 @@ def _measure_mx(cast: Cast, x: torch.Tensor, counts: torch.Tensor, threshold: fl
         blocks = data.to(torch.float32).reshape(*data.shape[:-1], -1, MX_BLOCK)
         block_scale = get_fp_scale(scale_e8m0).clamp(min=F32_MIN_NORMAL).unsqueeze(-1)
         _count(counts, data, (blocks / block_scale).reshape(data.shape), quantized, threshold)
+
+
+def _measure_blockwise(cast: Cast, x: torch.Tensor, counts: torch.Tensor, threshold: float) -> None:
+    # Chunks of whole 128-row groups: a weight block or a tile down a column lies within one chunk, and the
+    # last chunk's short tiles are padded exactly as the emulated GEMMs pad them.
+    rows = max(BLOCK, rows_per_chunk(x) // BLOCK * BLOCK)
+    for chunk in row_chunks(x, rows):
+        if cast.granularity == "block":
+            quantized, scale = quantize_128x128(chunk, power_of_2=cast.power_of_2)
+            per_element = scale.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)
+            data = chunk
+        else:
+            data = chunk if cast.dim == -1 else chunk.t()
+            quantized, scale = quantize_1x128(data, power_of_2=cast.power_of_2)
+            per_element = scale.repeat_interleave(BLOCK, dim=-1)[:, :data.shape[-1]]
+        _count(counts, data, data.to(torch.float32) * per_element, quantized, threshold)
 
 
 def _count(counts: torch.Tensor, original: torch.Tensor, scaled: torch.Tensor, quantized: torch.Tensor,

@@ -1,7 +1,7 @@
 """Live FP8 health: per converted Linear, what its casts do to the tensors of one training micro-batch.
 
-Every ``metrics.fp8_stats_freq`` steps, on that step's first micro-batch, for every FP8 / MX Linear
-(torchao ``Float8Linear``, ``MXFP8Linear``):
+Every ``metrics.fp8_stats_freq`` steps, on that step's first micro-batch, for every FP8 / MX / blockwise
+FP8 Linear (torchao ``Float8Linear``, ``MXFP8Linear``, this project's ``BlockwiseFP8Linear``):
 
 - the amax of its input, weight and output gradient (the gradient includes an FP16 loss scale);
 - per cast (``cast_health``): the share of elements it saturates and the share it flushes to zero;
@@ -20,8 +20,8 @@ graph break); every other micro-batch and step runs the compiled code untouched.
 What the numbers cover with parallelism. Every operand is measured whole, as the cast sees it:
 tensor-parallel DTensors are gathered (``full_tensor``) for the measurement, FSDP's weights are the
 unsharded ones of the forward, and with FSDP float8 all-gather (the weight reaches the Linear already
-in float8) the weight is measured from the sharded float32 master weights the all-gather casts,
-gathered. Each data-parallel rank measures its own micro-batch; rank sums (elements, saturated,
+in float8, or as blockwise FP8 blocks) the weight is measured from the sharded float32 master weights the
+all-gather casts, gathered. Each data-parallel rank measures its own micro-batch; rank sums (elements, saturated,
 underflowed, signal and noise energy) and maxima (amax) are reduced over the data-parallel group, so
 shares and SQNR are those of the whole global micro-batch. With tensor parallelism and the tensorwise
 recipe, torchao casts a Linear's input and output gradient to float8 inside the tensor-parallel
@@ -44,9 +44,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from torchtitan_lite.components.quantization.blockwise_linear import BlockwiseFP8Linear
 from torchtitan_lite.components.quantization.cast_health import (
     OPERANDS,
     Cast,
+    blockwise_casts,
     float8_casts,
     measure_cast,
     mx_casts,
@@ -123,7 +125,7 @@ class Fp8StatsCollector:
         offset = 0
         for part in self.model_parts:
             for fqn, module in low_precision_linears(part):
-                casts = mx_casts(module) if is_mx_linear(module) else float8_casts(module.config)
+                casts = _casts(module)
                 layer = _Layer(len(self.layers), _clean_fqn(fqn), module, casts, offset)
                 self.layers.append(layer)
                 offset += layer.width
@@ -236,10 +238,12 @@ class Fp8StatsCollector:
         module = typing.cast(nn.Linear, layer.module)
         with _plain_math(output):
             weight: torch.Tensor = module.weight
-            if tensor_already_casted_to_fp8(weight) and layer.sharded_weight is not None:
-                weight = layer.sharded_weight  # FSDP float8 all-gather: measure the master weights it casts
+            if (tensor_already_casted_to_fp8(weight) or _gathered_as_fp8_blocks(weight)) \
+                    and layer.sharded_weight is not None:
+                weight = layer.sharded_weight  # FSDP FP8 all-gather: measure the master weights it casts
             weight = _whole(weight)
-            if is_mx_linear(module):  # the MX GEMM reads both operands in the dtype it writes
+            # The MX and the blockwise GEMMs read both operands in the dtype they write.
+            if is_mx_linear(module) or isinstance(module, BlockwiseFP8Linear):
                 weight = weight.to(output.dtype)
             self._measure_operand(layer, "weight", weight)
             if tensor_already_casted_to_fp8(x):
@@ -364,6 +368,14 @@ def threshold_crossings(step: int, health: list[LayerHealth], *, saturation: flo
     return crossings
 
 
+def _casts(module: nn.Module) -> list[Cast]:
+    if is_mx_linear(module):
+        return mx_casts(module)
+    if isinstance(module, BlockwiseFP8Linear):
+        return blockwise_casts(module)
+    return float8_casts(module.config)
+
+
 def _operand(cast_name: str) -> str:
     return cast_name.removesuffix("_gw").removesuffix("_gi")
 
@@ -417,6 +429,13 @@ def _plain_math(like: torch.Tensor) -> Iterator[None]:
     device_type = like.device.type
     with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):
         yield
+
+
+def _gathered_as_fp8_blocks(weight: torch.Tensor) -> bool:
+    """The weight reached the Linear as blockwise FP8 blocks (E4M3 ``_data`` and ``_scale``), from FSDP's
+    blockwise FP8 all-gather: its values are already quantized, so the casts are measured on the master weights."""
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    return hasattr(local, "_data") and hasattr(local, "_scale")
 
 
 def _clean_fqn(fqn: str) -> str:
