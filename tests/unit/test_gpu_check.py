@@ -22,16 +22,16 @@ def _script(*args: str) -> subprocess.CompletedProcess:
                           env=dict(os.environ, TTL_PYTHON=sys.executable), timeout=600)
 
 
-def test_plan_lists_stages_a_to_d_and_their_commands_within_the_budget(tmp_path):
+def test_plan_lists_stages_a_to_e_and_their_commands_within_the_budget(tmp_path):
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "torchao-0.18.0-py3-none-any.whl").write_bytes(b"")
     result = _script("--plan", "--out", str(tmp_path / "out"), "--wheels", str(tmp_path / "w"))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     stages = [line for line in lines if line.startswith("# stage ")]
-    assert [s.split(":")[0] for s in stages] == ["# stage a", "# stage b", "# stage c", "# stage d"]
+    assert [s.split(":")[0] for s in stages] == ["# stage a", "# stage b", "# stage c", "# stage d", "# stage e"]
     commands = [line for line in lines if not line.startswith("#")]
-    assert len(commands) == 5  # the wheel install, then one command per stage
+    assert len(commands) == 6  # the wheel install, then one command per stage
     assert commands[0].startswith(f"{sys.executable} -m pip install --no-index --no-deps")
     assert "-m pytest -m gpu tests/gpu" in commands[1]
     assert ("scripts/float8_layer_bench.py --shapes llama3_8b --recipes tensorwise rowwise rowwise_with_gw_hp "
@@ -59,6 +59,19 @@ def test_stage_c_overrides_resolve_for_every_benchmarked_config():
     configs = benchmark._resolve(args.configs, overrides, DEFAULT_REGISTRY)
     for cfg in configs.values():
         assert (cfg.model.n_layers, cfg.training.seq_len, cfg.compile.enable) == (4, 8192, True)
+
+
+def test_stage_e_benchmarks_the_moe_family_at_30b_width_on_one_gpu():
+    command = gpu_check.build_stages("python", Path("/out"))[4].command
+    args, overrides = benchmark.parse_args(command[2:])
+    configs = benchmark._resolve(args.configs, overrides, DEFAULT_REGISTRY)
+    assert list(configs) == ["qwen3_moe_30b_a3b", "qwen3_moe_30b_a3b_fp8"]
+    for cfg in configs.values():
+        assert (cfg.model.name, cfg.model.flavor, cfg.model.n_layers) == ("qwen3_moe", "30B-A3B", 2)
+        assert (cfg.training.seq_len, cfg.compile.enable, cfg.data.dataset, cfg.tokenizer.path) == (
+            4096, False, "embedded", None)
+    kinds = [c.kind for c in configs["qwen3_moe_30b_a3b_fp8"].model_converters.converters]
+    assert kinds == ["moe_experts"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -89,7 +102,7 @@ def test_figures_from_stage_outputs(tmp_path):
             dict(row, config="llama3_8b_fp8", speedup=1.2, mfu_percent=48.0),
             dict(row, config="llama3_8b_fp8_rowwise", speedup=1.1, mfu_percent=None, compile_s=None)]
     (tmp_path / "c_benchmark.json").write_text(json.dumps({"rows": rows}))
-    ok, figure = gpu_check._benchmark_figure(tmp_path, "")
+    ok, figure = gpu_check._benchmark_figure("c_benchmark.json")(tmp_path, "")
     assert ok and figure.startswith("llama3_8b: 10,000 tok/s, 400 TFLOP/s, MFU 40.4%, 30.0 GiB, compile 50 s, 1.00x; ")
     assert "llama3_8b_fp8_rowwise: 10,000 tok/s, 400 TFLOP/s, MFU n/a, 30.0 GiB, 1.10x" in figure
     assert figure.endswith("target FP8 tensorwise >= 1.25x: MISSED, target BF16 MFU >= 40%: met")
@@ -122,7 +135,7 @@ def test_a_failing_stage_does_not_stop_the_next_and_lands_in_the_markdown(tmp_pa
 
 def test_a_subset_of_stages_shares_the_budget_and_merges_with_earlier_results(tmp_path):
     stages = gpu_check.build_stages("python", tmp_path)
-    assert [s.timeout_s for s in gpu_check.select_stages(stages, "abcd")] == [s.timeout_s for s in stages]
+    assert [s.timeout_s for s in gpu_check.select_stages(stages, "abcde")] == [s.timeout_s for s in stages]
     assert [(s.key, s.timeout_s) for s in gpu_check.select_stages(stages, "b")] == [("b", gpu_check.BUDGET_S)]
 
     def result(key: str, figure: str) -> gpu_check.StageResult:

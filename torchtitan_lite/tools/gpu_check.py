@@ -7,7 +7,7 @@
 Stages, in order (each in its own process with its own time limit; a failed stage does not stop the
 next; the exit status is 1 if any failed). ``--stages`` runs some of them, with the 9 minutes shared
 among those; results of other stages already in the same ``--out`` folder are kept in the report, so
-``--stages ab`` then ``--stages cd`` into one folder gives the same report as one run:
+``--stages ab`` then ``--stages cde`` into one folder gives the same report as one run:
 
 a. ``pytest -m gpu tests/gpu``: the tests that exist only for CUDA (real ``_scaled_mm`` vs emulation,
    compiled FP8, FSDP2 float8 all-gather, TP float8 styles, DCP, FP16 scaler, memory estimate, MoE grouped
@@ -20,6 +20,9 @@ c. ``scripts/benchmark.py``: an 8B-width model cut to 4 layers at seq 8192, BF16
    FP8 rowwise, all compiled: tokens/s, TFLOP/s, MFU, peak memory, cold compile time, speedup.
 d. ``scripts/loss_compare.py``: 200 steps of llama3_debug_bf16 vs llama3_debug_fp8 on CUDA, with the
    script's default tolerance (the one used on CPU).
+e. ``scripts/benchmark.py`` on the MoE family: Qwen3-30B-A3B's width (128 experts, top-8) cut to 2 blocks
+   so that it fits one GPU, seq 4096, BF16 grouped experts vs FP8 rowwise experts (torchao's grouped
+   GEMM kernels on Hopper), eager, on the embedded corpus with the byte tokenizer: tokens/s per config.
 
 With ``--wheels DIR`` the wheels in DIR and its subfolders (scripts/fetch_gpu_wheels.sh) are installed
 into the interpreter first, offline (``pip install --no-index --no-deps``). Everything is written under
@@ -50,6 +53,9 @@ BUDGET_S = 9 * 60
 """The whole run fits in 9 minutes on one H100; the stage limits below add up to this."""
 BENCH_CONFIGS = ("llama3_8b", "llama3_8b_fp8", "llama3_8b_fp8_rowwise")
 BENCH_LAYERS = 4
+MOE_BENCH_CONFIGS = ("qwen3_moe_30b_a3b", "qwen3_moe_30b_a3b_fp8")
+MOE_BENCH_LAYERS = 2
+STAGE_KEYS = "abcde"
 LAYER_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
 """Stage b's recipes: torchao's float8 recipes and the float8_blockwise converter's Linear."""
 TARGET_FP8_SPEEDUP = 1.25
@@ -92,28 +98,39 @@ def build_stages(python: str, out: Path) -> list[Stage]:
     return [
         Stage("a", "pytest", "pytest -m gpu (CUDA-only tests)",
               [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "-rs",
-               f"--junitxml={out / 'a_pytest.xml'}"], 135, _pytest_figure),
+               f"--junitxml={out / 'a_pytest.xml'}"], 120, _pytest_figure),
         Stage("b", "float8_layer_bench", "float8 Linear bench, llama3_8b shapes, compiled",
               [python, str(scripts / "float8_layer_bench.py"), "--shapes", "llama3_8b", "--recipes", *LAYER_RECIPES],
-              100, _layer_bench_figure),
+              85, _layer_bench_figure),
         Stage("c", "benchmark", f"training throughput, 8B width x {BENCH_LAYERS} layers, seq 8192, compiled",
               [python, str(scripts / "benchmark.py"), "--configs", *BENCH_CONFIGS, "--baseline", BENCH_CONFIGS[0],
                "--warmup", "3", "--steps", "10", "--model.n_layers", str(BENCH_LAYERS), "--training.seq_len", "8192",
                "--training.local_batch_size", "1", "--compile.enable", "true",
                "--metrics.enable_tensorboard", "false", "--title", f"llama3_8b width, {BENCH_LAYERS} layers, seq 8192",
                "--out-md", str(out / "c_benchmark.md"), "--json-out", str(out / "c_benchmark.json"),
-               "--png", str(out / "c_benchmark.png"), "--logs", str(out / "c_logs")], 230, _benchmark_figure),
+               "--png", str(out / "c_benchmark.png"), "--logs", str(out / "c_logs")], 190,
+              _benchmark_figure("c_benchmark.json")),
         Stage("d", "loss_compare", "loss curves, llama3_debug_bf16 vs llama3_debug_fp8, 200 steps",
               [python, str(scripts / "loss_compare.py"), "--configs", "llama3_debug_bf16", "llama3_debug_fp8",
                "--steps", "200", "--out", str(out / "d_loss_compare.png"), "--table", str(out / "d_loss_compare.md"),
-               "--dump-root", str(out / "d_runs")], 75, _loss_figure),
+               "--dump-root", str(out / "d_runs")], 60, _loss_figure),
+        Stage("e", "moe_benchmark", f"MoE training throughput, Qwen3-30B-A3B width x {MOE_BENCH_LAYERS} blocks, "
+                                    "seq 4096, eager",
+              [python, str(scripts / "benchmark.py"), "--configs", *MOE_BENCH_CONFIGS, "--baseline",
+               MOE_BENCH_CONFIGS[0], "--warmup", "3", "--steps", "10", "--model.n_layers", str(MOE_BENCH_LAYERS),
+               "--training.seq_len", "4096", "--training.local_batch_size", "1", "--compile.enable", "false",
+               "--data.dataset", "embedded", "--tokenizer.path", "none", "--metrics.enable_tensorboard", "false",
+               "--title", f"qwen3_moe 30B-A3B width, {MOE_BENCH_LAYERS} blocks, seq 4096",
+               "--out-md", str(out / "e_benchmark.md"), "--json-out", str(out / "e_benchmark.json"),
+               "--logs", str(out / "e_logs")], 85, _benchmark_figure("e_benchmark.json")),
+
     ]
 
 
 def select_stages(stages: list[Stage], keys: str) -> list[Stage]:
     """The stages named in ``keys``, their limits scaled so that they share the whole budget.
 
-    Run alone (``--stages b``), a stage gets all 9 minutes; all four get their default shares.
+    Run alone (``--stages b``), a stage gets all 9 minutes; all five get their default shares.
     """
     chosen = [s for s in stages if s.key in keys]
     scale = BUDGET_S / sum(s.timeout_s for s in chosen)
@@ -164,10 +181,14 @@ def _layer_bench_figure(out: Path, log: str) -> tuple[bool, str]:
     return True, figure
 
 
-def _benchmark_figure(out: Path, log: str) -> tuple[bool, str]:
-    path = out / "c_benchmark.json"
+def _benchmark_figure(json_name: str) -> Callable[[Path, str], tuple[bool, str]]:
+    """The figure of a scripts/benchmark.py stage, from the rows it wrote to ``json_name``."""
+    return lambda out, log: _benchmark_rows_figure(out / json_name)
+
+
+def _benchmark_rows_figure(path: Path) -> tuple[bool, str]:
     if not path.exists():
-        return False, "no benchmark rows (see c_benchmark.log)"
+        return False, f"no benchmark rows (see {path.name.replace('.json', '.log')})"
     rows = {r["config"]: r for r in json.loads(path.read_text())["rows"]}
     parts = []
     for name, r in rows.items():
@@ -295,7 +316,8 @@ def markdown_section(results: list[StageResult], info: dict[str, str], command: 
     for r in results:
         figure = r.figure.replace("|", "\\|")
         lines.append(f"| {r.key}. {r.title} | {'pass' if r.passed else '**FAIL**'} | {figure} | {r.seconds:.0f} |")
-    for name, heading in (("c_benchmark.md", None), ("d_loss_compare.md", "Loss comparison (stage d)")):
+    for name, heading in (("c_benchmark.md", None), ("d_loss_compare.md", "Loss comparison (stage d)"),
+                          ("e_benchmark.md", None)):
         path = out / name
         if path.exists():
             lines += ["", f"### {heading}" if heading else "", path.read_text().strip()]
@@ -323,11 +345,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--wheels", type=Path, default=None,
                         help="install the wheels in this folder first (pip --no-index --no-deps; "
                              "scripts/fetch_gpu_wheels.sh makes it)")
-    parser.add_argument("--stages", default="abcd", help="which stages to run, e.g. 'cd' (default: abcd)")
+    parser.add_argument("--stages", default=STAGE_KEYS, help=f"which stages to run, e.g. 'cd' (default: {STAGE_KEYS})")
     args = parser.parse_args(argv)
-    unknown = set(args.stages) - set("abcd")
+    unknown = set(args.stages) - set(STAGE_KEYS)
     if unknown or not args.stages:
-        parser.error(f"--stages takes letters from 'abcd', got {args.stages!r}")
+        parser.error(f"--stages takes letters from '{STAGE_KEYS}', got {args.stages!r}")
     if args.wheels is not None and not any(args.wheels.rglob("*.whl")):
         parser.error(f"--wheels {args.wheels}: no .whl files there; make the folder with scripts/fetch_gpu_wheels.sh DIR")
     return args
