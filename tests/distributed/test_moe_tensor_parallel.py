@@ -18,10 +18,10 @@ per step; grads: max over parameters of the relative norm difference of the firs
 
 EP 2 x TP 2 (dp_shard 2 split into ep 2, tp 2 inner): each TP rank exchanges the gathered tokens with the EP
 rank of its own tp coordinate and computes its hidden slice of its 2 local experts. Its losses equal FSDP 2 x
-TP 2's over the first 3 steps to the bit and its first expert gradients differ by 1.2e-10 (an expert's rows
-from both data ranks in one GEMM); dropping the rows sent to the other EP rank (the negative control of
-test_expert_parallel.py's dispatcher) moves the losses by 1.7e-4 and the first gradients by 0.60 relative,
-far outside FP32.
+TP 2's over the first 3 steps to the bit and its first expert gradients differ by at most 1.2e-10 absolute
+(an expert's rows from both data ranks in one GEMM); dropping the rows sent to the other EP rank
+(_moe_ep_steps._DroppingDispatcher) moves the losses by 1.7e-4 and the first gradients by 0.60 relative over
+3 steps, far outside FP32.
 
 Row-wise float8 scales the output projection's gradient per row over its input features, which TP splits,
 so the layout rounds differently from one process; tensorwise float8 moves the same scaled values through
