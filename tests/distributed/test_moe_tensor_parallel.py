@@ -119,55 +119,6 @@ def test_fsdp2_x_tp2_on_4_ranks_matches_single_process():
     _assert_same_routing(results, ref)
 
 
-# --- expert parallelism x tensor parallelism: EP 2 x TP 2 on 4 ranks -------------------------------------
-
-EP2_TP2 = MoERun(dp_shard=2, ep=2, tp=2, steps=10)
-
-
-@functools.cache
-def ep2_tp2_results(dump: str) -> list[dict]:
-    """Every rank's results of one 4-rank launch: EP 2 x TP 2 trained 10 steps, then saved after SAVED_STEPS."""
-    return run_ranks(_ep2_tp2_worker, 4, dump)
-
-
-def _ep2_tp2_worker(rank: int, world_size: int, dump: str) -> dict:
-    trained = train_runs(rank, world_size, [EP2_TP2])[0]
-    after, saved_bias, saved_state = train_save_continue(rank, world_size, dump, MoERun(dp_shard=2, ep=2, tp=2))
-    return {"trained": trained, "after": after, "saved_bias": saved_bias, "saved_state": saved_state}
-
-
-def test_ep2_x_tp2_on_4_ranks_matches_single_process_and_its_checkpoint_loads_on_one_process(tmp_path):
-    ranks = ep2_tp2_results(str(tmp_path))
-    results = [r["trained"] for r in ranks]
-    # The reference is FSDP 2 x TP 2's (each data rank's half of the batch in turn): EP changes where an
-    # expert's rows are computed, not what.
-    ref = reference(Run(dp_shard=2, tp=2, steps=10))
-    for got in results:
-        diff = differences(got, ref)
-        assert diff["losses"] < FP32.losses and diff["grads"] < FP32.grads, diff
-    assert len({tuple(r["losses"]) for r in results}) == 1  # every rank reports the same global losses
-    _assert_same_routing(results, ref)
-
-    # The checkpoint holds the global tensors (experts split 2 x 2 on the (ep, tp) mesh, sharded by FSDP):
-    # one process loads every weight bit for bit, the biases, and continues as the 4 ranks did.
-    model, dims, precision, config = build(Run())
-    optimizer = optimizer_for(model)
-    ckpt = _checkpointer(str(tmp_path), _states(model, optimizer))
-    assert ckpt.load() == SAVED_STEPS
-    ckpt.close()
-    saved_state = ranks[0]["saved_state"]
-    assert saved_state["layers.0.moe.experts.w1"].shape == (4, 32, 64)
-    loaded = model.state_dict()
-    for name, value in saved_state.items():
-        assert torch.equal(loaded[name], value), name
-    for layer, bias in ranks[0]["saved_bias"].items():
-        assert torch.equal(model.layers[layer].moe.expert_bias, bias)
-    batches = global_batches(SAVED_STEPS + 2)
-    resumed = [train_step(Run(), model, optimizer, dims, precision, config, batches[step])[0]
-               for step in range(SAVED_STEPS, SAVED_STEPS + 2)]
-    assert resumed == pytest.approx(ranks[0]["after"], rel=FP32.losses)
-
-
 @pytest.mark.parametrize(("name", "tol"), [("fp8_tensorwise", FP8_TENSORWISE), ("fp8_rowwise", FP8_ROWWISE)])
 def test_tp2_float8_attention_matches_single_process_and_float32_does_not(name, tol):
     results = tp2_results()
@@ -249,3 +200,47 @@ def test_tp2_checkpoint_loads_on_one_process_and_training_continues(tmp_path):
     # Weights and Adam moments resharded from the hidden-dim / head splits to whole tensors: the same losses
     # up to float32 summation order.
     assert resumed == pytest.approx(after, rel=FP32.losses)
+
+
+# --- expert parallelism x tensor parallelism: EP 2 x TP 2 on 4 ranks -------------------------------------
+
+EP2_TP2 = MoERun(dp_shard=2, ep=2, tp=2, steps=10)
+
+
+def _ep2_tp2_worker(rank: int, world_size: int, dump: str) -> dict:
+    """One 4-rank launch: EP 2 x TP 2 trained 10 steps; then trained SAVED_STEPS steps, saved, and continued."""
+    trained = train_runs(rank, world_size, [EP2_TP2])[0]
+    after, saved_bias, saved_state = train_save_continue(rank, world_size, dump, MoERun(dp_shard=2, ep=2, tp=2))
+    return {"trained": trained, "after": after, "saved_bias": saved_bias, "saved_state": saved_state}
+
+
+def test_ep2_x_tp2_on_4_ranks_matches_single_process_and_its_checkpoint_loads_on_one_process(tmp_path):
+    ranks = run_ranks(_ep2_tp2_worker, 4, str(tmp_path))
+    results = [r["trained"] for r in ranks]
+    # The reference is FSDP 2 x TP 2's (each data rank's half of the batch in turn): EP changes where an
+    # expert's rows are computed, not what.
+    ref = reference(Run(dp_shard=2, tp=2, steps=10))
+    for got in results:
+        diff = differences(got, ref)
+        assert diff["losses"] < FP32.losses and diff["grads"] < FP32.grads, diff
+    assert len({tuple(r["losses"]) for r in results}) == 1  # every rank reports the same global losses
+    _assert_same_routing(results, ref)
+
+    # The checkpoint holds the global tensors (experts split 2 x 2 on the (ep, tp) mesh, sharded by FSDP):
+    # one process loads every weight bit for bit, the biases, and continues as the 4 ranks did.
+    model, dims, precision, config = build(Run())
+    optimizer = optimizer_for(model)
+    ckpt = _checkpointer(str(tmp_path), _states(model, optimizer))
+    assert ckpt.load() == SAVED_STEPS
+    ckpt.close()
+    saved_state = ranks[0]["saved_state"]
+    assert saved_state["layers.0.moe.experts.w1"].shape == (4, 32, 64)
+    loaded = model.state_dict()
+    for name, value in saved_state.items():
+        assert torch.equal(loaded[name], value), name
+    for layer, bias in ranks[0]["saved_bias"].items():
+        assert torch.equal(model.layers[layer].moe.expert_bias, bias)
+    batches = global_batches(SAVED_STEPS + 2)
+    resumed = [train_step(Run(), model, optimizer, dims, precision, config, batches[step])[0]
+               for step in range(SAVED_STEPS, SAVED_STEPS + 2)]
+    assert resumed == pytest.approx(ranks[0]["after"], rel=FP32.losses)
