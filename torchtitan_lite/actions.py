@@ -138,7 +138,8 @@ def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
     if run.moe_facts is not None:
         dims = run.parallel_dims
         verdict += (f"\nmodel: {estimate.model}\n" + expert_layout_text(
-            run.moe_facts, n_layers=run.model_args.n_layers, ep=dims.ep, dp_shard=dims.dp_shard, fsdp=dims.fsdp_enabled))
+            run.moe_facts, n_layers=run.model_args.n_layers, ep=dims.ep, dp_shard=dims.dp_shard, fsdp=dims.fsdp_enabled,
+            tp=dims.tp))
     verdict = "\n".join([verdict, *resume])
     unchecked = unchecked_here(run, ngpu=ngpu, preflight=preflight)
     if unchecked:

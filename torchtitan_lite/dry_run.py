@@ -60,7 +60,7 @@ def dry_run_text(run: ResolvedRun, precision_config: Precision.Config) -> str:
         f"over a fake process group in {seconds:.1f}s",
         f"model: {counts.describe()}; {flops:,} training FLOPs per token at seq_len {seq_len} (MFU counts these)",
         *([expert_layout_text(run.moe_facts, n_layers=args.n_layers, ep=dims.ep, dp_shard=dims.dp_shard,
-                              fsdp=dims.fsdp_enabled)] if run.moe_facts is not None else []),
+                              fsdp=dims.fsdp_enabled, tp=dims.tp)] if run.moe_facts is not None else []),
         f"precision: {run.precision.describe()}; {run.n_microbatches} micro-batch(es) of "
         f"{run.tokens_per_microbatch} tokens per step",
         "per-rank bytes read off the DTensor shards (estimate's own figure in brackets):",

@@ -12,8 +12,11 @@ ranks and the partial outputs are reduce-scattered back to the sequence-parallel
 FSDP2 / HSDP shards every parameter over the data ranks (the 3-D expert weights on their expert dim).
 Under expert parallelism (parallelism.ep) the experts are split over the EP ranks with all-to-all token
 dispatch, and FSDP shards them over the ranks left (expert_fsdp_mesh); every other parameter is sharded
-over dp_shard as without EP. EP together with TP is refused. Order: TP or EP -> activation checkpointing
--> compile -> FSDP.
+over dp_shard as without EP. EP composes with TP: the TP ranks of one data rank route the same gathered
+tokens, so each exchanges them within its own EP group (the ranks of its tp coordinate), computes its
+hidden-dim slice of its local experts and gets partial outputs back, which the MoE region's reduce-scatter
+sums as under TP alone; the expert weights are then DTensors on the (ep, tp) mesh (experts over ep, hidden
+dim over tp). Order: TP -> EP -> activation checkpointing -> compile -> FSDP.
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ combine, whose all-to-all split sizes are host integers (a whole-block graph wou
 
 
 def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> BaseModel:
-    """TP or EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
+    """TP -> EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
     from torchtitan_lite.distributed.activation_checkpoint import apply_ac
     from torchtitan_lite.distributed.compile import apply_compile
     from torchtitan_lite.distributed.fsdp import apply_fsdp
@@ -88,9 +91,10 @@ def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> Base
             layouts.append(f"float8 TP comms in {float8} of {sum(len(b) for b in regions)} regions")
     ac_config = context.activation_checkpoint
     if dims.ep_mesh is not None:
-        _check_expert_parallel(experts[0].num_experts, dims.ep, dims.tp, ac_config.mode, ac_config.selective_option)
-        apply_expert_parallel(model, dims.ep_mesh)
-        layouts.append(f"experts split over EP {dims.ep}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
+        _check_expert_parallel(experts[0].num_experts, dims.ep, ac_config.mode, ac_config.selective_option)
+        apply_expert_parallel(model, dims.ep_mesh, dims.ep_tp_mesh)
+        split = f"EP {dims.ep} x expert TP {dims.tp}" if dims.tp_enabled else f"EP {dims.ep}"
+        layouts.append(f"experts split over {split}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
     ac = apply_ac(model, ac_config.mode, ac_config.selective_option,
                   compiled_tp=context.compile_model and dims.tp_enabled)
     keep_exchanges_for_recompute(model.layers)
@@ -111,7 +115,7 @@ def check_qwen3_moe_run(facts: RunFacts) -> None:
     (The attention heads' split over tp is ParallelDims.validate_for_model's.)"""
     moe = facts.model_args.moe
     _check_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
-    _check_expert_parallel(moe.num_experts, facts.ep, facts.tp, facts.ac_mode, facts.ac_selective_option)
+    _check_expert_parallel(moe.num_experts, facts.ep, facts.ac_mode, facts.ac_selective_option)
     if facts.tp > 1:
         _check_expert_tp(moe.hidden_dim, facts.tp, moe.use_grouped_mm)
 
@@ -131,7 +135,7 @@ def _check_expert_tp(hidden_dim: int, tp: int, grouped_mm: bool) -> None:
             "smaller tp, or set the flavor's moe.use_grouped_mm=False to run the per-expert loop")
 
 
-def _check_expert_parallel(num_experts: int, ep: int, tp: int, ac_mode: str, ac_selective_option: str) -> None:
+def _check_expert_parallel(num_experts: int, ep: int, ac_mode: str, ac_selective_option: str) -> None:
     if ep == 1:
         return
     if num_experts % ep:
@@ -139,10 +143,6 @@ def _check_expert_parallel(num_experts: int, ep: int, tp: int, ac_mode: str, ac_
         raise ValueError(
             f"parallelism.ep={ep} must divide the model's num_experts={num_experts} (every EP rank holds the same "
             f"number of experts); use an ep among {divisors}")
-    if tp > 1:
-        raise ValueError(
-            f"qwen3_moe does not support expert parallelism together with tensor parallelism yet (parallelism.ep={ep}, "
-            f"parallelism.tp={tp}); set --parallelism.tp 1, or --parallelism.ep 1")
     if ac_mode == "selective" and ac_selective_option == "op":
         # torch 2.13's selective checkpointing replays ops by count, and the experts' own FSDP unit inside the
         # block runs its all-gather hooks a different number of times in the recomputation.

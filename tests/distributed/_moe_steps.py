@@ -9,12 +9,13 @@ the tensor-parallel ranks route the same gathered tokens, so a correct layout le
 single process's.
 
 The tiny model has one shared expert, which no published Qwen3-MoE flavor has, so that the shared experts'
-split is trained too.
+split is trained too. ``MoERun.ep`` adds expert parallelism to a layout (EP x TP).
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,16 @@ TINY_MOE = Qwen3MoeModelArgs(
 LR = 3e-3
 
 
+@dataclass(frozen=True)
+class MoERun(Run):
+    ep: int = 1
+    """parallelism.ep: experts split over this many of the dp_shard ranks (composed with tp)."""
+
+    def single_process(self) -> Run:
+        # The reference of an EP layout is its data-parallel shares in turn, as without EP.
+        return dataclasses.replace(super().single_process(), ep=1)
+
+
 def initial_state_dict() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Qwen3MoeModel(TINY_MOE)
@@ -54,7 +65,7 @@ def build(run: Run) -> tuple[Qwen3MoeModel, ParallelDims, Precision, object]:
     """Meta model -> float8 conversion of the attention -> parallelize_qwen3_moe -> materialise -> initial weights."""
     one_rank_fsdp = run.world_size == 1 and run.dp_micro_batches > 1
     dims = (_OneRankFsdp if one_rank_fsdp else ParallelDims)(run.dp_replicate, run.dp_shard, run.tp,
-                                                              world_size=run.world_size)
+                                                              world_size=run.world_size, ep=getattr(run, "ep", 1))
     dims.build_mesh("cpu")
     config = parallel_config(run, dims)
     precision = Precision.Config(param_dtype=run.param_dtype).build(device="cpu", fsdp_enabled=dims.fsdp_enabled)

@@ -1,4 +1,4 @@
-"""The meshes ParallelDims builds on 4 ranks (with and without expert parallelism), and pure replication
+"""The meshes ParallelDims builds on 4 ranks (with and without expert parallelism, and EP x TP), and pure replication
 (dp_replicate=2, dp_shard=1) with TP."""
 from __future__ import annotations
 
@@ -37,8 +37,14 @@ def _worker(rank: int, world_size: int) -> dict:
         dims = ParallelDims(*degrees, world_size=world_size, ep=ep)
         dims.build_mesh("cpu")
         ep_meshes[degrees + (ep,)] = _describe(dims) | _describe_ep(dims)
+    dims = ParallelDims(1, 2, 2, world_size=world_size, ep=2)
+    dims.build_mesh("cpu")
+    ep_tp = {"ep_ranks": dims.ep_mesh.mesh.tolist(), "tp_ranks": dims.tp_mesh.mesh.tolist(),
+             "ep_tp_mesh": (dims.ep_tp_mesh.mesh.tolist(), dims.ep_tp_mesh.mesh_dim_names),
+             "expert_fsdp_mesh": (tuple(dims.expert_fsdp_mesh.shape), dims.expert_fsdp_mesh.mesh_dim_names)}
     replicate_tp = Run(dp_replicate=2, tp=2, steps=3)
-    return {"meshes": meshes, "ep_meshes": ep_meshes, "losses": run_layout(rank, world_size, replicate_tp)["losses"]}
+    return {"meshes": meshes, "ep_meshes": ep_meshes, "ep_tp": ep_tp,
+            "losses": run_layout(rank, world_size, replicate_tp)["losses"]}
 
 
 def test_meshes_on_four_ranks_and_replication_with_tp_trains_like_one_process():
@@ -64,6 +70,10 @@ def test_meshes_on_four_ranks_and_replication_with_tp_trains_like_one_process():
                                    "expert_fsdp_mesh": ((2, 1), ("dp_replicate", "efsdp"), (rank // 2, 0))}
         assert e[(1, 4, 1, 4)]["ep_mesh"] == (4, rank) and e[(1, 4, 1, 4)]["expert_fsdp_mesh"][:2] == ((1,), ("efsdp",))
         assert e[(1, 4, 1, 1)] == m[(1, 4, 1)] | {"ep_mesh": None, "expert_fsdp_mesh": None}
+        # EP 2 x TP 2: an EP group is the ranks of one tp coordinate (the same hidden-dim slice of the experts),
+        # so the TP ranks of a data rank, which route the same tokens, exchange them in separate groups.
+        assert result["ep_tp"] == {"ep_ranks": [rank % 2, rank % 2 + 2], "tp_ranks": [rank // 2 * 2, rank // 2 * 2 + 1],
+                                   "ep_tp_mesh": ([[0, 1], [2, 3]], ("ep", "tp")), "expert_fsdp_mesh": ((1,), ("efsdp",))}
     reference = single_process_results(Run(steps=3))["losses"]
     # fp32 summation-order differences only (see test_parallel_layouts).
     for a, b in zip(results[0]["losses"], reference, strict=True):

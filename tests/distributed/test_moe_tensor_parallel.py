@@ -1,5 +1,6 @@
-"""Qwen3-MoE under tensor parallelism (attention split by heads, the MoE expert tensor parallel) reproduces
-the single-process training: losses, first gradients, every expert bias and the router statistics.
+"""Qwen3-MoE under tensor parallelism (attention split by heads, the MoE expert tensor parallel), alone and with
+expert parallelism, reproduces the single-process training: losses, first gradients, every expert bias and
+the router statistics; its checkpoints load on one process.
 
 The tiny model (_moe_steps.TINY_MOE) trains with the balance loss and the expert-bias update on, and with a
 shared expert, so that every gradient path of the split MoE (routed experts, shared expert, combine
@@ -13,6 +14,14 @@ per step; grads: max over parameters of the relative norm difference of the firs
   FSDP 2 x TP 2 float32        9.7e-8 / 3.0e-7           -
   TP 2 float8 tensorwise attn  1.8e-7 / 2.1e-7           3.6e-4 / 0.105
   TP 2 float8 rowwise attn     4.5e-5 / 7.1e-3           2.6e-4 / 0.085
+  EP 2 x TP 2 float32          9.7e-8 / 3.0e-7           -   (4 ranks; reference: FSDP 2 x TP 2's)
+
+EP 2 x TP 2 (dp_shard 2 split into ep 2, tp 2 inner): each TP rank exchanges the gathered tokens with the EP
+rank of its own tp coordinate and computes its hidden slice of its 2 local experts. Its losses equal FSDP 2 x
+TP 2's over the first 3 steps to the bit and its first expert gradients differ by at most 1.2e-10 absolute
+(an expert's rows from both data ranks in one GEMM); dropping the rows sent to the other EP rank
+(_moe_ep_steps._DroppingDispatcher) moves the losses by 1.7e-4 and the first gradients by 0.60 relative over
+3 steps, far outside FP32.
 
 Row-wise float8 scales the output projection's gradient per row over its input features, which TP splits,
 so the layout rounds differently from one process; tensorwise float8 moves the same scaled values through
@@ -28,8 +37,13 @@ import pytest
 import torch
 from _harness import run_ranks
 from _llama_steps import Run, Tolerance, check_two_sided, differences, global_batches
-from _moe_steps import build, expert_biases, optimizer_for, run_single, train_runs, train_step
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from _moe_steps import MoERun, build, expert_biases, optimizer_for, run_single, train_runs, train_step
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 # float32: a layout only changes the order of float32 sums (TP partial products, the reduce-scatter of the
 # experts' partial outputs and of the input gradients); measured below 3.1e-7 relative, so 1e-5 leaves
@@ -144,7 +158,13 @@ def _checkpointer(dump: str, states: dict):
 
 def tp2_train_save_continue(rank: int, world_size: int, dump: str) -> tuple[list[float], dict]:
     """Train SAVED_STEPS steps at TP 2, save, train two more: (the two losses after the save, saved biases)."""
-    run = Run(tp=2)
+    after, saved_bias, _ = train_save_continue(rank, world_size, dump, Run(tp=2))
+    return after, saved_bias
+
+
+def train_save_continue(rank: int, world_size: int, dump: str, run: Run) -> tuple[list[float], dict, dict]:
+    """Train SAVED_STEPS steps of ``run``, save, train two more: (the two losses after the save, saved biases,
+    the saved model state unsharded)."""
     model, dims, precision, config = build(run)
     optimizer = optimizer_for(model)
     ckpt = _checkpointer(dump, _states(model, optimizer))
@@ -154,9 +174,11 @@ def tp2_train_save_continue(rank: int, world_size: int, dump: str) -> tuple[list
     ckpt.save(SAVED_STEPS)
     ckpt.close()
     saved_bias = expert_biases(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+    saved_state = {k: v.clone() for k, v in full.items()}  # plain buffers come back as themselves: copy now
     after = [train_step(run, model, optimizer, dims, precision, config, batches[step])[0]
              for step in range(SAVED_STEPS, SAVED_STEPS + 2)]
-    return after, saved_bias
+    return after, saved_bias, saved_state
 
 
 def test_tp2_checkpoint_loads_on_one_process_and_training_continues(tmp_path):
@@ -178,3 +200,47 @@ def test_tp2_checkpoint_loads_on_one_process_and_training_continues(tmp_path):
     # Weights and Adam moments resharded from the hidden-dim / head splits to whole tensors: the same losses
     # up to float32 summation order.
     assert resumed == pytest.approx(after, rel=FP32.losses)
+
+
+# --- expert parallelism x tensor parallelism: EP 2 x TP 2 on 4 ranks -------------------------------------
+
+EP2_TP2 = MoERun(dp_shard=2, ep=2, tp=2, steps=10)
+
+
+def _ep2_tp2_worker(rank: int, world_size: int, dump: str) -> dict:
+    """One 4-rank launch: EP 2 x TP 2 trained 10 steps; then trained SAVED_STEPS steps, saved, and continued."""
+    trained = train_runs(rank, world_size, [EP2_TP2])[0]
+    after, saved_bias, saved_state = train_save_continue(rank, world_size, dump, MoERun(dp_shard=2, ep=2, tp=2))
+    return {"trained": trained, "after": after, "saved_bias": saved_bias, "saved_state": saved_state}
+
+
+def test_ep2_x_tp2_on_4_ranks_matches_single_process_and_its_checkpoint_loads_on_one_process(tmp_path):
+    ranks = run_ranks(_ep2_tp2_worker, 4, str(tmp_path))
+    results = [r["trained"] for r in ranks]
+    # The reference is FSDP 2 x TP 2's (each data rank's half of the batch in turn): EP changes where an
+    # expert's rows are computed, not what.
+    ref = reference(Run(dp_shard=2, tp=2, steps=10))
+    for got in results:
+        diff = differences(got, ref)
+        assert diff["losses"] < FP32.losses and diff["grads"] < FP32.grads, diff
+    assert len({tuple(r["losses"]) for r in results}) == 1  # every rank reports the same global losses
+    _assert_same_routing(results, ref)
+
+    # The checkpoint holds the global tensors (experts split 2 x 2 on the (ep, tp) mesh, sharded by FSDP):
+    # one process loads every weight bit for bit, the biases, and continues as the 4 ranks did.
+    model, dims, precision, config = build(Run())
+    optimizer = optimizer_for(model)
+    ckpt = _checkpointer(str(tmp_path), _states(model, optimizer))
+    assert ckpt.load() == SAVED_STEPS
+    ckpt.close()
+    saved_state = ranks[0]["saved_state"]
+    assert saved_state["layers.0.moe.experts.w1"].shape == (4, 32, 64)
+    loaded = model.state_dict()
+    for name, value in saved_state.items():
+        assert torch.equal(loaded[name], value), name
+    for layer, bias in ranks[0]["saved_bias"].items():
+        assert torch.equal(model.layers[layer].moe.expert_bias, bias)
+    batches = global_batches(SAVED_STEPS + 2)
+    resumed = [train_step(Run(), model, optimizer, dims, precision, config, batches[step])[0]
+               for step in range(SAVED_STEPS, SAVED_STEPS + 2)]
+    assert resumed == pytest.approx(ranks[0]["after"], rel=FP32.losses)

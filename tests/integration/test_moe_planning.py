@@ -52,6 +52,15 @@ def test_ep_that_does_not_divide_the_experts_is_refused_with_the_divisors(check)
     assert check(["--config", "qwen3_moe_debug", *NO_DATA, "--parallelism.ep", "2"], NPROC="6")[0] == 0
 
 
+def test_expert_parallelism_with_tensor_parallelism_is_accepted_and_its_layout_shown(check):
+    status, out, err = check(["--config", "qwen3_moe_debug", *NO_DATA, "--parallelism.ep", "2", "--parallelism.tp",
+                              "2"], NPROC="4")
+    assert status == 0, err
+    assert "is valid for 4 process(es) (FSDP 2 + TP 2 + EP 2)" in out
+    assert ("EP 2: 4 experts per rank, their weights not FSDP-sharded (dp_shard 2 / ep 2 = 1), each expert's hidden "
+            "dim split over TP 2; tokens travel by all-to-all within each group of 2 EP ranks of one TP coordinate") in out
+
+
 def test_check_config_shows_total_and_active_parameters_and_the_ep_layout(check):
     status, out, _ = check(["--config", "qwen3_moe_debug", *NO_DATA, "--model.flavor", "235B-A22B", *LAYOUT_235B],
                            NGPU="64")

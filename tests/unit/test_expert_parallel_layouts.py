@@ -23,9 +23,6 @@ def _resolve(world_size: int, *argv: str):
     (2, ["--config", "llama3_debug", "--parallelism.ep", "2"],
      "parallelism.ep=2 splits routed experts over ranks, but model llama3 (flavor debug) is dense: it has no MoE "
      "layers. Set --parallelism.ep 1"),
-    (4, ["--parallelism.ep", "2", "--parallelism.tp", "2"],
-     "does not support expert parallelism together with tensor parallelism yet (parallelism.ep=2, parallelism.tp=2); "
-     "set --parallelism.tp 1, or --parallelism.ep 1"),
     (2, ["--parallelism.ep", "2", "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option",
          "op"], "use --activation_checkpoint.mode full, or --activation_checkpoint.selective_option 2"),
     # ep larger than the data-parallel ranks (ParallelDims, before any model is looked at).
@@ -42,3 +39,7 @@ def test_expert_parallel_layouts_that_train_are_accepted():
     assert (run.parallel_dims.ep, run.parallel_dims.expert_fsdp_degree) == (2, 2)
     assert run.parallel_dims.describe() == "FSDP 4 + EP 2"
     assert _resolve(8, "--parallelism.ep", "8").parallel_dims.expert_fsdp_degree == 1
+    # EP composes with TP: the experts split over ep and their hidden dim over tp.
+    ep_tp = _resolve(4, "--parallelism.ep", "2", "--parallelism.tp", "2").parallel_dims
+    assert (ep_tp.ep, ep_tp.tp, ep_tp.expert_fsdp_degree) == (2, 2, 1)
+    assert ep_tp.describe() == "FSDP 2 + TP 2 + EP 2"

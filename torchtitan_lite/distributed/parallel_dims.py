@@ -173,8 +173,17 @@ class ParallelDims:
 
     @property
     def ep_mesh(self) -> DeviceMesh | None:
-        """1-D mesh of the ranks that split the experts and exchange tokens (all-to-all); None without EP."""
+        """1-D mesh of the ranks that split the experts and exchange tokens (all-to-all); None without EP. Under
+        TP it joins the ranks of one tp coordinate (tp stays innermost), which hold the same hidden-dim slice."""
         return self._expert_mesh["ep"] if self._expert_mesh is not None else None
+
+    @property
+    def ep_tp_mesh(self) -> DeviceMesh | None:
+        """2-D (ep, tp) mesh the routed expert weights are split over when EP and TP are both on: experts over
+        ep, every expert's hidden dim over tp (the same tp groups as ``tp_mesh``); None otherwise."""
+        if self._expert_mesh is None or not self.tp_enabled:
+            return None
+        return self._expert_mesh["ep", "tp"]
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
