@@ -62,7 +62,8 @@ def deepseek_v3_671b_fp8() -> Trainer.Config:
     """DeepSeek-V3 671B (37.6B active) + compile + its FP8 recipe: blockwise Linears (torchao's kernels on sm_90,
     float32 scales as they compute them), router gates and output head high precision; BF16, 4k sequence, peak
     lr 2.2e-4 as published, full activation checkpointing. Routed experts stay BF16 (the blockwise converter
-    swaps nn.Linear only). Needs expert parallelism (not wired yet) to fit 80 GB GPUs."""
+    swaps nn.Linear only). Needs expert parallelism to fit 80 GB GPUs: on 256 GPUs run it with
+    --parallelism.ep 8 (README, DeepSeek-V3)."""
     cfg = _llama3_large("671B", lr=2.2e-4)
     cfg.model = ModelConfig(name="deepseek_v3", flavor="671B")
     cfg.training.seq_len = 4096

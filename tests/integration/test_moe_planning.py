@@ -1,6 +1,7 @@
 """Planning an MoE run at cluster size before launch: --check-config refuses expert-parallel layouts the
 model cannot take and names the fix, shows total / active parameters and the EP layout, and --dry-run builds
-the 235B-A22B model for 64 GPUs with FSDP 64 x EP 8 and states its per-rank peak."""
+the 235B-A22B model for 64 GPUs with FSDP 64 x EP 8 and DeepSeek-V3 671B for 256 GPUs with FSDP 256 x EP 8 and
+states their per-rank peaks."""
 from __future__ import annotations
 
 import re
@@ -92,6 +93,24 @@ def test_235b_dry_run_on_64_gpus_with_fsdp_64_and_ep_8_fits_80_gib(cli, config):
     assert "dry run: rank 0 of 64, FSDP 64 + EP 8" in out
     assert "model: 235,093,634,560 parameters, 22,190,763,520 active per token" in out
     assert "EP 8: 16 experts per rank" in out
+    # The estimate sizes exactly the shards the parallelize step produced.
+    for label in ("parameters", "gradients", "optimizer states"):
+        match = re.search(rf"^  {label}\s+[\d.]+ GiB\s+([\d,]+)\s+\[([\d,]+)\]$", out, re.M)
+        assert match and match.group(1) == match.group(2), label
+    peak = re.search(r"^total per device\s+([\d.]+)", out, re.M)
+    assert peak and float(peak.group(1)) < 80, out[-3000:]
+
+
+def test_deepseek_v3_671b_dry_run_on_256_gpus_with_fsdp_256_and_ep_8_fits_80_gib(cli):
+    """DeepSeek-V3 671B's recommended 256-GPU layout: FSDP over all 256 ranks, EP 8 (each EP group's all-to-all
+    within one 8-GPU node). The estimate: 147.0 GiB per rank with FSDP alone, 55.2 GiB with EP 8; EP 16 / 32 / 64
+    save only 6.0 / 7.1 / 7.5 GiB more while their all-to-all crosses nodes."""
+    result = cli(["--config", "deepseek_v3_671b_fp8", "--parallelism.ep", "8", "--dry-run"], NGPU="256")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "dry run: rank 0 of 256, FSDP 256 + EP 8" in out
+    assert "model: 671,026,404,352 parameters, 37,552,282,624 active per token" in out
+    assert "EP 8: 32 experts per rank, their weights sharded by FSDP 32 (dp_shard 256 / ep 8)" in out
     # The estimate sizes exactly the shards the parallelize step produced.
     for label in ("parameters", "gradients", "optimizer states"):
         match = re.search(rf"^  {label}\s+[\d.]+ GiB\s+([\d,]+)\s+\[([\d,]+)\]$", out, re.M)

@@ -1,5 +1,6 @@
 """The DeepSeek-V3 configs: registered, complete, buildable on meta; the FP8 recipe's plan keeps what DeepSeek-V3
-keeps in high precision and says why; the parallelisms the family has no plan for are refused before launch."""
+keeps in high precision and says why; tensor parallelism, which the family has no plan for, and expert-parallel
+layouts it cannot run are refused before launch."""
 from __future__ import annotations
 
 import pytest
@@ -64,14 +65,22 @@ def test_671b_fp8_plan_converts_every_block_linear_but_the_gates_and_wkv_a():
     assert all(rows[f"layers.5.attention.{n}"] == "blockwise" for n in ("wq_a", "wq_b", "wkv_b", "wo"))
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--parallelism.tp", "2", r"deepseek_v3 does not support tensor parallelism yet \(parallelism.tp=2\)"),
-    ("--parallelism.ep", "2", r"deepseek_v3 does not support expert parallelism yet \(parallelism.ep=2\)"),
-    ("--compile.enable", "true", r"compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype "
-                                 r"is float32"),
+@pytest.mark.parametrize("args, message", [
+    (["--parallelism.tp", "2"], r"deepseek_v3 does not support tensor parallelism yet \(parallelism.tp=2\)"),
+    (["--compile.enable", "true"], r"compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype "
+                                   r"is float32"),
+    (["--parallelism.ep", "2", "--activation_checkpoint.mode", "selective"],
+     r"activation_checkpoint.mode=selective with selective_option=op does not work with expert parallelism "
+     r"\(parallelism.ep=2\)"),
 ])
-def test_what_the_family_cannot_run_is_refused_before_launch(flag, value, message):
-    cfg = parse_cli(["--config", "deepseek_v3_debug", flag, value], registry=DEFAULT_REGISTRY).config
+def test_what_the_family_cannot_run_is_refused_before_launch(args, message):
+    cfg = parse_cli(["--config", "deepseek_v3_debug", *args], registry=DEFAULT_REGISTRY).config
     with pytest.raises(ValueError, match=message):
-        resolve_run(cfg, world_size=2 if flag.startswith("--parallelism") else 1, device_type="cpu", vocab_size=2048,
-                    cuda_available=False)
+        resolve_run(cfg, world_size=2 if args[0].startswith("--parallelism") else 1, device_type="cpu",
+                    vocab_size=2048, cuda_available=False)
+
+
+def test_expert_parallelism_resolves():
+    cfg = parse_cli(["--config", "deepseek_v3_debug", "--parallelism.ep", "2"], registry=DEFAULT_REGISTRY).config
+    run = resolve_run(cfg, world_size=2, device_type="cpu", vocab_size=2048, cuda_available=False)
+    assert run.parallel_dims.describe() == "FSDP 2 + EP 2"

@@ -67,8 +67,8 @@ def apply_fsdp(
         shard(embedding, not never)
     for i, block in enumerate(blocks):
         reshard = always or (not never and i < len(blocks) - 1)
-        if expert_mesh is not None:
-            shard(_block_experts(block, plan), reshard, expert_mesh)
+        if expert_mesh is not None and (experts := _block_experts(block, plan)) is not None:
+            shard(experts, reshard, expert_mesh)
         shard(block, reshard)
     if not tied:
         shard([model.get_submodule(plan.final_norm), output], always)
@@ -91,11 +91,12 @@ def apply_fsdp(
     return model
 
 
-def _block_experts(block: nn.Module, plan: ParallelPlan) -> nn.Module:
-    """The block's routed experts by the plan's block-relative name, through an activation-checkpoint wrapper."""
+def _block_experts(block: nn.Module, plan: ParallelPlan) -> nn.Module | None:
+    """The block's routed experts by the plan's block-relative name, through an activation-checkpoint wrapper;
+    None for a block without them (a dense block of a family whose first blocks have no experts)."""
     if plan.experts is None:
         raise ValueError("an expert mesh was given but the family's plan names no experts (ParallelPlan.experts)")
     for name, module in block.named_modules():
         if name.replace("_checkpoint_wrapped_module.", "") == plan.experts:
             return module
-    raise ValueError(f"block {type(block).__name__} has no module {plan.experts!r} (ParallelPlan.experts)")
+    return None
