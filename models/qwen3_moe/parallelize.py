@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from models.common.expert_parallel import apply_expert_parallel, keep_exchanges_for_recompute
+from models.common.expert_parallel import apply_expert_parallel, check_expert_parallel, keep_exchanges_for_recompute
 from models.common.experts import GroupedExperts
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import (
@@ -91,7 +91,7 @@ def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> Base
             layouts.append(f"float8 TP comms in {float8} of {sum(len(b) for b in regions)} regions")
     ac_config = context.activation_checkpoint
     if dims.ep_mesh is not None:
-        _check_expert_parallel(experts[0].num_experts, dims.ep, ac_config.mode, ac_config.selective_option)
+        check_expert_parallel(experts[0].num_experts, dims.ep, ac_config.mode, ac_config.selective_option)
         apply_expert_parallel(model, dims.ep_mesh, dims.ep_tp_mesh)
         split = f"EP {dims.ep} x expert TP {dims.tp}" if dims.tp_enabled else f"EP {dims.ep}"
         layouts.append(f"experts split over {split}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
@@ -115,7 +115,7 @@ def check_qwen3_moe_run(facts: RunFacts) -> None:
     (The attention heads' split over tp is ParallelDims.validate_for_model's.)"""
     moe = facts.model_args.moe
     _check_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
-    _check_expert_parallel(moe.num_experts, facts.ep, facts.ac_mode, facts.ac_selective_option)
+    check_expert_parallel(moe.num_experts, facts.ep, facts.ac_mode, facts.ac_selective_option)
     if facts.tp > 1:
         _check_expert_tp(moe.hidden_dim, facts.tp, moe.use_grouped_mm)
 
@@ -133,23 +133,6 @@ def _check_expert_tp(hidden_dim: int, tp: int, grouped_mm: bool) -> None:
             f"parallelism.tp={tp} leaves each rank {hidden_dim // tp} of the experts' hidden_dim={hidden_dim} "
             "channels, not a multiple of 8: torch._grouped_mm needs 16-byte aligned strides in bfloat16; use a "
             "smaller tp, or set the flavor's moe.use_grouped_mm=False to run the per-expert loop")
-
-
-def _check_expert_parallel(num_experts: int, ep: int, ac_mode: str, ac_selective_option: str) -> None:
-    if ep == 1:
-        return
-    if num_experts % ep:
-        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise ValueError(
-            f"parallelism.ep={ep} must divide the model's num_experts={num_experts} (every EP rank holds the same "
-            f"number of experts); use an ep among {divisors}")
-    if ac_mode == "selective" and ac_selective_option == "op":
-        # torch 2.13's selective checkpointing replays ops by count, and the experts' own FSDP unit inside the
-        # block runs its all-gather hooks a different number of times in the recomputation.
-        raise ValueError(
-            f"activation_checkpoint.mode=selective with selective_option=op does not work with expert parallelism "
-            f"(parallelism.ep={ep}) on this PyTorch: per-op checkpointing cannot replay the experts' FSDP hooks; use "
-            "--activation_checkpoint.mode full, or --activation_checkpoint.selective_option 2 (every 2nd block)")
 
 
 def _check_compile_dtype(grouped_mm: bool, compile_model: bool, compute_dtype: torch.dtype | None) -> None:

@@ -93,6 +93,19 @@ LONG_RUNNING = {
         "needs a trained run",
     "python scripts/fp8_sqnr.py --config llama3_debug_fp8 --precision.param_dtype float32 --min-fwd-sqnr 20":
         "runs the model on training batches (a minute)",
+    "scripts/fp8_sqnr.py --config llama3_debug_fp8_blockwise":
+        "runs the model on training batches (tests/unit/test_fp8_sqnr.py runs the blockwise CLI on a small model)",
+    "python scripts/fp8_sqnr.py --config llama3_debug_fp8_blockwise --min-fwd-sqnr 20":
+        "runs the model on training batches (tests/unit/test_fp8_sqnr.py runs the blockwise CLI on a small model)",
+    "python scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8_blockwise --seeds 3 --last 20 "
+    "--tolerance 0.05 --dump-root /tmp/ttl_bw/runs": "trains 6 x 200 steps (an hour on 2 cores)",
+    "python scripts/loss_compare.py --runs /tmp/ttl_bw/seeds/llama3_debug_bf16 "
+    "/tmp/ttl_bw/seeds/llama3_debug_fp8_blockwise --last 20 --tolerance 0.05": "needs the finished seed runs",
+    "python scripts/loss_compare.py --runs /tmp/ttl_bw/seeds/llama3_debug_bf16/seed-<s> "
+    "/tmp/ttl_bw/seeds/llama3_debug_fp8_blockwise/seed-<s> --last 20 --tolerance 0.05": "needs the finished seed runs",
+    "python scripts/loss_compare.py --configs deepseek_v3_debug_bf16 deepseek_v3_debug_fp8_blockwise --steps 200 "
+    "--last 20 --tolerance 0.05 --dump-root /tmp/lc_dsv3/runs --out /tmp/lc_dsv3/loss.png -- --validation.enable false":
+        "trains 2 x 200 steps (20 minutes on 2 cores)",
     "python scripts/fp8_sqnr.py --config llama3_debug_fp8 --min-fwd-sqnr 20":
         "runs the model on training batches (a minute)",
     "python scripts/float8_layer_bench.py --shapes llama3_8b": "benchmarks 8B-sized layers (needs a GPU)",
