@@ -14,17 +14,14 @@ up-projections (wq_b, wkv_b) read their normalised outputs.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from models.common.expert_parallel import apply_expert_parallel, check_expert_parallel, keep_exchanges_for_recompute
+from models.common.expert_parallel import check_expert_parallel
 from models.common.experts import GroupedExperts
+from models.common.moe_parallelize import apply_moe_parallelisms, check_grouped_mm_compile_dtype
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, RunFacts, build_tp_plan
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
-
-logger = logging.getLogger(__name__)
 
 DEEPSEEK_V3_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
     BlockTPPlan(inputs=(), rowwise=(), norms=("attention_norm", "ffn_norm")),
@@ -48,41 +45,17 @@ def ep_compile_regions(block: torch.nn.Module) -> tuple[str, ...]:
 
 def parallelize_deepseek_v3(model: BaseModel, context: ParallelizeContext) -> BaseModel:
     """EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
-    from torchtitan_lite.distributed.activation_checkpoint import apply_ac
-    from torchtitan_lite.distributed.compile import apply_compile
-    from torchtitan_lite.distributed.fsdp import apply_fsdp
-
-    plan, dims = DEEPSEEK_V3_PARALLEL_PLAN, context.parallel_dims
-    # Also checked by resolve_run (check_deepseek_v3_run); repeated on the built model for a caller that
-    # parallelizes without resolving a run.
-    check_degrees(dims.tp)
-    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    check_compile_dtype(any(m.use_grouped_mm for m in experts), context.compile_model, context.mp_policy.param_dtype)
-    ac_config = context.activation_checkpoint
-    layouts = [dims.describe()]
-    if dims.ep_mesh is not None:
-        check_expert_parallel(experts[0].num_experts, dims.ep, ac_config.mode, ac_config.selective_option)
-        apply_expert_parallel(model, dims.ep_mesh)
-        layouts.append(f"experts split over EP {dims.ep}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
-    ac = apply_ac(model, ac_config.mode, ac_config.selective_option, compiled_tp=False)
-    keep_exchanges_for_recompute(model.layers)
-    layouts.append(f"AC {ac}")
-    if apply_compile(model, context.compile, ep_compile_regions if dims.ep_mesh is not None else ()):
-        what = "blocks but the expert all-to-all" if dims.ep_mesh is not None else "blocks"
-        layouts.append(f"compiled {what} ({context.compile.backend})")
-    if dims.fsdp_mesh is not None:
-        apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=context.mp_policy,
-                   reshard_after_forward=context.fsdp_reshard_after_forward, cpu_offload=context.fsdp_cpu_offload,
-                   expert_mesh=dims.expert_fsdp_mesh)
-    logger.info("parallelized deepseek_v3: %s", ", ".join(layouts))
-    return model
+    dims = context.parallel_dims
+    check_degrees(dims.tp)  # also checked by resolve_run (check_deepseek_v3_run)
+    return apply_moe_parallelisms(model, context, DEEPSEEK_V3_PARALLEL_PLAN, family="deepseek_v3",
+                                  layouts=[dims.describe()], ep_compile_regions=ep_compile_regions)
 
 
 def check_deepseek_v3_run(facts: RunFacts) -> None:
     """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config."""
     moe = facts.model_args.moe
     check_degrees(facts.tp)
-    check_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
+    check_grouped_mm_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
     check_expert_parallel(moe.num_experts, facts.ep, facts.ac_mode, facts.ac_selective_option)
 
 
@@ -92,13 +65,3 @@ def check_degrees(tp: int) -> None:
         raise ValueError(f"deepseek_v3 does not support tensor parallelism yet (parallelism.tp={tp}): latent "
                          "attention and the MoE have no TP plan; set --parallelism.tp 1 and shard with FSDP "
                          "(parallelism.dp_shard), and split the experts with expert parallelism (parallelism.ep)")
-
-
-def check_compile_dtype(grouped_mm: bool, compile_model: bool, compute_dtype: torch.dtype | None) -> None:
-    """torch._grouped_mm runs in any float dtype eagerly, but its traced (meta) form in torch 2.13 accepts only
-    bfloat16 operands: a compiled float32 / float16 model would fail inside the compiler."""
-    if compile_model and grouped_mm and compute_dtype not in (None, torch.bfloat16):
-        raise ValueError(
-            f"compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype is "
-            f"{str(compute_dtype).removeprefix('torch.')} (torch._grouped_mm is traced for bfloat16 only); set "
-            "--precision.param_dtype bfloat16 or --compile.enable false")

@@ -20,12 +20,8 @@ dim over tp). Order: TP -> EP -> activation checkpointing -> compile -> FSDP.
 """
 from __future__ import annotations
 
-import logging
-
-import torch
-
-from models.common.expert_parallel import apply_expert_parallel, check_expert_parallel, keep_exchanges_for_recompute
-from models.common.experts import GroupedExperts
+from models.common.expert_parallel import check_expert_parallel
+from models.common.moe_parallelize import apply_moe_parallelisms, check_grouped_mm_compile_dtype, grouped_experts
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import (
     BlockTPPlan,
@@ -36,8 +32,6 @@ from torchtitan_lite.protocols.model_spec import (
     build_tp_plan,
 )
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
-
-logger = logging.getLogger(__name__)
 
 QWEN3_MOE_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
     BlockTPPlan(
@@ -66,17 +60,11 @@ combine, whose all-to-all split sizes are host integers (a whole-block graph wou
 
 def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> BaseModel:
     """TP -> EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
-    from torchtitan_lite.distributed.activation_checkpoint import apply_ac
-    from torchtitan_lite.distributed.compile import apply_compile
-    from torchtitan_lite.distributed.fsdp import apply_fsdp
     from torchtitan_lite.distributed.tensor_parallel import apply_tp
 
     plan, dims = QWEN3_MOE_PARALLEL_PLAN, context.parallel_dims
-    # Also checked by resolve_run (check_qwen3_moe_run); repeated on the built model for a caller that
-    # parallelizes without resolving a run.
-    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    experts = grouped_experts(model)
     grouped_mm = any(m.use_grouped_mm for m in experts)
-    _check_compile_dtype(grouped_mm, context.compile_model, context.mp_policy.param_dtype)
     layouts = [dims.describe()]
     if dims.tp_mesh is not None:
         hidden_dim = experts[0].w1.shape[1] if experts else 0
@@ -89,32 +77,15 @@ def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> Base
         float8 = sum(r.float8 for block in regions for r in block)
         if float8:
             layouts.append(f"float8 TP comms in {float8} of {sum(len(b) for b in regions)} regions")
-    ac_config = context.activation_checkpoint
-    if dims.ep_mesh is not None:
-        check_expert_parallel(experts[0].num_experts, dims.ep, ac_config.mode, ac_config.selective_option)
-        apply_expert_parallel(model, dims.ep_mesh, dims.ep_tp_mesh)
-        split = f"EP {dims.ep} x expert TP {dims.tp}" if dims.tp_enabled else f"EP {dims.ep}"
-        layouts.append(f"experts split over {split}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
-    ac = apply_ac(model, ac_config.mode, ac_config.selective_option,
-                  compiled_tp=context.compile_model and dims.tp_enabled)
-    keep_exchanges_for_recompute(model.layers)
-    layouts.append(f"AC {ac}")
-    if apply_compile(model, context.compile, EP_COMPILE_REGIONS if dims.ep_mesh is not None else ()):
-        what = "blocks but the expert all-to-all" if dims.ep_mesh is not None else "blocks"
-        layouts.append(f"compiled {what} ({context.compile.backend})")
-    if dims.fsdp_mesh is not None:
-        apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=context.mp_policy,
-                   reshard_after_forward=context.fsdp_reshard_after_forward, cpu_offload=context.fsdp_cpu_offload,
-                   expert_mesh=dims.expert_fsdp_mesh)
-    logger.info("parallelized qwen3_moe: %s", ", ".join(layouts))
-    return model
+    return apply_moe_parallelisms(model, context, plan, family="qwen3_moe", layouts=layouts,
+                                  ep_compile_regions=EP_COMPILE_REGIONS)
 
 
 def check_qwen3_moe_run(facts: RunFacts) -> None:
     """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config.
     (The attention heads' split over tp is ParallelDims.validate_for_model's.)"""
     moe = facts.model_args.moe
-    _check_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
+    check_grouped_mm_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
     check_expert_parallel(moe.num_experts, facts.ep, facts.ac_mode, facts.ac_selective_option)
     if facts.tp > 1:
         _check_expert_tp(moe.hidden_dim, facts.tp, moe.use_grouped_mm)
@@ -133,13 +104,3 @@ def _check_expert_tp(hidden_dim: int, tp: int, grouped_mm: bool) -> None:
             f"parallelism.tp={tp} leaves each rank {hidden_dim // tp} of the experts' hidden_dim={hidden_dim} "
             "channels, not a multiple of 8: torch._grouped_mm needs 16-byte aligned strides in bfloat16; use a "
             "smaller tp, or set the flavor's moe.use_grouped_mm=False to run the per-expert loop")
-
-
-def _check_compile_dtype(grouped_mm: bool, compile_model: bool, compute_dtype: torch.dtype | None) -> None:
-    """torch._grouped_mm runs in any float dtype eagerly, but its traced (meta) form in torch 2.13 accepts only
-    bfloat16 operands: a compiled float32 / float16 model would fail inside the compiler."""
-    if compile_model and grouped_mm and compute_dtype not in (None, torch.bfloat16):
-        raise ValueError(
-            f"compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype is "
-            f"{str(compute_dtype).removeprefix('torch.')} (torch._grouped_mm is traced for bfloat16 only); set "
-            "--precision.param_dtype bfloat16 or --compile.enable false")

@@ -1,0 +1,72 @@
+"""What every MoE family does after its own tensor-parallel step: expert parallelism, activation
+checkpointing, compile and FSDP2, in that order, and the compile rule of the grouped experts.
+
+A family's parallelize function checks its own layout rules, applies its TP plan (if it has one), then hands
+the model to ``apply_moe_parallelisms`` with its plan and the compile regions its blocks need under EP.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from models.common.expert_parallel import apply_expert_parallel, check_expert_parallel, keep_exchanges_for_recompute
+from models.common.experts import GroupedExperts
+from torchtitan_lite.protocols.model import BaseModel
+from torchtitan_lite.protocols.model_spec import ParallelPlan
+from torchtitan_lite.protocols.parallelize import ParallelizeContext
+
+logger = logging.getLogger(__name__)
+
+CompileRegions = tuple[str, ...] | Callable[[nn.Module], tuple[str, ...]]
+
+
+def grouped_experts(model: nn.Module) -> list[GroupedExperts]:
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+
+def apply_moe_parallelisms(model: BaseModel, context: ParallelizeContext, plan: ParallelPlan, *, family: str,
+                           layouts: list[str], ep_compile_regions: CompileRegions) -> BaseModel:
+    """EP -> AC -> compile -> FSDP2 on ``model`` (its TP, if any, already applied), then one log line naming
+    ``layouts`` plus what was applied here. ``ep_compile_regions``: what apply_compile compiles of each block
+    under EP (everything but the dispatch / combine, whose all-to-all split sizes are host integers)."""
+    from torchtitan_lite.distributed.activation_checkpoint import apply_ac
+    from torchtitan_lite.distributed.compile import apply_compile
+    from torchtitan_lite.distributed.fsdp import apply_fsdp
+
+    dims, ac_config = context.parallel_dims, context.activation_checkpoint
+    # Also checked by resolve_run (the family's check_run); repeated on the built model for a caller that
+    # parallelizes without resolving a run.
+    experts = grouped_experts(model)
+    check_grouped_mm_compile_dtype(any(m.use_grouped_mm for m in experts), context.compile_model,
+                                   context.mp_policy.param_dtype)
+    if dims.ep_mesh is not None:
+        check_expert_parallel(experts[0].num_experts, dims.ep, ac_config.mode, ac_config.selective_option)
+        apply_expert_parallel(model, dims.ep_mesh, dims.ep_tp_mesh)
+        split = f"EP {dims.ep} x expert TP {dims.tp}" if dims.tp_enabled else f"EP {dims.ep}"
+        layouts.append(f"experts split over {split}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
+    ac = apply_ac(model, ac_config.mode, ac_config.selective_option,
+                  compiled_tp=context.compile_model and dims.tp_enabled)
+    keep_exchanges_for_recompute(model.layers)
+    layouts.append(f"AC {ac}")
+    if apply_compile(model, context.compile, ep_compile_regions if dims.ep_mesh is not None else ()):
+        what = "blocks but the expert all-to-all" if dims.ep_mesh is not None else "blocks"
+        layouts.append(f"compiled {what} ({context.compile.backend})")
+    if dims.fsdp_mesh is not None:
+        apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=context.mp_policy,
+                   reshard_after_forward=context.fsdp_reshard_after_forward, cpu_offload=context.fsdp_cpu_offload,
+                   expert_mesh=dims.expert_fsdp_mesh)
+    logger.info("parallelized %s: %s", family, ", ".join(layouts))
+    return model
+
+
+def check_grouped_mm_compile_dtype(grouped_mm: bool, compile_model: bool, compute_dtype: torch.dtype | None) -> None:
+    """torch._grouped_mm runs in any float dtype eagerly, but its traced (meta) form in torch 2.13 accepts only
+    bfloat16 operands: a compiled float32 / float16 model would fail inside the compiler."""
+    if compile_model and grouped_mm and compute_dtype not in (None, torch.bfloat16):
+        raise ValueError(
+            f"compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype is "
+            f"{str(compute_dtype).removeprefix('torch.')} (torch._grouped_mm is traced for bfloat16 only); set "
+            "--precision.param_dtype bfloat16 or --compile.enable false")
