@@ -18,7 +18,8 @@ from torchtitan_lite.components.quantization.cast_health import (
     mx_casts,
     saturation_threshold,
 )
-from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector, summary_line, threshold_crossings
+from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
+from torchtitan_lite.components.quantization.fp8_stats_report import summary_line, threshold_crossings
 
 
 def _wide_range(rows: int = 256, cols: int = 128) -> torch.Tensor:

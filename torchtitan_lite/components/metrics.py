@@ -324,7 +324,7 @@ class MetricsProcessor(Configurable):
     def log_fp8_stats(self, step: int, health: list[Any]) -> None:
         """Write one stats step's ``LayerHealth`` list (already reduced over ranks): every scalar to TensorBoard /
         W&B, the worst layers to the console, and a warning per layer and cast over a threshold (rank 0)."""
-        from torchtitan_lite.components.quantization.fp8_stats import summary_line, threshold_crossings
+        from torchtitan_lite.components.quantization.fp8_stats_report import summary_line, threshold_crossings
 
         values: dict[str, float] = {}
         for layer in health:

@@ -29,7 +29,6 @@ import argparse
 import copy
 import dataclasses
 import logging
-import math
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -40,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torchtitan_lite.components.quantization.fp8_stats_report import sqnr_db
 from torchtitan_lite.config.registry import ConfigRegistry
 
 logger = logging.getLogger("fp8_sqnr")
@@ -66,15 +66,6 @@ class LinearSqnr:
 
     def db(self, quantity: str) -> float:
         return sqnr_db(self.signal[quantity], self.noise[quantity])
-
-
-def sqnr_db(signal_energy: float, noise_energy: float) -> float:
-    """10*log10(signal / noise); +inf for an exact match, -inf for a zero reference with nonzero error."""
-    if noise_energy == 0.0:
-        return math.inf
-    if signal_energy == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal_energy / noise_energy)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import typing
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,34 +59,10 @@ from torchtitan_lite.components.quantization.expert_stats import (
     expert_casts,
     measure_expert_cast,
 )
+from torchtitan_lite.components.quantization.fp8_stats_report import LayerHealth, sqnr_db
 from torchtitan_lite.components.quantization.low_precision_linears import is_mx_linear, low_precision_linears
 
 logger = logging.getLogger("torchtitan_lite")
-
-
-@dataclass
-class LayerHealth:
-    """One Linear's numbers on one stats step, reduced over the data-parallel ranks."""
-
-    fqn: str
-    amax: dict[str, float] = field(default_factory=dict)
-    """operand ('input', 'weight', 'grad_output') -> max |x|."""
-    saturated: dict[str, float] = field(default_factory=dict)
-    """cast name -> share of the operand's elements the cast clamps at the format's max."""
-    underflow: dict[str, float] = field(default_factory=dict)
-    """cast name -> share of the operand's elements that are nonzero and cast to 0."""
-    output_sqnr_db: float | None = None
-    casts: dict[str, str] = field(default_factory=dict)
-    """cast name -> its format and scaling, e.g. 'e4m3 tensorwise'."""
-
-    def scalars(self) -> dict[str, float]:
-        """TensorBoard tags under ``fp8/<fqn>/`` -> value."""
-        out = {f"{operand}_amax": value for operand, value in self.amax.items()}
-        out |= {f"{name}_saturated": value for name, value in self.saturated.items()}
-        out |= {f"{name}_underflow": value for name, value in self.underflow.items()}
-        if self.output_sqnr_db is not None:
-            out["output_sqnr_db"] = self.output_sqnr_db
-        return {f"fp8/{self.fqn}/{key}": value for key, value in out.items()}
 
 
 class _Layer:
@@ -306,7 +280,7 @@ class Fp8StatsCollector:
             health.saturated[cast.name] = saturated / elements if elements else 0.0
             health.underflow[cast.name] = underflowed / elements if elements else 0.0
         if layer.sqnr_measured:
-            health.output_sqnr_db = _sqnr_db(*sums[layer.energy_slot:layer.energy_slot + 2])
+            health.output_sqnr_db = sqnr_db(*sums[layer.energy_slot:layer.energy_slot + 2])
         return health
 
     def _log_unmeasured(self) -> None:
@@ -321,63 +295,12 @@ class Fp8StatsCollector:
                         ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
-# --------------------------------------------------------------------------------------------------
-# Console summary and warnings
-
-
-def summary_line(step: int, health: list[LayerHealth], *, worst: int = 3) -> str:
-    """One line: the lowest output SQNRs and the largest underflow / saturation shares, worst layers only."""
-    sqnr = sorted((h.output_sqnr_db, h.fqn) for h in health if h.output_sqnr_db is not None)
-    parts = [f"fp8 stats step {step} ({len(health)} Linears)"]
-    if sqnr:
-        parts.append("lowest output SQNR " + ", ".join(f"{fqn} {_db(db)}" for db, fqn in sqnr[:worst]))
-    for label, attr in (("underflow", "underflow"), ("saturated", "saturated")):
-        shares = sorted(((share, f"{h.fqn} {name}") for h in health for name, share in getattr(h, attr).items()),
-                        reverse=True)
-        top = [(share, where) for share, where in shares[:worst] if share > 0]
-        parts.append(f"{label} " + (", ".join(f"{where} {share:.2e}" for share, where in top) if top else "none"))
-    return "; ".join(parts)
-
-
-@dataclass(frozen=True)
-class ThresholdCrossing:
-    """A cast whose saturated or underflow share exceeds its threshold on one stats step."""
-
-    key: tuple[str, str, str]
-    """(layer fqn, cast name, 'saturated' | 'underflow'): what repeats from one stats step to the next."""
-    share: float
-    message: str
-
-
-def threshold_crossings(step: int, health: list[LayerHealth], *, saturation: float,
-                        underflow: float) -> list[ThresholdCrossing]:
-    """Every layer and cast whose saturated / underflow share exceeds its threshold, with a message naming it."""
-    crossings = []
-    for h in health:
-        for kind, label, shares, limit, why in (
-            ("saturated", "saturates", h.saturated, saturation, "clamped at the format's max"),
-            ("underflow", "flushes to zero", h.underflow, underflow,
-             "nonzero but below the smallest subnormal after scaling"),
-        ):
-            for name, share in shares.items():
-                if share > limit:
-                    crossings.append(ThresholdCrossing((h.fqn, name, kind), share, (
-                        f"fp8 stats step {step}: {h.fqn} {name} cast ({h.casts.get(name, '?')}) {label} "
-                        f"{100 * share:.3g}% of its elements ({why}; threshold {100 * limit:.3g}%), amax "
-                        f"{h.amax.get(_operand(name), math.nan):.3g}")))
-    return crossings
-
-
 def _casts(module: nn.Module) -> list[Cast]:
     if is_mx_linear(module):
         return mx_casts(module)
     if isinstance(module, BlockwiseFP8Linear):
         return blockwise_casts(module)
     return float8_casts(module.config)
-
-
-def _operand(cast_name: str) -> str:
-    return cast_name.removesuffix("_gw").removesuffix("_gi")
 
 
 def _output_energies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -392,17 +315,6 @@ def _output_energies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         energies[0] += reference.square().sum()
         energies[1] += (reference - out2d[start:start + rows].double()).square().sum()
     return energies
-
-
-def _sqnr_db(signal: float, noise: float) -> float:
-    """10*log10(signal / noise); +inf for an exact match, -inf for a zero reference with nonzero error."""
-    if noise == 0.0:
-        return math.inf
-    return 10.0 * math.log10(signal / noise) if signal > 0.0 else -math.inf
-
-
-def _db(value: float) -> str:
-    return f"{value:.1f} dB" if math.isfinite(value) else str(value)
 
 
 # --------------------------------------------------------------------------------------------------
