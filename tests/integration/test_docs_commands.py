@@ -104,7 +104,8 @@ LONG_RUNNING = {
     "python scripts/loss_compare.py --runs /tmp/ttl_bw/seeds/llama3_debug_bf16/seed-<s> "
     "/tmp/ttl_bw/seeds/llama3_debug_fp8_blockwise/seed-<s> --last 20 --tolerance 0.05": "needs the finished seed runs",
     "python scripts/loss_compare.py --configs deepseek_v3_debug_bf16 deepseek_v3_debug_fp8_blockwise --steps 200 "
-    "--last 20 --tolerance 0.05 --dump-root /tmp/lc_dsv3/runs --out /tmp/lc_dsv3/loss.png -- --validation.enable false":
+    "--last 20 --tolerance 0.05 --dump-root /tmp/lc_dsv3/runs --out /tmp/lc_dsv3/loss.png --progress-every 120 -- "
+    "--validation.enable false":
         "trains 2 x 200 steps (20 minutes on 2 cores)",
     "python scripts/fp8_sqnr.py --config llama3_debug_fp8 --min-fwd-sqnr 20":
         "runs the model on training batches (a minute)",
