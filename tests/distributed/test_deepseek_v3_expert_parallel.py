@@ -66,26 +66,9 @@ def _train(model, rank: int, shares_per_rank: int, shares: int, dp_group) -> dic
 
 
 def ep_worker(rank: int, world_size: int) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from _deepseek_v3_build import build_parallel_deepseek_v3
 
-    from models.deepseek_v3.parallelize import parallelize_deepseek_v3
-    from torchtitan_lite.components.precision import Precision
-    from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig
-    from torchtitan_lite.distributed.parallel_dims import ParallelDims
-    from torchtitan_lite.protocols.parallelize import ParallelizeContext
-
-    dims = ParallelDims(1, world_size, 1, world_size=world_size, ep=world_size)
-    dims.build_mesh("cpu")
-    precision = Precision.Config(param_dtype="float32").build(device="cpu", fsdp_enabled=True)
-    with torch.device("meta"):
-        model = DeepSeekV3Model(ARGS)
-    parallelize_deepseek_v3(model, ParallelizeContext(
-        parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=False, loss_parallel=False,
-        activation_checkpoint=ActivationCheckpointConfig(mode="full"), compile_model=False,
-        compile=CompileConfig(enable=False), fsdp_reshard_after_forward="default", fsdp_cpu_offload=False))
-    model.to_empty(device="cpu")
-    model.init_weights()
-    set_model_state_dict(model, _initial_state(), options=StateDictOptions(full_state_dict=True))
+    model, dims = build_parallel_deepseek_v3(ARGS, world_size, _initial_state(), ep=world_size)
     w1 = model.layers["1"].moe.experts.w1
     out = _train(model, rank, 1, world_size, dims.dp_mesh.get_group())
     out["local_experts"] = w1.to_local().shape[0]
