@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -26,6 +26,7 @@ from torchtitan_lite.config.sections import (
     TrainingConfig,
 )
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.pipeline.layout import PipelineLayout, resolve_pipeline
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConvertersContainer
 from torchtitan_lite.protocols.model_spec import ModelSpec, RunFacts, build_model_args, get_model_spec
 from torchtitan_lite.protocols.moe_facts import MoEFacts
@@ -82,6 +83,8 @@ class ResolvedRun:
     loss_parallel: bool
     """Logits stay sharded by vocabulary and the loss runs on the shards (TP > 1 and enabled)."""
     converters: ModelConvertersContainer
+    pipeline: PipelineLayout | None
+    """Stages, their blocks and the schedule under pipeline parallelism; None without it (pp 1)."""
     training: TrainingConfig
     parallelism: ParallelismConfig
     activation_checkpoint: ActivationCheckpointConfig
@@ -98,13 +101,21 @@ class ResolvedRun:
                           n_microbatches=self.n_microbatches, seq_len=self.training.seq_len, dataset=data.dataset,
                           streaming=data.streaming)
 
+    @property
+    def fsdp_reshard_after_forward(self) -> Literal["default", "always", "never"]:
+        """parallelism.fsdp_reshard_after_forward with 'default' decided: under a pipeline every micro-batch's
+        forward and backward would gather a resharded unit again, so the stages keep their weights gathered
+        ('never'); otherwise 'default' (every block but the last resharded)."""
+        setting = self.parallelism.fsdp_reshard_after_forward
+        return "never" if setting == "default" and self.pipeline is not None else setting
+
     def parallelize_context(self, *, mp_policy: MixedPrecisionPolicy) -> ParallelizeContext:
         """What the family's ``parallelize_fn`` needs of this run, with FSDP's ``mp_policy``."""
         return ParallelizeContext(
             parallel_dims=self.parallel_dims, mp_policy=mp_policy, sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel, activation_checkpoint=self.activation_checkpoint,
             compile_model=self.compile_model, compile=self.compile,
-            fsdp_reshard_after_forward=self.parallelism.fsdp_reshard_after_forward,
+            fsdp_reshard_after_forward=self.fsdp_reshard_after_forward,
             fsdp_cpu_offload=self.parallelism.fsdp_cpu_offload,
         )
 
@@ -122,7 +133,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     """
     par = config.parallelism
     dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size,
-                        ep=par.ep)
+                        ep=par.ep, pp=par.pp)
     spec = get_model_spec(config.model.name)
     if vocab_size is None:
         vocab_size = planned_vocab_size(config.tokenizer)
@@ -139,6 +150,12 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         logger.info("tokenizer.path=%r does not exist yet: planning with the %s flavor's vocabulary of %d; a training "
                     "launch needs the tokenizer (--check-config says how to fetch it)", config.tokenizer.path,
                     config.model.flavor, args.vocab_size)
+    pipeline = resolve_pipeline(
+        pp=par.pp, schedule=par.pipeline_schedule, stages_per_rank=par.pipeline_stages_per_rank,
+        microbatch_size=par.pipeline_microbatch_size, split_points=par.pipeline_split_points,
+        layers_per_stage=par.pipeline_layers_per_stage, n_layers=args.n_layers,
+        local_batch_size=config.training.local_batch_size, blocks=spec.parallel_plan.blocks,
+        tied_embeddings=getattr(args, "tie_word_embeddings", False))
     moe_facts = spec.moe_facts(args) if spec.moe_facts is not None else None
     check_expert_parallel(dims.ep, moe_facts, config.model)
     sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
@@ -168,7 +185,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         precision=precision, n_microbatches=microbatches_per_step(config.training, dims.dp_degree),
         compile_model=compile_model, compile_loss=config.compile.enable and "loss" in config.compile.components,
         sequence_parallel=sequence_parallel, loss_parallel=dims.tp_enabled and par.enable_loss_parallel,
-        converters=converters,
+        converters=converters, pipeline=pipeline,
         training=config.training, parallelism=par, activation_checkpoint=config.activation_checkpoint,
         compile=config.compile, optimizer=config.optimizer,
     )

@@ -43,6 +43,8 @@ from torchtitan_lite.config.sections import (
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.compile import compile_label, compile_stats, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
+from torchtitan_lite.distributed.pipeline import build_stage_modules
+from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
 from torchtitan_lite.distributed.tensor_parallel import as_loss_term, local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
 from torchtitan_lite.nonfinite import NonFiniteLossError, explain_nonfinite
@@ -131,7 +133,11 @@ class Trainer(Configurable):
         logger.info("tokenizer: %s; model vocabulary %d", self.tokenizer.describe(), self.model_args.vocab_size)
 
         self.precision = cfg.precision.build(resolved=self.run.precision, device=self.device)
-        self.model_parts = [self._build_model()]
+        self.loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss,
+                                          backend=cfg.compile.backend)
+        self.pipeline: PipelineRunner | None = None
+        """Runs this rank's pipeline stages under pipeline parallelism (then model_parts are those stages)."""
+        self.model_parts = self._build_model_parts()
         self.optimizers = cfg.optimizer.build(model_parts=self.model_parts)
         self.lr_schedulers = cfg.lr_scheduler.build(optimizers=self.optimizers, training_steps=cfg.training.steps)
         # Float8 scales for the next forward are refreshed right after each optimizer step.
@@ -147,8 +153,6 @@ class Trainer(Configurable):
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="train",
             infinite=True, seed=self._data_order_seed(),
         )
-        self.loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss,
-                                          backend=cfg.compile.backend)
         self.train_state = TrainState()
         self.health = LossHealth()
         self.pending = PendingSteps()
@@ -175,8 +179,8 @@ class Trainer(Configurable):
         )
         self.metrics = cfg.metrics.build(
             dump_folder=cfg.job.dump_folder, device=self.device,
-            num_flops_per_token=self.model_parts[0].flops_per_token(cfg.training.seq_len),
-            dp_degree=self.parallel_dims.dp_degree, tp_degree=cfg.parallelism.tp,
+            num_flops_per_token=self.flops_per_token,
+            dp_degree=self.parallel_dims.dp_degree, tp_degree=self.parallel_dims.tp * self.parallel_dims.pp,
         )
         self.spikes = None if self.spike_guard is None else SpikeResponse(
             self.spike_guard, checkpointer=self.checkpointer, metrics=self.metrics, health=self.health,
@@ -222,7 +226,9 @@ class Trainer(Configurable):
         for warning in warnings:
             logger.warning("%s", warning)
 
-    def _build_model(self) -> BaseModel:
+    def _build_model_parts(self) -> list[BaseModel]:
+        """The model on meta, converted, then (under a pipeline) cut into this rank's stages; each part
+        parallelized by the family's own function, materialised and initialised."""
         cfg, spec = self.config, self.run.model_spec
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
@@ -230,17 +236,33 @@ class Trainer(Configurable):
         plan = fp8_plan_summary(self.converters.converters, model)
         if plan is not None and dist_utils.is_rank0():
             logger.info("%s", plan)
+        self.flops_per_token = model.flops_per_token(cfg.training.seq_len)
+        """Training FLOPs per token of the whole model (what MFU counts), whatever part this rank holds."""
+        n_params = model.num_params()
         start = time.perf_counter()
-        model = spec.parallelize_fn(model, self.run.parallelize_context(mp_policy=self.precision.mp_policy()))
+        layout = self.run.pipeline
+        stage_ids = layout.stage_ids(self.parallel_dims.pp_rank) if layout is not None else ()
+        parts = build_stage_modules(model, spec.parallel_plan, layout, stage_ids) if layout is not None else [model]
+        context = self.run.parallelize_context(mp_policy=self.precision.mp_policy())
         init_device = "cpu" if cfg.parallelism.fsdp_cpu_offload else self.device
-        model.to_empty(device=init_device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=self.device if cfg.parallelism.fsdp_cpu_offload else None)
-        model.train()
+        for i, part in enumerate(parts):
+            part = parts[i] = spec.parallelize_fn(part, context)
+            part.to_empty(device=init_device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=self.device if cfg.parallelism.fsdp_cpu_offload else None)
+            part.train()
         logger.info("model %s %s: %s params, %.3g FLOPs/token, parallelized in %.1fs",
-                    cfg.model.name, cfg.model.flavor, f"{model.num_params():,}",
-                    model.flops_per_token(cfg.training.seq_len), time.perf_counter() - start)
-        return model
+                    cfg.model.name, cfg.model.flavor, f"{n_params:,}", self.flops_per_token,
+                    time.perf_counter() - start)
+        if layout is not None:
+            pp_mesh = self.parallel_dims.pp_mesh
+            assert pp_mesh is not None  # pp > 1 whenever there is a layout
+            self.pipeline = PipelineRunner(layout, parts, stage_ids, group=pp_mesh.get_group(), device=self.device,
+                                           loss_fn=self.loss_fn)
+            logger.info("%s; this rank runs %s (%s params)", layout.describe(),
+                        ", ".join(layout.stages[i].describe() for i in stage_ids),
+                        f"{sum(p.num_params() for p in parts):,}")
+        return parts
 
     def _build_validator(self) -> Validator | None:
         cfg = self.config
@@ -255,6 +277,7 @@ class Trainer(Configurable):
             dataloader_factory=val_loader_factory, loss_fn=self.loss_fn, device=self.device,
             dp_group=self._dp_group(), autocast=self.precision.eval_autocast,
             loss_context=lambda: loss_parallel_context(self.run.loss_parallel),
+            pipeline_eval=self.pipeline.eval if self.pipeline is not None else None, pp_group=self._pp_group(),
         )
 
     def _build_fp8_stats(self) -> Fp8StatsCollector | None:
@@ -275,6 +298,10 @@ class Trainer(Configurable):
 
     def _dp_group(self) -> dist.ProcessGroup | None:
         mesh = self.parallel_dims.dp_mesh
+        return None if mesh is None else mesh.get_group()
+
+    def _pp_group(self) -> dist.ProcessGroup | None:
+        mesh = self.parallel_dims.pp_mesh
         return None if mesh is None else mesh.get_group()
 
     # ----------------------------------------------------------------------------------------------
@@ -360,7 +387,6 @@ class Trainer(Configurable):
         gradient norm as device scalars, and queues them for the loop to read (``PendingSteps``). Nothing
         here reads a device value except what decides this step: the FP16 scaler's overflow flag, the
         spike policy's verdict, FP8 statistics on their steps."""
-        model = self.model_parts[0]
         global_tokens = self._global_target_tokens(batches)
         loss_total = torch.zeros((), device=self.device)
         fp8_stats_step = self.fp8_stats is not None and self.fp8_stats.due(self.train_state.step)
@@ -371,17 +397,25 @@ class Trainer(Configurable):
             self.metrics.record_tokens(inputs.numel())
             with (self._fp8_capture(fp8_stats_step and i == 0), self.precision.autocast(),
                   loss_parallel_context(self.run.loss_parallel)):
+                if self.pipeline is not None:
+                    loss_total += local_loss(self.pipeline.step(inputs, labels, global_tokens=global_tokens,
+                                                                objective=self._scaled))
+                    continue
+                model = self.model_parts[0]
                 logits = model(inputs)
                 loss_sum, _ = self.loss_fn(logits, labels)
                 loss = loss_sum / global_tokens
                 del logits
                 objective = self._with_aux_loss(model, loss, len(batches))
-                (self.grad_scaler.scale(objective) if self.grad_scaler else objective).backward()
+                self._scaled(objective).backward()
             loss_total += local_loss(loss.detach())
 
         overflow = self.grad_scaler is not None and self.grad_scaler.unscale_(self.optimizers)
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
+        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, pp_mesh=self.parallel_dims.pp_mesh)
+        if (pp_group := self._pp_group()) is not None:
+            # Only the last stage's rank computed the loss: every rank logs, checks and judges that one.
+            dist.all_reduce(loss_total, group=pp_group)
         loss_total = self._sum_over_dp(loss_total)
         step = self.train_state.step
         verdict: Verdict | None = None
@@ -407,6 +441,10 @@ class Trainer(Configurable):
             # Before the finiteness check: the casts of a step that went non-finite are worth seeing.
             self.metrics.log_fp8_stats(self.train_state.step, self.fp8_stats.collect())
         return loss_total, grad_norm
+
+    def _scaled(self, objective: torch.Tensor) -> torch.Tensor:
+        """What backward differentiates: the objective, times the FP16 loss scale when there is a scaler."""
+        return self.grad_scaler.scale(objective) if self.grad_scaler is not None else objective
 
     def _settle(self) -> StepValues | None:
         """Read the steps queued since the last read (one device synchronisation) and act on them in step

@@ -32,7 +32,10 @@ ArgsT = TypeVar("ArgsT", bound=DecoderArgs)
 
 
 class Decoder(BaseModel, Generic[ArgsT]):
-    """tokens [batch, seq] -> logits [batch, seq, vocab]. Build on meta, then `to_empty` + `init_weights`."""
+    """tokens [batch, seq] -> logits [batch, seq, vocab]. Build on meta, then `to_empty` + `init_weights`.
+
+    A pipeline stage (``torchtitan_lite.distributed.pipeline.stage_model``) sets tok_embeddings to None unless
+    it is the first stage, norm and output unless it is the last; every method here allows for that."""
 
     def __init__(self, args: ArgsT, make_block: Callable[[int], nn.Module],
                  rope_scaling: RotaryScaling | None = None, rope_dim: int | None = None) -> None:
@@ -53,6 +56,8 @@ class Decoder(BaseModel, Generic[ArgsT]):
 
         Call again after anything that replaces parameters, e.g. tensor parallelism distributing each
         module separately, and before fully_shard so that FSDP sees one parameter."""
+        if self.tok_embeddings is None or self.output is None:
+            return  # a pipeline stage (pipelines refuse tied embeddings)
         if self.args.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
@@ -75,29 +80,37 @@ class Decoder(BaseModel, Generic[ArgsT]):
         self.rope.reset_cache(buffer_device)
         out_std = self.args.dim ** -0.5
         if self.args.tie_word_embeddings:
+            assert self.tok_embeddings is not None
             trunc_normal_(self.tok_embeddings.weight, std=out_std)
         else:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-            trunc_normal_(self.output.weight, std=out_std)
+            if self.tok_embeddings is not None:
+                nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+            if self.output is not None:
+                trunc_normal_(self.output.weight, std=out_std)
         for layer in self.layers.values():
             cast(DecoderBlock, layer).init_weights()
-        self.norm.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] -> logits; a pipeline stage without the embedding takes the previous stage's
+        hidden states [batch, seq, dim] instead, and one without the head returns its hidden states."""
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len={self.args.max_seq_len}; "
                 "shorten training.seq_len or use a flavor with a longer max_seq_len"
             )
-        h = self.tok_embeddings(tokens)
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope.cache)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return h if self.output is None else self.output(h)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count (a tied matrix counted once); global sizes for DTensor-sharded models."""
         total = sum(p.numel() for p in self.parameters())
-        if exclude_embedding:
+        if exclude_embedding and self.tok_embeddings is not None:
             total -= self.tok_embeddings.weight.numel()
         return total
 

@@ -18,9 +18,12 @@ def test_dp_shard_minus_one_takes_the_remaining_ranks():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dp_replicate=1, dp_shard=2, tp=2, world_size=8),
-     "dp_replicate x dp_shard x tp = 1 x 2 x 2 = 4 must equal the world size 8"),
+     "pp x dp_replicate x dp_shard x tp = 1 x 1 x 2 x 2 = 4 must equal the world size 8"),
+    (dict(dp_replicate=1, dp_shard=2, tp=1, world_size=8, pp=2),
+     "pp x dp_replicate x dp_shard x tp = 2 x 1 x 2 x 1 = 4 must equal the world size 8"),
+    (dict(dp_replicate=1, dp_shard=1, tp=1, world_size=2, pp=0), "parallelism.pp=0 must be a positive integer"),
     (dict(dp_replicate=1, dp_shard=-1, tp=3, world_size=8),
-     "dp_shard=-1 cannot fill world size 8: it is not divisible by dp_replicate x tp = 1 x 3 = 3"),
+     "dp_shard=-1 cannot fill world size 8: it is not divisible by pp x dp_replicate x tp = 1 x 1 x 3 = 3"),
     (dict(dp_replicate=0, dp_shard=-1, tp=1, world_size=2), "parallelism.dp_replicate=0 must be a positive integer"),
     (dict(dp_replicate=1, dp_shard=-1, tp=-2, world_size=2), "parallelism.tp=-2 must be a positive integer"),
     (dict(dp_replicate=1, dp_shard=0, tp=1, world_size=2), "parallelism.dp_shard=0 must be a positive integer, or -1"),

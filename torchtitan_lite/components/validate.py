@@ -71,6 +71,8 @@ class Validator(Configurable):
         dp_group: dist.ProcessGroup | None = None,
         autocast: ContextFactory | None = None,
         loss_context: ContextFactory | None = None,
+        pipeline_eval: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         """
         Args:
@@ -81,6 +83,10 @@ class Validator(Configurable):
             dp_group: data-parallel group to sum losses and tokens over; None for one data-parallel rank.
             autocast: returns the context the forward runs in (e.g. ``Precision.eval_autocast``).
             loss_context: returns the context around forward and loss (e.g. tensor-parallel loss_parallel).
+            pipeline_eval: under pipeline parallelism, ``(inputs, labels) -> (loss_sum, n_tokens)`` through the
+                pipeline schedule's forward-only pass (nonzero on the last stage's rank only); the model parts
+                are then this rank's stages.
+            pp_group: the pipeline's ranks, over which the last stage's sums are shared.
         """
         self.config = config
         if (dataloader_factory is None) == (dataloader is None):
@@ -95,12 +101,15 @@ class Validator(Configurable):
         self.dp_group = dp_group
         self.autocast = autocast or contextlib.nullcontext
         self.loss_context = loss_context or contextlib.nullcontext
+        self.pipeline_eval = pipeline_eval
+        self.pp_group = pp_group
 
     def validate(self, model_parts: Sequence[nn.Module], step: int) -> float:
         """Validation loss of the model at training step ``step``; the model's train/eval modes are kept."""
-        if len(model_parts) != 1:
+        if len(model_parts) != 1 and self.pipeline_eval is None:
             raise ValueError(
-                f"validation runs a single-module model, got {len(model_parts)} model parts (pipeline stages)"
+                f"validation runs a single-module model, got {len(model_parts)} model parts (pipeline stages) "
+                "and no pipeline_eval to run them"
             )
         modes = [part.training for part in model_parts]
         start = time.perf_counter()
@@ -135,13 +144,17 @@ class Validator(Configurable):
             inputs, labels = batch
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             with self.autocast(), self.loss_context():
-                logits = model(inputs)
-                loss_sum, n_tokens = self.loss_fn(logits, labels)
+                if self.pipeline_eval is not None:
+                    loss_sum, n_tokens = self.pipeline_eval(inputs, labels)
+                else:
+                    logits = model(inputs)
+                    loss_sum, n_tokens = self.loss_fn(logits, labels)
             totals[0] += _full(loss_sum).double()
             totals[1] += _full(n_tokens).double()
             batches += 1
-        if self.dp_group is not None:
-            dist.all_reduce(totals, group=self.dp_group)
+        for group in (self.dp_group, self.pp_group):
+            if group is not None:
+                dist.all_reduce(totals, group=group)
         return float(totals[0]), int(totals[1]), batches
 
     def _every_rank_has(self, has_batch: bool) -> bool:

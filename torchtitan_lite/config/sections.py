@@ -92,13 +92,40 @@ class ParallelismConfig:
     """'default' reshards every block but the last (its params are needed again at once in backward)."""
     fsdp_cpu_offload: bool = False
     """Keep sharded params, grads and optimizer states on CPU (CUDA only)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model is split into stages along its blocks, one group of pp ranks
+    passes activations stage to stage (outermost mesh dimension, so stages may span hosts)."""
+    pipeline_schedule: Literal["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] = "1F1B"
+    """Pipeline schedule (torch.distributed.pipelining). 1F1B holds one stage per rank; Interleaved1F1B loops
+    over several stages per rank (rank r holds stages r, r + pp, ...); ZBVZeroBubble and DualPipeV hold two
+    stages per rank in a V (rank r holds stages r and 2 pp - 1 - r)."""
+    pipeline_stages_per_rank: int = 0
+    """Stages each pipeline rank holds; 0 takes the schedule's own (1 for 1F1B, 2 for the others). Only
+    Interleaved1F1B accepts more than 2."""
+    pipeline_microbatch_size: int = 1
+    """Samples per pipeline micro-batch: each local batch (training.local_batch_size samples) is cut into
+    local_batch_size / pipeline_microbatch_size micro-batches that flow through the stages. Gradient
+    accumulation (training.global_batch_size) repeats the whole pipeline step on further local batches."""
+    pipeline_split_points: list[str] = field(default_factory=list)
+    """Explicit stage boundaries: the first block of every stage but the first, e.g. ['layers.4', 'layers.8']
+    (pp x stages per rank - 1 names, in order). Empty: the automatic split."""
+    pipeline_layers_per_stage: int = 0
+    """Blocks per stage for the automatic split, counting the embedding and the output head as one block each
+    (so the first and last stages hold one block fewer); it then decides the number of stages, which must be a
+    multiple of pp. 0: split the blocks as evenly as that rule allows into pp x stages-per-rank stages."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "ep"):
+        for name in ("dp_replicate", "tp", "ep", "pp", "pipeline_microbatch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallelism.{name}={getattr(self, name)} must be >= 1")
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ValueError(f"parallelism.dp_shard={self.dp_shard} must be >= 1, or -1 for what the world size leaves")
+        for name in ("pipeline_stages_per_rank", "pipeline_layers_per_stage"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"parallelism.{name}={getattr(self, name)} must be >= 0 (0 chooses automatically)")
+        if self.pipeline_split_points and self.pipeline_layers_per_stage:
+            raise ValueError("parallelism.pipeline_split_points and parallelism.pipeline_layers_per_stage both set "
+                             "the split: keep one (split points name each stage's first block)")
 
 
 @dataclass(kw_only=True)

@@ -60,18 +60,19 @@ def apply_fsdp(
     never = reshard_after_forward == "never"
 
     blocks = list(getattr(model, plan.blocks).values())
-    embedding, output = model.get_submodule(plan.embedding), model.get_submodule(plan.output)
-    tied = output.weight is embedding.weight
+    # A pipeline stage holds the embedding only if first, the head only if last (None otherwise).
+    embedding, output = getattr(model, plan.embedding), getattr(model, plan.output)
+    tied = embedding is not None and output is not None and output.weight is embedding.weight
     # A tied matrix can belong to one unit only: it stays with the root together with norm and output.
-    if not tied:
+    if embedding is not None and not tied:
         shard(embedding, not never)
     for i, block in enumerate(blocks):
         reshard = always or (not never and i < len(blocks) - 1)
         if expert_mesh is not None and (experts := _block_experts(block, plan)) is not None:
             shard(experts, reshard, expert_mesh)
         shard(block, reshard)
-    if not tied:
-        shard([model.get_submodule(plan.final_norm), output], always)
+    if output is not None and not tied:
+        shard([getattr(model, plan.final_norm), output], always)
     shard(model, always)
 
     for module in model.modules():

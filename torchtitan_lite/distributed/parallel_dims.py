@@ -1,7 +1,8 @@
 """Parallelism degrees and the device meshes built from them.
 
-The world is laid out as a (dp_replicate, dp_shard, tp) grid, tp innermost so that tensor-parallel ranks
-are neighbours (same host on GPU clusters). Expert parallelism borrows its ranks from dp_shard: dp_shard is
+The world is laid out as a (pp, dp_replicate, dp_shard, tp) grid, tp innermost so that tensor-parallel ranks
+are neighbours (same host on GPU clusters) and pp outermost so that pipeline stages, which exchange only one
+activation per micro-batch, may sit on different hosts. Expert parallelism borrows its ranks from dp_shard: dp_shard is
 unflattened into (efsdp, ep), ep inner, so the ranks that exchange tokens are neighbours and the efsdp ranks
 that hold the same experts shard those experts' weights (FSDP). Every check here is arithmetic on the degrees, so a wrong
 layout fails before any process group exists.
@@ -16,36 +17,36 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 logger = logging.getLogger(__name__)
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 class ParallelDims:
     """Validated degrees; `build_mesh` then creates the named meshes (none at all for a single process)."""
 
-    def __init__(self, dp_replicate: int, dp_shard: int, tp: int, world_size: int, ep: int = 1) -> None:
+    def __init__(self, dp_replicate: int, dp_shard: int, tp: int, world_size: int, ep: int = 1, pp: int = 1) -> None:
         for name, value in (("world_size", world_size), ("parallelism.dp_replicate", dp_replicate),
-                            ("parallelism.tp", tp), ("parallelism.ep", ep)):
+                            ("parallelism.tp", tp), ("parallelism.ep", ep), ("parallelism.pp", pp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if not isinstance(dp_shard, int) or (dp_shard < 1 and dp_shard != -1):
             raise ValueError(
                 f"parallelism.dp_shard={dp_shard!r} must be a positive integer, or -1 to use the ranks left "
-                "after dp_replicate and tp"
+                "after pp, dp_replicate and tp"
             )
         if dp_shard == -1:
-            others = dp_replicate * tp
+            others = pp * dp_replicate * tp
             if world_size % others != 0:
                 raise ValueError(
                     f"parallelism.dp_shard=-1 cannot fill world size {world_size}: it is not divisible by "
-                    f"dp_replicate x tp = {dp_replicate} x {tp} = {others}; choose degrees whose product "
-                    f"divides {world_size}"
+                    f"pp x dp_replicate x tp = {pp} x {dp_replicate} x {tp} = {others}; choose degrees whose "
+                    f"product divides {world_size}"
                 )
             dp_shard = world_size // others
-        product = dp_replicate * dp_shard * tp
+        product = pp * dp_replicate * dp_shard * tp
         if product != world_size:
             raise ValueError(
-                f"parallelism degrees dp_replicate x dp_shard x tp = {dp_replicate} x {dp_shard} x {tp} = "
-                f"{product} must equal the world size {world_size}; change the degrees (dp_shard=-1 takes "
+                f"parallelism degrees pp x dp_replicate x dp_shard x tp = {pp} x {dp_replicate} x {dp_shard} x "
+                f"{tp} = {product} must equal the world size {world_size}; change the degrees (dp_shard=-1 takes "
                 "the rest) or launch with that many processes"
             )
         if dp_shard % ep != 0:
@@ -58,6 +59,7 @@ class ParallelDims:
         self.dp_shard = dp_shard
         self.tp = tp
         self.ep = ep
+        self.pp = pp
         self.world_size = world_size
         self.world_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
@@ -121,16 +123,28 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def expert_fsdp_degree(self) -> int:
         """The dp_shard ranks left after EP: how many ranks shard each expert's weights."""
         return self.dp_shard // self.ep
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data shard (0..dp_degree-1); tp ranks of one group read the same data."""
+        """This rank's data shard (0..dp_degree-1); the tp ranks of one group and the pipeline stages of one
+        data shard read the same data."""
         if self.world_size == 1:
             return 0
-        return dist.get_rank() // self.tp
+        return (dist.get_rank() // self.tp) % self.dp_degree
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's position in its pipeline (0..pp-1); pp is the outermost mesh dimension."""
+        if self.world_size == 1:
+            return 0
+        return dist.get_rank() // (self.dp_degree * self.tp)
 
     # ----------------------------------------------------------------------------------------------
     # Meshes
@@ -145,7 +159,7 @@ class ParallelDims:
                 f"ParallelDims was validated for world size {self.world_size} but the process group has "
                 f"{actual}; launch with torchrun --nproc-per-node {self.world_size} (or NPROC/NGPU)"
             )
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
                                 mesh_dim_names=MESH_DIM_NAMES)
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
         if self.ep_enabled:
@@ -153,8 +167,9 @@ class ParallelDims:
             # the world's root, which FSDP needs to shard the EP-sharded expert weights further.
             self._expert_mesh = mesh._unflatten("dp_shard", (self.expert_fsdp_degree, self.ep), ("efsdp", "ep"))
         self.world_mesh = mesh
-        logger.info("device mesh %s: dp_replicate=%d dp_shard=%d tp=%d%s", device_type, self.dp_replicate,
-                    self.dp_shard, self.tp, f" (ep={self.ep} x efsdp={self.expert_fsdp_degree})" if self.ep_enabled else "")
+        experts = f" (ep={self.ep} x efsdp={self.expert_fsdp_degree})" if self.ep_enabled else ""
+        logger.info("device mesh %s: pp=%d dp_replicate=%d dp_shard=%d tp=%d%s", device_type, self.pp,
+                    self.dp_replicate, self.dp_shard, self.tp, experts)
         return mesh
 
     @property
@@ -197,9 +212,16 @@ class ParallelDims:
     def tp_mesh(self) -> DeviceMesh | None:
         return self.world_mesh["tp"] if self.world_mesh is not None and self.tp_enabled else None
 
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        """1-D mesh of the ranks of this rank's pipeline (same data shard and tp coordinate); None without PP."""
+        return self.world_mesh["pp"] if self.world_mesh is not None and self.pp_enabled else None
+
     def describe(self) -> str:
         """One line naming the active layouts, e.g. 'HSDP 2x2 + TP 2'."""
         parts = []
+        if self.pp_enabled:
+            parts.append(f"PP {self.pp}")
         if self.hsdp_enabled:
             parts.append(f"HSDP {self.dp_replicate}x{self.dp_shard}")
         elif self.fsdp_enabled:
@@ -211,5 +233,5 @@ class ParallelDims:
         return " + ".join(parts) if parts else "single process"
 
     def __repr__(self) -> str:
-        return (f"ParallelDims(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp}, ep={self.ep}, "
-                f"world_size={self.world_size})")
+        return (f"ParallelDims(pp={self.pp}, dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp}, "
+                f"ep={self.ep}, world_size={self.world_size})")

@@ -119,17 +119,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, seque
         enable_float8_tensor_all_gather_as_bytes()
     # Layout of the residual stream between TP regions: sharded along the sequence, or whole.
     residual = Shard(1) if sequence_parallel else Replicate()
-    root_plan: dict[str, ParallelStyle] = {
-        plan.embedding: _EmbeddingParallel(input_layouts=Replicate(), output_layouts=residual),
-        plan.output: ColwiseParallel(
+    root_plan: dict[str, ParallelStyle] = {}
+    # A pipeline stage holds the embedding only if first, the norm and head only if last (None otherwise).
+    if getattr(model, plan.embedding) is not None:
+        root_plan[plan.embedding] = _EmbeddingParallel(input_layouts=Replicate(), output_layouts=residual)
+    if getattr(model, plan.output) is not None:
+        root_plan[plan.output] = ColwiseParallel(
             input_layouts=residual,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
-        ),
-    }
-    if sequence_parallel:
-        root_plan[plan.final_norm] = SequenceParallel()
-    parallelize_module(model, tp_mesh, root_plan)
+        )
+        if sequence_parallel:
+            root_plan[plan.final_norm] = SequenceParallel()
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
 
     all_regions = []
     for block in getattr(model, plan.blocks).values():

@@ -1,0 +1,82 @@
+"""One pipeline step: the local batch cut into micro-batches, run through this rank's stages by the schedule.
+
+The schedule runs the backward itself, so what the trainer would do around ``loss.backward()`` happens in the
+loss function handed to it: each micro-batch's loss is normalised by the step's global target-token count
+(the same ``sum / global tokens`` as without a pipeline, so gradients match a 1-process run), the MoE
+auxiliary loss is not involved (it enters through the blocks, see ``aux_loss_grad``), and the objective is
+scaled by the FP16 loss scaler when there is one. Gradients are not rescaled by the schedule
+(``scale_grads=False``): the normalisation above already makes them the global mean.
+
+Only the rank holding the last stage sees losses; ``step`` returns their sum there and zero elsewhere, and
+the trainer sums it over the pipeline group so that every rank logs, checks and judges the same loss.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import pipelining
+
+from torchtitan_lite.distributed.pipeline.layout import PipelineLayout
+from torchtitan_lite.protocols.model import BaseModel
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(logits, labels) -> (summed loss, target tokens), e.g. cross_entropy_sum."""
+
+
+class PipelineRunner:
+    def __init__(self, layout: PipelineLayout, modules: list[BaseModel], stage_ids: tuple[int, ...], *,
+                 group: dist.ProcessGroup, device: torch.device, loss_fn: LossFn) -> None:
+        self.layout = layout
+        self.stage_ids = stage_ids
+        self.loss_fn = loss_fn
+        self.stages = [pipelining.PipelineStage(module, stage_id, layout.n_stages, device, group=group)
+                       for module, stage_id in zip(modules, stage_ids, strict=True)]
+        self.holds_first = 0 in stage_ids
+        self.holds_last = layout.n_stages - 1 in stage_ids
+        schedule_cls = getattr(pipelining, layout.facts.torch_class)
+        stages = self.stages if layout.facts.looped else self.stages[0]
+        self.schedule = schedule_cls(stages, n_microbatches=layout.n_microbatches, loss_fn=self._loss,
+                                     scale_grads=False)
+        # Set for the duration of one step / eval by ``step`` and ``eval``.
+        self._global_tokens: torch.Tensor | None = None
+        self._objective: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        self._sums: list[torch.Tensor] = []
+        self._tokens: list[torch.Tensor] = []
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, *, global_tokens: torch.Tensor,
+             objective: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Forward and backward of one local batch through the pipeline, gradients accumulated into the
+        stages' parameters. ``objective`` maps a micro-batch's normalised loss to what is differentiated
+        (the FP16 scaler's scaling); returns the batch's normalised loss sum on the last stage's rank, zero
+        elsewhere."""
+        self._global_tokens = global_tokens
+        self._objective = objective or (lambda loss: loss)
+        self._run(self.schedule.step, inputs, labels)
+        losses = [s / global_tokens for s in self._sums]
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=global_tokens.device)
+
+    @torch.no_grad()
+    def eval(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only: (summed loss, target tokens) of the batch on the last stage's rank, zeros elsewhere."""
+        self._global_tokens = None
+        self._run(self.schedule.eval, inputs, labels)
+        if not self._sums:
+            zero = torch.zeros((), device=labels.device)
+            return zero, zero
+        return torch.stack(self._sums).sum(), torch.stack(self._tokens).sum()
+
+    def _run(self, call: Callable[..., object], inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        self._sums, self._tokens = [], []
+        args = (inputs,) if self.holds_first else ()
+        target = labels if self.holds_last else None
+        call(*args, target=target, return_outputs=False)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss_sum, n_tokens = self.loss_fn(output, target)
+        self._sums.append(loss_sum.detach().float())
+        self._tokens.append(torch.as_tensor(n_tokens, device=loss_sum.device).float())
+        if self._global_tokens is None:  # eval: nothing is differentiated
+            return loss_sum
+        return self._objective(loss_sum / self._global_tokens)
