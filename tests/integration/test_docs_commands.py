@@ -107,6 +107,8 @@ LONG_RUNNING = {
     "--last 20 --tolerance 0.05 --dump-root /tmp/lc_dsv3/runs --out /tmp/lc_dsv3/loss.png --progress-every 120 -- "
     "--validation.enable false":
         "trains 2 x 200 steps (20 minutes on 2 cores)",
+    "OMP_NUM_THREADS=1 python train.py --config llama3_debug --training.steps 200 --checkpoint.enable false "
+    "--validation.enable false --metrics.log_freq 1 --job.dump_folder <dir>": "a template (<dir>); trains 200 steps",
     "python scripts/fp8_sqnr.py --config llama3_debug_fp8 --min-fwd-sqnr 20":
         "runs the model on training batches (a minute)",
     "python scripts/float8_layer_bench.py --shapes llama3_8b": "benchmarks 8B-sized layers (needs a GPU)",
