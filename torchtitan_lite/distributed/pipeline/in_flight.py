@@ -1,0 +1,91 @@
+"""Micro-batches whose activations a pipeline rank holds at once, read off torch's own schedule.
+
+Each torch.distributed.pipelining schedule computes, for every pipeline rank, the ordered list of actions that
+rank runs (``_get_pipeline_order`` for Schedule1F1B, ``_calculate_single_rank_operations`` for the others): a
+forward (F), a full backward (B), or the zero-bubble split into backward-for-inputs (I) and
+backward-for-weights (W), each of one micro-batch on one stage. ``rank_actions`` asks the schedule class for
+that list (it reads nothing but the pipeline's sizes, so no stage or process group is needed), and
+``held_counts`` replays it: a micro-batch's activations on a stage are held from its F until its B, or until
+its W (the I pass keeps the autograd graph alive for the W pass: ``stage_backward_input`` retains it), and
+the counts are taken after every action, in the order the rank runs them.
+
+What the replay gives (p ranks, m >= p micro-batches, v stages per rank; checked in
+tests/unit/test_pipeline_in_flight.py):
+
+- 1F1B: rank r (stage r) holds p - r micro-batches at most, and the last rank 2, not 1: torch runs the
+  steady state's forward before the backward it pairs with;
+- Interleaved1F1B: rank r holds (v - 1) p + 2 (p - 1 - r) + 1 over its v stages (Megatron's warm-up
+  count), 8 + 14 + 1 = 23 on rank 0 of p 8, v 2;
+- ZBVZeroBubble: every rank 2p over its two stages (rank r: up to 2p - r on stage r, r + 1 on stage
+  2p - 1 - r);
+- DualPipeV: every rank 2p + 1 (one more than ZBV: the overlapped forward runs before the backward it is
+  paired with).
+
+The memory estimate weighs each held micro-batch by its stage's activations and takes the largest sum over
+the replay (``peak_held_bytes``), so a rank whose stages differ in size is sized at the moment it really
+peaks.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+from torch.distributed.pipelining import schedules
+
+from torchtitan_lite.distributed.pipeline.layout import PipelineLayout
+
+Action = tuple[str, int, int]
+"""(kind: 'F' | 'B' | 'I' | 'W', stage, micro-batch)."""
+
+
+def rank_actions(layout: PipelineLayout, pp_rank: int) -> list[Action]:
+    """The compute actions rank ``pp_rank`` runs in one step, in order, as torch's schedule lists them."""
+    pp, m, n_stages = layout.pp, layout.n_microbatches, layout.n_stages
+    rounds = max(1, m // pp)
+    # The attributes the schedules' planning methods read (set by their constructors from the stages).
+    sizes = SimpleNamespace(_n_microbatches=m, _num_stages=n_stages, num_stages=n_stages, pp_group_size=pp,
+                            n_local_stages=layout.stages_per_rank, number_of_rounds=rounds,
+                            microbatches_per_round=m // rounds, rank=pp_rank)
+    cls = getattr(schedules, layout.facts.torch_class)
+    if layout.facts.looped:
+        order = cls._calculate_single_rank_operations(sizes, pp_rank)
+    else:
+        order = cls._get_pipeline_order(sizes)[pp_rank]
+    actions: list[Action] = []
+    for action in order:
+        if action is None:
+            continue
+        for a in action.sub_actions or (action,):
+            kind = a.computation_type.value
+            if kind in ("F", "B", "I", "W"):
+                actions.append((kind, a.stage_index, a.microbatch_index))
+    return actions
+
+
+def held_counts(layout: PipelineLayout, pp_rank: int) -> Iterator[dict[int, int]]:
+    """Micro-batches held per stage of the rank, after each of its actions."""
+    held: set[tuple[int, int]] = set()
+    stages = layout.stage_ids(pp_rank)
+    for kind, stage, microbatch in rank_actions(layout, pp_rank):
+        if kind == "F":
+            held.add((stage, microbatch))
+        elif kind in ("B", "W"):
+            held.discard((stage, microbatch))
+        yield {s: sum(1 for h, _ in held if h == s) for s in stages}
+
+
+def max_in_flight(layout: PipelineLayout, pp_rank: int) -> tuple[dict[int, int], int]:
+    """(most micro-batches each stage of the rank holds at once, most the rank holds over all its stages)."""
+    per_stage = dict.fromkeys(layout.stage_ids(pp_rank), 0)
+    total = 0
+    for counts in held_counts(layout, pp_rank):
+        for stage, n in counts.items():
+            per_stage[stage] = max(per_stage[stage], n)
+        total = max(total, sum(counts.values()))
+    return per_stage, total
+
+
+def peak_held_bytes(layout: PipelineLayout, pp_rank: int, stage_bytes: dict[int, int]) -> int:
+    """The most activation bytes the rank holds at once: each held micro-batch weighs its stage's bytes."""
+    return max((sum(n * stage_bytes[s] for s, n in counts.items()) for counts in held_counts(layout, pp_rank)),
+               default=0)
