@@ -9,17 +9,17 @@ that list (it reads nothing but the pipeline's sizes, so no stage or process gro
 its W (the I pass keeps the autograd graph alive for the W pass: ``stage_backward_input`` retains it), and
 the counts are taken after every action, in the order the rank runs them.
 
-What the replay gives (p ranks, m >= p micro-batches, v stages per rank; checked in
-tests/unit/test_pipeline_in_flight.py):
+What the replay gives (p ranks, m micro-batches, v stages per rank; checked in
+tests/unit/test_pipeline_memory.py):
 
-- 1F1B: rank r (stage r) holds p - r micro-batches at most, and the last rank 2, not 1: torch runs the
-  steady state's forward before the backward it pairs with;
-- Interleaved1F1B: rank r holds (v - 1) p + 2 (p - 1 - r) + 1 over its v stages (Megatron's warm-up
-  count), 8 + 14 + 1 = 23 on rank 0 of p 8, v 2;
-- ZBVZeroBubble: every rank 2p over its two stages (rank r: up to 2p - r on stage r, r + 1 on stage
-  2p - 1 - r);
-- DualPipeV: every rank 2p + 1 (one more than ZBV: the overlapped forward runs before the backward it is
-  paired with).
+- 1F1B (m >= p): rank r (stage r) holds p - r micro-batches at most, and the last rank 2, not 1: torch runs
+  the steady state's forward before the backward it pairs with;
+- Interleaved1F1B: rank r holds min(v m, (v - 1) p + 2 (p - 1 - r) + 1) over its v stages (Megatron's
+  warm-up count), 8 + 14 + 1 = 23 on rank 0 of p 8, v 2, m >= 8;
+- ZBVZeroBubble (m >= 2p): every rank 2p over its two stages (rank r: up to 2p - r on stage r, r + 1 on
+  stage 2p - 1 - r);
+- DualPipeV (m >= 2p): every rank 2p + 1 (one more than ZBV: the overlapped forward runs before the
+  backward it is paired with).
 
 The memory estimate weighs each held micro-batch by its stage's activations and takes the largest sum over
 the replay (``peak_held_bytes``), so a rank whose stages differ in size is sized at the moment it really
