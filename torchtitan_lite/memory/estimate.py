@@ -36,6 +36,12 @@ Components:
                     `force_recompute_fp8_weight_in_bwd` is deprecated there and changes nothing)
   CUDA context      on CUDA only, `CUDA_CONTEXT_BYTES` that the caching allocator never sees
 
+Under pipeline parallelism every pipeline rank is sized on its own (``estimate_pipeline_ranks``): the
+parameters, gradients and optimizer states of its stages, the activations of the micro-batches it holds at
+once (replayed from torch's schedule, distributed/pipeline/in_flight.py), FSDP's gathered weights and
+accumulated unsharded gradients, the receive buffers (memory/pipeline_timeline.py); ``estimate_run_memory``
+returns the largest rank's.
+
 `peak_allocated` is comparable with `torch.cuda.max_memory_allocated()`, `total` with nvidia-smi. The
 activation terms describe eager execution (checked against autograd's saved tensors and the CPU
 profiler in tests/unit/test_memory_estimate.py); torch.compile usually saves less, so compiled runs
