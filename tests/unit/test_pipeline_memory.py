@@ -102,3 +102,14 @@ def test_in_flight_activations_are_of_pipeline_micro_batches_and_the_largest_ran
         assert c["activations in flight"] == 2 * a["activations in flight"]
     largest = max(doubled, key=lambda e: e.peak_allocated)
     assert estimate_run_memory(run).pp_rank == largest.pp_rank
+
+
+@pytest.mark.parametrize(("schedule", "most"), [("1F1B", [2, 2]), ("Interleaved1F1B", [5, 3]),
+                                                ("ZBVZeroBubble", [4, 4]), ("DualPipeV", [5, 5])])
+def test_every_schedule_is_sized_with_the_micro_batches_its_ranks_hold(schedule, most):
+    run = resolve_run(_config(pp=2, dp_shard=2, n_layers=8, schedule=schedule), world_size=4, device_type="cpu")
+    ranks = estimate_pipeline_ranks(run)
+    for est, n in zip(ranks, most, strict=True):
+        term = next(t for t in est.terms if t.name == "activations in flight")
+        assert f"at most {n} micro-batches held at once" in term.how
+    assert estimate_run_memory(run).peak_allocated == max(e.peak_allocated for e in ranks)

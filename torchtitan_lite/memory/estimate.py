@@ -281,25 +281,28 @@ def _pipeline_rank_estimate(run: ResolvedRun, full: ModelLayout, s: ActivationSe
         gathered = sum(sorted((_gathered_bytes(layout, u, param_bytes) for u in unit_names), reverse=True)[:2])
     accumulated = sum(p.global_numel if p.replicated_grad else p.tp_numel for p in layout.params) * reduce_bytes
     recv = sum((0 if st.first else 1) + (0 if st.last else 1) for st in stages) * pipe.n_microbatches * _boundary_bytes(s)
+    offload = run.parallelism.fsdp_cpu_offload and fsdp
     sizes = PipelineRankSizes(
-        persistent=params + states + layout.buffer_bytes, autocast_copies=_autocast_copies(layout, s), grads=grads,
+        persistent=(0 if offload else params + states) + layout.buffer_bytes,
+        autocast_copies=_autocast_copies(layout, s), grads=0 if offload else grads,
         fsdp=fsdp, accumulating=run.n_microbatches > 1, gathered=gathered,
         accumulated_grads=accumulated if fsdp else 0,
         reduce_buffer=max((sum(p.tp_numel for p in layout.unit_params(u)) * reduce_bytes for u in unit_names),
                           default=0) if fsdp else 0,
         recv_buffers=recv, held_activations=held,
         backward_transient=max(block_transient + max(unsharded.values(), default=0), loss),
-        optimizer_scratch=scratch,
+        optimizer_scratch=0 if offload else scratch,
     )
     moments = pipeline_moments(sizes)
+    where = " (host: CPU offload)" if offload else ""
     mode = ac.mode if ac.mode != "selective" else f"selective {ac.selective_option}"
     sharding = _sharding_text(layout)
     in_flight = ", ".join(f"stage {sid} {per_stage[sid]}" for sid in stage_ids)
     terms = [
-        MemoryTerm("parameters", params, f"fp32 master weights of the rank's stages, {sharding}"),
-        MemoryTerm("optimizer states", states, _optimizer_text(low_bit)),
+        MemoryTerm("parameters", params, f"fp32 master weights of the rank's stages, {sharding}{where}"),
+        MemoryTerm("optimizer states", states, _optimizer_text(low_bit) + where),
         MemoryTerm("buffers", layout.buffer_bytes, f"fp32 rotary table, one per stage module ({len(stages)})"),
-        MemoryTerm("gradients", grads, f"fp32, {sharding}"),
+        MemoryTerm("gradients", grads, f"fp32, {sharding}{where}"),
         MemoryTerm("accumulated unsharded grads", sizes.accumulated_grads,
                    f"FSDP gradients summed over the {pipe.n_microbatches} micro-batches in "
                    f"{str(precision.reduce_dtype).removeprefix('torch.')}, reduce-scattered after the last"
