@@ -3,9 +3,12 @@
 A pipeline rank runs the forward and backward of many micro-batches interleaved (distributed/pipeline/
 in_flight.py says how many it holds at once), so the moments differ from memory/timeline.py's:
 
-- pipeline peak: the most micro-batch activations the rank holds at once (each weighed by its stage's
-  bytes), plus the transient of one backward on top: the largest block's recomputation and activation
-  gradients with its unit's fresh gradients, or on the last stage's rank the loss backward;
+- loss backward (the rank holding the last stage): the most micro-batch activations the rank holds at once
+  (each weighed by its stage's bytes), plus the loss backward's gradients of one micro-batch;
+- block backward: the same held activations less the part of the backpropagated micro-batch its backward
+  has already freed before reaching a block (the stage output, or the last stage's logits, loss graph and
+  head; the smallest over the rank's stages), plus the largest block's recomputation and activation
+  gradients with its unit's fresh gradients;
 - gradient reduce-scatter: torch's REDUCE_GRAD action after the last backward of each stage: the
   accumulated gradients and one unit's reduce_dtype copy for the reduce-scatter;
 - optimizer step: every sharded gradient plus the optimizer's scratch.
@@ -51,9 +54,12 @@ class PipelineRankSizes:
     recv_buffers: int
     held_activations: int
     """The most activation bytes of in-flight micro-batches the rank holds at once."""
-    backward_transient: int
-    """The largest backward transient on top: a block's recomputation, activation gradients and fresh
-    unsharded gradients, or the loss backward on the last stage's rank."""
+    freed_before_blocks: int
+    """Bytes of the backpropagated micro-batch freed before the backward reaches its stage's blocks."""
+    block_transient: int
+    """A block's recomputation, activation gradients and fresh unsharded gradients (the largest block)."""
+    loss_transient: int
+    """The loss backward's gradients of one micro-batch (0: the rank does not hold the last stage)."""
     optimizer_scratch: int
 
 
@@ -62,9 +68,12 @@ def pipeline_moments(z: PipelineRankSizes) -> list[Moment]:
               "pipeline receive buffers": z.recv_buffers, "FSDP gathered": z.gathered,
               "accumulated unsharded gradients": z.accumulated_grads}
     during_backward = z.grads if z.accumulating or not z.fsdp else 0
+    loss = [Moment("loss backward", {**common, "activations": z.held_activations, "loss": z.loss_transient,
+                                     "gradients": during_backward})] if z.loss_transient else []
     return [
-        Moment("pipeline peak", {**common, "activations": z.held_activations, "backward transient": z.backward_transient,
-                                 "gradients": during_backward}),
+        *loss,
+        Moment("block backward", {**common, "activations": z.held_activations - z.freed_before_blocks,
+                                  "block transient": z.block_transient, "gradients": during_backward}),
         Moment("gradient reduce-scatter", {**common, "reduce-scatter buffers": z.reduce_buffer, "gradients": z.grads}),
         Moment("optimizer step", {"persistent": z.persistent, "pipeline receive buffers": z.recv_buffers,
                                   "gradients": z.grads, "optimizer scratch": z.optimizer_scratch}),
