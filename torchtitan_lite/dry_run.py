@@ -10,10 +10,17 @@ parameters with the training FLOPs per token that MFU counts, and for an MoE fam
 (experts per EP rank, the FSDP degree over them). The expert shards are whatever the family's parallelize
 function makes of ``parallelism.ep``; where it shards the experts by FSDP over all of dp_shard instead, the
 bytes per rank are the same as EP x FSDP over dp_shard / ep whenever the degrees divide.
+
+Under pipeline parallelism every pipeline coordinate holds other stages, so one rank of each is built: the
+model is cut into that rank's stages by ``build_stage_modules`` (a deepcopy of the meta model, cheap) and each
+stage is parallelized by the family's function, as the trainer does it; ranks whose stages have the same shape
+are built once. Each rank's shard bytes are printed beside its estimate (memory/estimate.py sizes every
+pipeline rank and names the largest).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -24,8 +31,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.components.quantization import low_precision_plan
+from torchtitan_lite.distributed.pipeline import StageLayout, build_stage_modules
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
-from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_run_memory
+from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_pipeline_ranks, estimate_run_memory
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES
 from torchtitan_lite.memory.optimizer_states import state_bytes
 from torchtitan_lite.model_size import expert_layout_text, param_counts, training_flops_per_token
@@ -33,44 +41,83 @@ from torchtitan_lite.resolved_run import ResolvedRun
 
 if TYPE_CHECKING:
     from torchtitan_lite.components.precision import Precision
+    from torchtitan_lite.protocols.model import BaseModel
+    from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 
 def dry_run_text(run: ResolvedRun, precision_config: Precision.Config) -> str:
-    """Build and parallelize ``run`` for rank 0 of its world over a fake process group; the report."""
+    """Build and parallelize ``run`` for rank 0 of its world (under a pipeline: one rank of every pipeline
+    coordinate) over a fake process group; the report."""
     start = time.perf_counter()
+    plan = run.model_spec.parallel_plan
     with _fake_world(run.world_size):
         run.parallel_dims.build_mesh("cpu")
         with torch.device("meta"):
             model = run.model_spec.model_cls(run.model_args)
         run.converters.convert(model)
         plan_text = _float8_text(run, model)
-        precision = precision_config.build(device="cpu", resolved=run.precision)
-        model = run.model_spec.parallelize_fn(model, run.parallelize_context(mp_policy=precision.mp_policy()))
-        shards = _shard_bytes(model, run)
-        plan = run.model_spec.parallel_plan
         counts = param_counts(model, run.moe_facts, blocks=plan.blocks, embedding=plan.embedding)
+        context = run.parallelize_context(mp_policy=precision_config.build(device="cpu",
+                                                                            resolved=run.precision).mp_policy())
+        if run.pipeline is None:
+            shards = [_shard_bytes([run.model_spec.parallelize_fn(model, context)], run)]
+        else:
+            shards = _pipeline_shard_bytes(model, run, context)
     seconds = time.perf_counter() - start
-    estimate = estimate_run_memory(run)
     width = 22
     dims, args, seq_len = run.parallel_dims, run.model_args, run.training.seq_len
     flops = training_flops_per_token(counts, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
                                      seq_len=seq_len)
+    which = "rank 0" if run.pipeline is None else f"one rank of each of the {dims.pp} pipeline coordinates"
     lines = [
-        f"dry run: rank 0 of {run.world_size}, {dims.describe()}, built and parallelized on meta "
+        f"dry run: {which} of {run.world_size}, {dims.describe()}, built and parallelized on meta "
         f"over a fake process group in {seconds:.1f}s",
         f"model: {counts.describe()}; {flops:,} training FLOPs per token at seq_len {seq_len} (MFU counts these)",
         *([expert_layout_text(run.moe_facts, n_layers=args.n_layers, ep=dims.ep, dp_shard=dims.dp_shard,
                               fsdp=dims.fsdp_enabled, tp=dims.tp)] if run.moe_facts is not None else []),
         f"precision: {run.precision.describe()}; {run.n_microbatches} micro-batch(es) of "
-        f"{run.tokens_per_microbatch} tokens per step",
-        "per-rank bytes read off the DTensor shards (estimate's own figure in brackets):",
+        f"{run.tokens_per_microbatch} tokens per step" + ("" if run.pipeline is None else
+                                                         f", each cut into {run.pipeline.n_microbatches} pipeline "
+                                                         f"micro-batches of {run.pipeline.microbatch_size * seq_len}"),
     ]
-    for name, nbytes, estimated in (("parameters", shards["parameters"], estimate.parameters),
-                                    ("gradients", shards["gradients"], estimate.gradients),
-                                    ("optimizer states", shards["optimizer states"], estimate.optimizer_states)):
-        lines.append(f"  {name:<{width}} {nbytes / GIB:>9.3f} GiB  {nbytes:>17,}  [{estimated:,}]")
+    estimates = estimate_pipeline_ranks(run) if run.pipeline is not None else [estimate_run_memory(run)]
+    for rank_shards, estimate in zip(shards, estimates, strict=True):
+        if estimate.pp_rank is None:
+            lines.append("per-rank bytes read off the DTensor shards (estimate's own figure in brackets):")
+        else:
+            lines.append(f"pp rank {estimate.pp_rank} ({estimate.stages}): bytes read off the DTensor shards "
+                         f"(estimate's own figure in brackets); estimated peak {estimate.peak_allocated / GIB:.3f} "
+                         f"GiB allocated, {estimate.total / GIB:.3f} GiB per device:")
+        for name, estimated in (("parameters", estimate.parameters), ("gradients", estimate.gradients),
+                                ("optimizer states", estimate.optimizer_states)):
+            nbytes = rank_shards[name]
+            lines.append(f"  {name:<{width}} {nbytes / GIB:>9.3f} GiB  {nbytes:>17,}  [{estimated:,}]")
     lines += ["", plan_text, "", estimate_memory_text(run)]
     return "\n".join(lines)
+
+
+def _pipeline_shard_bytes(model: BaseModel, run: ResolvedRun, context: ParallelizeContext) -> list[dict[str, int]]:
+    """Per pipeline rank, the shard bytes of its stages, cut and parallelized as the trainer does it. Ranks
+    whose stages have the same shape (as many blocks of the same kinds, the same ends) are built once: the
+    middle ranks of a long pipeline differ only in which blocks they hold."""
+    layout, plan = run.pipeline, run.model_spec.parallel_plan
+    assert layout is not None
+    built: dict[tuple[object, ...], dict[str, int]] = {}
+    per_rank = []
+    for rank in range(layout.pp):
+        stage_ids = layout.stage_ids(rank)
+        key = tuple(_stage_shape(layout.stages[i], run) for i in stage_ids)
+        if key not in built:
+            parts = build_stage_modules(copy.deepcopy(model), plan, layout, stage_ids)
+            built[key] = _shard_bytes([run.model_spec.parallelize_fn(part, context) for part in parts], run)
+        per_rank.append(built[key])
+    return per_rank
+
+
+def _stage_shape(stage: StageLayout, run: ResolvedRun) -> tuple[object, ...]:
+    facts = run.moe_facts
+    kinds = tuple(facts is not None and int(b) in facts.layers for b in stage.blocks)
+    return stage.first, stage.last, kinds
 
 
 @contextlib.contextmanager
@@ -87,8 +134,8 @@ def _fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _shard_bytes(model: nn.Module, run: ResolvedRun) -> dict[str, int]:
-    local = [(p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()]
+def _shard_bytes(parts: list[nn.Module], run: ResolvedRun) -> dict[str, int]:
+    local = [(p.to_local() if isinstance(p, DTensor) else p).numel() for part in parts for p in part.parameters()]
     params = sum(local) * MASTER_WEIGHT_BYTES
     return {
         "parameters": params,

@@ -124,6 +124,10 @@ LONG_RUNNING = {
     "--checkpoint.enable true --job.dump_folder outputs/llama3_8b": "needs a SLURM cluster",
     "sbatch --nodes=64 scripts/slurm_multinode.sh --config llama3_405b_fp8 --parallelism.tp 8 --parallelism.dp_replicate 4":
         "needs a SLURM cluster",
+    "sbatch --nodes=256 scripts/slurm_multinode.sh --config llama3_405b_fp8 --parallelism.pp 8 --parallelism.tp 8 "
+    "--parallelism.pipeline_schedule Interleaved1F1B --training.local_batch_size 16": "needs a SLURM cluster",
+    "NPROC=2 ./run_train.sh --config llama3_debug --parallelism.pp 2 --training.steps 20":
+        "trains on 2 processes",
     "python scripts/convert_from_hf.py --hf-dir assets/hf/Llama-3.1-8B --config llama3_8b_fp8 --output seeds/llama3_8b":
         "needs the downloaded 8B weights",
     "python scripts/verify_checkpoint.py outputs/checkpoint":

@@ -209,11 +209,15 @@ def wrapped_blocks(mode: str, selective_option: str, n_layers: int) -> list[bool
     return [False] * n_layers
 
 
-def block_plan(s: ActivationSetup, mode: str, selective_option: str) -> list[tuple[int, int]]:
-    """Per block: (bytes it keeps from forward to backward, bytes its backward recomputes)."""
+def block_plan(s: ActivationSetup, mode: str, selective_option: str,
+               layers: list[int] | None = None) -> list[tuple[int, int]]:
+    """Per block of ``layers`` (default: every block of the model), in order: (bytes it keeps from forward to
+    backward, bytes its backward recomputes). A pipeline stage passes its own blocks: AC counts every Nth
+    block of the module it wraps, so a stage counts from its own first block."""
     selective_op = mode == "selective" and selective_option == "op"
+    layers = list(range(s.n_layers)) if layers is None else layers
     plan = []
-    for layer, wrapped in enumerate(wrapped_blocks(mode, selective_option, s.n_layers)):
+    for layer, wrapped in zip(layers, wrapped_blocks(mode, selective_option, len(layers)), strict=True):
         if not wrapped:
             plan.append((sum(block_saved_bytes(s, layer).values()), 0))
             continue

@@ -36,6 +36,12 @@ Components:
                     `force_recompute_fp8_weight_in_bwd` is deprecated there and changes nothing)
   CUDA context      on CUDA only, `CUDA_CONTEXT_BYTES` that the caching allocator never sees
 
+Under pipeline parallelism every pipeline rank is sized on its own (``estimate_pipeline_ranks``): the
+parameters, gradients and optimizer states of its stages, the activations of the micro-batches it holds at
+once (replayed from torch's schedule, distributed/pipeline/in_flight.py), FSDP's gathered weights and
+accumulated unsharded gradients, the receive buffers (memory/pipeline_timeline.py); ``estimate_run_memory``
+returns the largest rank's.
+
 `peak_allocated` is comparable with `torch.cuda.max_memory_allocated()`, `total` with nvidia-smi. The
 activation terms describe eager execution (checked against autograd's saved tensors and the CPU
 profiler in tests/unit/test_memory_estimate.py); torch.compile usually saves less, so compiled runs
@@ -52,6 +58,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.distributed.pipeline.in_flight import max_in_flight, peak_held_bytes
+from torchtitan_lite.distributed.pipeline.layout import StageLayout
 from torchtitan_lite.memory.activations import (
     ActivationSetup,
     block_backward_working_bytes,
@@ -63,6 +71,7 @@ from torchtitan_lite.memory.activations import (
 )
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, ModelLayout, ParamLayout, model_layout
 from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
+from torchtitan_lite.memory.pipeline_timeline import PipelineRankSizes, pipeline_moments
 from torchtitan_lite.memory.routed import EP_RECEIVE_HEADROOM, RoutedSetup, all_to_all_bytes
 from torchtitan_lite.memory.timeline import Moment, StepSizes, step_moments
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
@@ -96,6 +105,10 @@ class MemoryEstimate:
     """Total and active parameters of the model."""
     all_gather: str = ""
     """Bytes per weight element FSDP all-gathers, per recipe and why ('' without FSDP)."""
+    pp_rank: int | None = None
+    """Under pipeline parallelism: the pipeline rank this estimate is of (None without a pipeline)."""
+    stages: str = ""
+    """Under pipeline parallelism: the rank's stages and the micro-batches each holds at most."""
 
     def __getitem__(self, name: str) -> int:
         for term in self.terms:
@@ -144,7 +157,10 @@ def estimate_memory(config: Trainer.Config, *, world_size: int, device_type: str
 
 
 def estimate_run_memory(run: ResolvedRun) -> MemoryEstimate:
-    """Predict the per-rank memory of the resolved run."""
+    """Predict the per-rank memory of the resolved run; under pipeline parallelism, of its largest pipeline
+    rank (``estimate_pipeline_ranks`` gives every rank)."""
+    if run.pipeline is not None:
+        return max(estimate_pipeline_ranks(run), key=lambda e: e.peak_allocated)
     device_type, world_size = run.device_type, run.world_size
     layout = model_layout(run)
     dims, ac = layout.dims, run.activation_checkpoint
@@ -219,6 +235,136 @@ def estimate_run_memory(run: ResolvedRun) -> MemoryEstimate:
                           all_gather=layout.all_gather_text)
 
 
+def estimate_pipeline_ranks(run: ResolvedRun) -> list[MemoryEstimate]:
+    """The memory of every pipeline rank (index = pp_rank) of a run with pipeline parallelism. A rank holds
+    its stages' blocks, the embedding on the first stage and the final norm + output head on the last, each
+    sharded by TP / FSDP / EP as without a pipeline; one micro-batch is pipeline_microbatch_size samples."""
+    layout = model_layout(run)
+    s = _activation_setup(run, layout)
+    return [_pipeline_rank_estimate(run, layout, s, rank) for rank in range(run.parallel_dims.pp)]
+
+
+def _pipeline_rank_estimate(run: ResolvedRun, full: ModelLayout, s: ActivationSetup, pp_rank: int) -> MemoryEstimate:
+    pipe, plan, ac = run.pipeline, run.model_spec.parallel_plan, run.activation_checkpoint
+    assert pipe is not None
+    stage_ids = pipe.stage_ids(pp_rank)
+    stages = [pipe.stages[i] for i in stage_ids]
+    units = {f"{plan.blocks}.{b}" for st in stages for b in st.blocks}
+    units |= {plan.embedding} if any(st.first for st in stages) else set()
+    units |= {"head"} if any(st.last for st in stages) else set()
+    layout = full.restricted(units, modules=len(stages))
+    dims, precision, optimizer = layout.dims, run.precision, run.optimizer
+    fsdp, low_bit = dims.fsdp_enabled, optimizer.low_bit
+    param_bytes = precision.param_bytes
+    reduce_bytes = torch.tensor([], dtype=precision.reduce_dtype).element_size()
+    unit_names = sorted({p.unit for p in layout.params})
+
+    params = sum(p.local_numel for p in layout.params) * MASTER_WEIGHT_BYTES
+    states = sum(state_bytes(p.local_numel, low_bit) for p in layout.params)
+    grads = sum(_grad_numel(p, fsdp) for p in layout.params) * MASTER_WEIGHT_BYTES
+    scratch, scratch_how = step_temporary_bytes([p.local_numel for p in layout.params], low_bit=low_bit,
+                                                implementation=optimizer.implementation, device_type=run.device_type)
+    # Per stage: what one micro-batch keeps until its backward (AC counted from the stage's first block), and
+    # on the last stage the logits the schedule keeps as the stage output with the loss's saved log-probs.
+    plans = {sid: block_plan(s, ac.mode, ac.selective_option, [int(b) for b in pipe.stages[sid].blocks])
+             for sid in stage_ids}
+    tail = {sid: _held_loss_bytes(s) + head_saved_bytes(s) if pipe.stages[sid].last else _boundary_bytes(s)
+            for sid in stage_ids}
+    kept = {sid: sum(k for k, _ in plans[sid]) + tail[sid] for sid in stage_ids}
+    held = peak_held_bytes(pipe, pp_rank, kept, {sid: _awaiting_weight_bytes(s, pipe.stages[sid]) for sid in stage_ids})
+    per_stage, most = max_in_flight(pipe, pp_rank)
+    unsharded = {u: _unsharded_grad_bytes(layout, u, s, fsdp, param_bytes) for u in unit_names}
+    float8 = _float8_cast_bytes(layout, s)
+    block_transient = max(r for sid in stage_ids for _, r in plans[sid]) + block_backward_working_bytes(s) + float8
+    # What the loss saved is already held (_held_loss_bytes): the log-probs, or a compiled loss's logits.
+    saved_by_loss = s.tokens * s.vocab * (s.compute_bytes if s.compiled_loss else 4)
+    loss = loss_transient_bytes(s) - saved_by_loss if any(st.last for st in stages) else 0
+    gathered = sum(_gathered_bytes(layout, u, param_bytes) for u in unit_names) if fsdp else 0
+    if fsdp and run.fsdp_reshard_after_forward != "never":
+        # Resharded units are gathered again for every micro-batch: two at once (computing + prefetched).
+        gathered = sum(sorted((_gathered_bytes(layout, u, param_bytes) for u in unit_names), reverse=True)[:2])
+    accumulated = sum(p.global_numel if p.replicated_grad else p.tp_numel for p in layout.params) * reduce_bytes
+    recv = sum((0 if st.first else 1) + (0 if st.last else 1) for st in stages) * pipe.n_microbatches * _boundary_bytes(s)
+    offload = run.parallelism.fsdp_cpu_offload and fsdp
+    sizes = PipelineRankSizes(
+        persistent=(0 if offload else params + states) + layout.buffer_bytes,
+        autocast_copies=_autocast_copies(layout, s), grads=0 if offload else grads,
+        fsdp=fsdp, accumulating=run.n_microbatches > 1, gathered=gathered,
+        accumulated_grads=accumulated if fsdp else 0,
+        reduce_buffer=max((sum(p.tp_numel for p in layout.unit_params(u)) * reduce_bytes for u in unit_names),
+                          default=0) if fsdp else 0,
+        recv_buffers=recv, held_activations=held, freed_before_blocks=min(tail.values()),
+        block_transient=block_transient + max(unsharded.values(), default=0), loss_transient=loss,
+        optimizer_scratch=0 if offload else scratch,
+    )
+    moments = pipeline_moments(sizes)
+    where = " (host: CPU offload)" if offload else ""
+    mode = ac.mode if ac.mode != "selective" else f"selective {ac.selective_option}"
+    sharding = _sharding_text(layout)
+    in_flight = ", ".join(f"stage {sid} {per_stage[sid]}" for sid in stage_ids)
+    terms = [
+        MemoryTerm("parameters", params, f"fp32 master weights of the rank's stages, {sharding}{where}"),
+        MemoryTerm("optimizer states", states, _optimizer_text(low_bit) + where),
+        MemoryTerm("buffers", layout.buffer_bytes, f"fp32 rotary table, one per stage module ({len(stages)})"),
+        MemoryTerm("gradients", grads, f"fp32, {sharding}{where}"),
+        MemoryTerm("accumulated unsharded grads", sizes.accumulated_grads,
+                   f"FSDP gradients summed over the {pipe.n_microbatches} micro-batches in "
+                   f"{str(precision.reduce_dtype).removeprefix('torch.')}, reduce-scattered after the last"
+                   if fsdp else "no FSDP: .grad accumulates in place"),
+        MemoryTerm("optimizer step scratch", scratch, scratch_how),
+        MemoryTerm("activations in flight", held,
+                   f"AC {mode}: at most {most} micro-batches held at once ({in_flight}), {s.tokens} tokens each, "
+                   f"{param_bytes}-byte compute; the last stage's logits and loss log-probs included"),
+        MemoryTerm("block backward transient", sizes.block_transient,
+                   "one block's recomputation + activation gradients + fresh unsharded gradients"),
+        MemoryTerm("loss backward transient", loss, "fp32 gradients in and out of log-softmax of one micro-batch"
+                   if loss else "no last stage on this rank"),
+        MemoryTerm("pipeline receive buffers", recv,
+                   f"{pipe.n_microbatches} micro-batches x (input activations unless first + output gradient "
+                   f"unless last) per stage, {_mib(_boundary_bytes(s))} each"),
+        *_moe_terms(layout, s, low_bit),
+        MemoryTerm("FSDP gathered params", gathered, _gathered_text(run, fsdp, layout)),
+        MemoryTerm("autocast weight copies", sizes.autocast_copies,
+                   f"{param_bytes}-byte copy of each non-float8 Linear weight" if s.autocast else "no autocast"),
+        MemoryTerm("float8 casts", float8, "float8 operands of the largest converted Linear, in the transient"
+                   if float8 else "no float8 Linears"),
+    ]
+    if run.device_type == "cuda":
+        terms.append(MemoryTerm("CUDA context", CUDA_CONTEXT_BYTES, "outside the caching allocator (constant)"))
+    return MemoryEstimate(terms=tuple(terms), moments=tuple(moments),
+                          layout=f"{dims.describe()} (world size {run.world_size})", device_type=run.device_type,
+                          world_size=run.world_size, model=layout.counts.describe() if layout.counts else "",
+                          all_gather=layout.all_gather_text, pp_rank=pp_rank,
+                          stages="; ".join(st.describe() for st in stages))
+
+
+def _awaiting_weight_bytes(s: ActivationSetup, stage: StageLayout) -> int:
+    """What a micro-batch holds on ``stage`` between its I and W passes (ZBVZeroBubble, DualPipeV):
+    ``stage_backward_input`` (torch/distributed/pipelining/_backward.py) keeps the autograd graph
+    (retain_graph=True), so every block's full saved set stays, the recomputed one under AC included, plus the
+    gradients at the nodes where the weight paths branch off: here one per Linear output (q, k, v, wo, w1,
+    w3, w2 of a dense block; an approximation for MoE blocks). The first norm of each block saves the block
+    input itself. Measured on the CPU (tests/distributed/test_pipeline_memory_measured.py) this is within 3%
+    without activation checkpointing; with it the rank's peak comes out 13-25% higher than estimated here
+    (what the checkpoint's recomputation keeps between the two passes is not modelled)."""
+    linear_outputs = s.tokens * ((s.hq + 2 * s.hkv) * s.head_dim + 2 * s.ffn + 2 * s.dim) * s.compute_bytes
+    blocks = sum(sum(block_saved_bytes(s, int(b)).values()) + linear_outputs for b in stage.blocks)
+    return blocks + (_held_loss_bytes(s) + head_saved_bytes(s) if stage.last else _boundary_bytes(s))
+
+
+def _boundary_bytes(s: ActivationSetup) -> int:
+    """One micro-batch of the residual stream between stages (sequence-sharded under SP): what a stage sends,
+    receives, and keeps as its output until the backward."""
+    return s.tokens // s.sp * s.dim * s.residual_bytes
+
+
+def _held_loss_bytes(s: ActivationSetup) -> int:
+    """What the last stage keeps per in-flight micro-batch beyond the head: the schedule computes the loss in
+    the forward action and keeps the output (the logits) and the loss graph (float32 log-probs; a compiled loss
+    keeps nothing more) until that micro-batch's backward."""
+    return s.tokens * s.vocab * s.compute_bytes + (0 if s.compiled_loss else 4 * s.tokens * s.vocab)
+
+
 # --------------------------------------------------------------------------------------------------
 # Dtypes and setup
 
@@ -231,7 +377,8 @@ def _activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
         shared_hidden=facts.shared_hidden_dim, layers=frozenset(facts.layers), ep=dims.ep,
         float8_experts=any(c.config.low_precision_experts for c in run.converters.converters))
     return ActivationSetup(
-        tokens=run.tokens_per_microbatch,
+        # Under a pipeline, activations are those of one pipeline micro-batch.
+        tokens=run.pipeline.microbatch_size * run.training.seq_len if run.pipeline else run.tokens_per_microbatch,
         dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
         # A family whose every block is an MoE layer has no dense feed-forward width.
         ffn_dim=getattr(args, "ffn_hidden_dim", 0), moe=moe,
@@ -288,7 +435,7 @@ def _float8_cast_bytes(layout: ModelLayout, s: ActivationSetup) -> int:
 def _gathered_text(run: ResolvedRun, fsdp: bool, layout: ModelLayout) -> str:
     if not fsdp:
         return "no FSDP"
-    policy = run.parallelism.fsdp_reshard_after_forward
+    policy = run.fsdp_reshard_after_forward
     float8 = ", float8 all-gather" if layout.float8_all_gather else ""
     return f"reshard_after_forward={policy}{float8}"
 
@@ -349,13 +496,34 @@ def _mib(nbytes: int) -> str:
 
 def estimate_memory_text(run: ResolvedRun) -> str:
     """The estimate of the resolved run as a table."""
+    if run.pipeline is not None:
+        return _pipeline_text(run)
     est = estimate_run_memory(run)
-    peak = est.peak_moment
     # Blocks differ only by how many activations remain: show the largest block moments.
     blocks = [m for m in est.moments if m.name.startswith("block ")]
     moments = [m for m in est.moments if not m.name.startswith("block ")]
     moments[3:3] = [max((m for m in blocks if m.name.endswith(kind)), key=lambda m: m.nbytes)
                     for kind in ("backward", "reduce-scatter")]
+    return _table(est, moments)
+
+
+def _pipeline_text(run: ResolvedRun) -> str:
+    """Every pipeline rank's peak and stages, then the breakdown of the largest rank."""
+    ranks = estimate_pipeline_ranks(run)
+    largest = max(ranks, key=lambda e: e.peak_allocated)
+    assert run.pipeline is not None
+    lines = [f"pipeline: {run.pipeline.describe()}; per pipeline rank (every rank of the same pp coordinate "
+             "holds the same stages):"]
+    for est in ranks:
+        mark = "  <- largest" if est is largest else ""
+        lines.append(f"  pp rank {est.pp_rank}: peak {est.peak_allocated / GIB:8.3f} GiB allocated, "
+                     f"{est.total / GIB:8.3f} GiB per device; {est.stages}{mark}")
+    lines.append(f"largest: pp rank {largest.pp_rank} ({largest.stages}), {largest.total / GIB:.3f} GiB per device")
+    return "\n".join([*lines, "", _table(largest, list(largest.moments))])
+
+
+def _table(est: MemoryEstimate, moments: list[Moment]) -> str:
+    peak = est.peak_moment
     rows = [(t.name, t.nbytes, t.how) for t in est.terms]
     moment_rows = [(f"at {m.name}", m.nbytes, "<- peak" if m is peak else "") for m in moments]
     breakdown = ", ".join(f"{k} {v / GIB:.2f}" for k, v in peak.parts.items() if v)
@@ -368,7 +536,8 @@ def estimate_memory_text(run: ResolvedRun) -> str:
         return f"{name:<{width}}  {nbytes / GIB:>9.3f}  {nbytes:>17,}  {how}".rstrip()
 
     return "\n".join([
-        f"memory estimate per rank: {est.layout}, {est.device_type}"
+        f"memory estimate per rank{'' if est.pp_rank is None else f' (pp rank {est.pp_rank})'}: {est.layout}, "
+        f"{est.device_type}"
         + ("" if est.device_type == "cuda" else " (this machine; CUDA runs differ: estimate on the GPU host)"),
         f"model: {est.model}",
         f"{'component':<{width}}  {'GiB':>9}  {'bytes':>17}  how",

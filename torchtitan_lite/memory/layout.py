@@ -20,6 +20,7 @@ trainer's parallelize step applies:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,8 @@ class ParamLayout:
 class LinearLayout:
     fqn: str
     """Module name; a tied output projection is listed although its weight is tok_embeddings.weight."""
+    unit: str
+    """FSDP unit holding its weight (as ParamLayout.unit)."""
     in_features: int
     out_features: int
     tp_numel: int
@@ -118,6 +121,13 @@ class ModelLayout:
     def unit_params(self, unit: str) -> list[ParamLayout]:
         return [p for p in self.params if p.unit == unit]
 
+    def restricted(self, units: set[str], *, modules: int) -> ModelLayout:
+        """The part of the layout in FSDP ``units`` (a pipeline rank's stages), held by ``modules`` stage
+        modules: each keeps its own copy of the buffers (the rotary table)."""
+        return dataclasses.replace(self, params=tuple(p for p in self.params if p.unit in units),
+                                   linears=tuple(lin for lin in self.linears if lin.unit in units),
+                                   buffer_bytes=self.buffer_bytes * modules)
+
 
 def model_layout(run: ResolvedRun) -> ModelLayout:
     """Shard the run's model (built on meta) over its ranks as the trainer would."""
@@ -157,7 +167,7 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
             replicated_grad=dims.tp_enabled and module == plan.embedding,
         ))
     linears = tuple(
-        LinearLayout(fqn=fqn, in_features=m.in_features, out_features=m.out_features,
+        LinearLayout(fqn=fqn, unit=plan.fsdp_unit(fqn, tied=tied), in_features=m.in_features, out_features=m.out_features,
                      tp_numel=math.prod(_tp_shape(plan.tp_shard_dim(fqn), tuple(m.weight.shape), dims.tp)),
                      converted=fqn in converted, casts_master_weight=fqn in from_master)
         for fqn, m in linear_modules.items()
