@@ -49,7 +49,12 @@ def resumed_from(runs: dict, source: str, tmp_path, world: int, *layout: str) ->
     """Rank 0's record of a run resumed from a copy of ``source``'s step-1 checkpoint and trained to STEPS."""
     folder = tmp_path / "resumed"
     shutil.copytree(runs[source], folder, ignore=lambda d, names: [n for n in names if n in ("step-2", "step-3")])
-    return run_ranks(train, world, str(folder), STEPS, *layout)[0]
+    ranks = run_ranks(train, world, str(folder), STEPS, *layout)
+    # Every pipeline rank of the one data shard read the same batches (the last stage needs the labels).
+    for other in ranks[1:]:
+        assert other["losses"] == ranks[0]["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(other["labels"], ranks[0]["labels"], strict=True))
+    return ranks[0]
 
 
 def assert_continues(resumed: dict, uninterrupted: dict, tol: float) -> None:
