@@ -6,7 +6,6 @@ digest of every file and folder under the dump folder before and after.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -21,23 +20,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from _tree_digest import tree_digest  # noqa: E402
+
 import train  # noqa: E402
 
 TINY = ["--config", "llama3_debug", "--model.n_layers", "2", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--validation.enable", "false", "--metrics.log_freq", "1",
         "--metrics.cpu_peak_tflops", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "1"]
-
-
-def tree_digest(folder: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file, 'dir' for every folder (hidden ones included)."""
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for name in dirnames:
-            found[os.path.relpath(os.path.join(dirpath, name), folder)] = "dir"
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            found[os.path.relpath(path, folder)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 CONFIG_NAME = "config.json"
@@ -45,6 +47,23 @@ def export_model_state(state: dict[str, Any], out_dir: str, adapter: Any, dtype:
         logger.info("exported Hugging Face model to %s", out_dir)
     if dist.is_initialized():
         dist.barrier()
+
+
+def model_keys(metadata: Metadata) -> list[str]:
+    """The ``model.`` keys of a DCP checkpoint's metadata."""
+    return [k for k in metadata.state_dict_metadata if k.startswith("model.")]
+
+
+def load_dcp_model(path: str, metadata: Metadata) -> dict[str, torch.Tensor]:
+    """The whole model state of DCP checkpoint ``path`` (this project's names, full tensors) read by this process
+    alone, as saved (e.g. by pipeline stages that each wrote their own blocks)."""
+    target: dict[str, Any] = {"model": {}}
+    for key in model_keys(metadata):
+        entry = metadata.state_dict_metadata[key]
+        assert isinstance(entry, TensorStorageMetadata), f"{key} is not a tensor in {path}"
+        target["model"][key.removeprefix("model.")] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    dcp.load(target, checkpoint_id=path, no_dist=True)
+    return target["model"]
 
 
 def save_hf(out_dir: str, state_dict: dict[str, torch.Tensor], adapter: Any, dtype: torch.dtype,

@@ -55,6 +55,7 @@ from torchtitan_lite.components.checkpoint.disk import (
     expected_checkpoint_bytes,
 )
 from torchtitan_lite.components.checkpoint.followups import Followups
+from torchtitan_lite.components.checkpoint.key_accounting import check_loadable
 from torchtitan_lite.components.checkpoint.layout import (
     ABNORMAL,
     MARKER_NAME,
@@ -76,7 +77,6 @@ from torchtitan_lite.components.checkpoint.stateful import decode, encode
 from torchtitan_lite.components.checkpoint.verify import (
     CheckpointError,
     WeightsOnlyLoadPlanner,
-    check_compatible,
     describe_failure,
     newest_verified_step,
     read_metadata,
@@ -341,7 +341,7 @@ class CheckpointManager(Configurable):
                                           f"{sorted(saved_state_names(metadata))})")
                 target[name][key] = torch.empty(shape, dtype=torch.uint8)
             per_rank_keys[name] = keys
-        check_compatible(path, metadata, target, exact_prefixes=("model.",) if "model" in target else ())
+        check_loadable(path, metadata, target, rank=self.rank, world_size=self.world_size)
         try:
             dcp.load(target, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=not dist.is_initialized())
         except CheckpointException as e:
@@ -610,8 +610,18 @@ class CheckpointManager(Configurable):
             if run_config is not None:
                 write_text_atomically(os.path.join(folder, RUN_CONFIG_NAME), run_config)
 
-        hf_io.export_model_state(self.states["model"].state_dict(), hf_export_dir(self.folder, step), self.hf_adapter,
+        state = self.states["model"].state_dict()
+        saved = read_metadata(step_dir(self.folder, step)) if self._wait_for(step) else None
+        if saved is not None and not {f"model.{k}" for k in state} >= set(hf_io.model_keys(saved)):
+            # Pipeline stages: no rank holds the whole model, the checkpoint just written does.
+            state = hf_io.load_dcp_model(step_dir(self.folder, step), saved) if self.rank == 0 else {}
+        hf_io.export_model_state(state, hf_export_dir(self.folder, step), self.hf_adapter,
                                  EXPORT_DTYPES[self.config.export_dtype], write=self.rank == 0, extra=add_config)
+
+    def _wait_for(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` is complete once a background save has finished (collective)."""
+        self.wait()
+        return step in self._agreed_scan()[0]
 
     def close(self) -> None:
         """Wait for a background save; call once at the end of training (also after a seed save)."""

@@ -37,10 +37,16 @@ class ModelWrapper(Stateful):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # With several parts each holds a subset of the keys; a single part must match exactly.
-        options = StateDictOptions(strict=len(self.model_parts) == 1)
-        for part in self.model_parts:
-            set_model_state_dict(part, state_dict, options=options)
+        # Each part (a pipeline stage) gets exactly its own keys and must take all of them: a key absent for
+        # one stage is an error, not a weight left at its initial value. That every key of the checkpoint is
+        # loaded by some stage is checked across the ranks before (key_accounting.py).
+        for index, part in enumerate(self.model_parts):
+            own = get_model_state_dict(part).keys()
+            missing = sorted(own - state_dict.keys())
+            if missing:
+                raise KeyError(f"model part {index} holds {len(missing)} key(s) the loaded state lacks, first "
+                               f"{missing[:5]}")
+            set_model_state_dict(part, {k: state_dict[k] for k in own}, options=StateDictOptions(strict=True))
 
 
 def plain_tensor(key: str, value: Any) -> Any:

@@ -72,6 +72,10 @@ class PipelineRunner:
         args = (inputs,) if self.holds_first else ()
         target = labels if self.holds_last else None
         call(*args, target=target, return_outputs=False)
+        # The schedule's first call (and the first after a switch between step and eval) also runs the loss on
+        # the outputs of its shape inference, before the micro-batches: only the last n_microbatches are real.
+        n = self.layout.n_microbatches
+        self._sums, self._tokens = self._sums[-n:], self._tokens[-n:]
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss_sum, n_tokens = self.loss_fn(output, target)
