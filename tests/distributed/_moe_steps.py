@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _llama_steps import MAX_NORM, Run, _OneRankFsdp, full_grads, global_batches, parallel_config
+from _llama_steps import MAX_NORM, Run, _OneRankFsdp, blockwise_converter, full_grads, global_batches, parallel_config
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,9 +36,9 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from models.common.moe import MoEArgs
 from models.common.yarn import YarnScaling
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
-from models.deepseek_v3.parallelize import parallelize_deepseek_v3
+from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN, parallelize_deepseek_v3
 from models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs
-from models.qwen3_moe.parallelize import parallelize_qwen3_moe
+from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, parallelize_qwen3_moe
 from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
@@ -45,6 +46,7 @@ from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import as_loss_term, local_loss, loss_parallel_context
 from torchtitan_lite.protocols.model import BaseModel
+from torchtitan_lite.protocols.model_spec import ParallelPlan
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 # Vocabulary as _llama_steps' batches; attention Linears multiples of 16 (float8); heads, KV heads and the
@@ -64,12 +66,32 @@ TINY_DEEPSEEK_V3 = DeepSeekV3ModelArgs(
     moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=32, score_func="sigmoid", norm_topk_prob=True, route_scale=2.5,
                 num_groups=4, topk_groups=2, num_shared_experts=1, bias_update_rate=1e-3, aux_loss_coeff=1e-2),
 )
-MOE_MODELS: dict[str, tuple[type[BaseModel], object, Callable]] = {
-    "tiny": (Qwen3MoeModel, TINY_MOE, parallelize_qwen3_moe),
-    "deepseek_v3": (DeepSeekV3Model, TINY_DEEPSEEK_V3, parallelize_deepseek_v3),
+# The blockwise FP8 recipe under TP 2: every converted Linear's TP shard holds whole 128-wide tiles and blocks
+# (2 heads of qk head dim 128 + 128 and v head dim 128: wq_b / wkv_b 256 rows, wo 128 columns per rank; the
+# replicated wq_a 256 -> 128 and wkv_a 256 -> 128 + 128 whole; SwiGLU and shared-expert hidden dims 256 per rank).
+TINY_DEEPSEEK_V3_128 = dataclasses.replace(
+    TINY_DEEPSEEK_V3, dim=256, n_heads=2, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=128,
+    qk_rope_head_dim=128, v_head_dim=128, dense_hidden_dim=512,
+    moe=dataclasses.replace(TINY_DEEPSEEK_V3.moe, hidden_dim=256),
+)
+
+
+@dataclass(frozen=True)
+class MoEModel:
+    model_cls: type[BaseModel]
+    args: Any
+    parallelize: Callable[[BaseModel, ParallelizeContext], BaseModel]
+    plan: ParallelPlan
+
+
+MOE_MODELS: dict[str, MoEModel] = {
+    "tiny": MoEModel(Qwen3MoeModel, TINY_MOE, parallelize_qwen3_moe, QWEN3_MOE_PARALLEL_PLAN),
+    "deepseek_v3": MoEModel(DeepSeekV3Model, TINY_DEEPSEEK_V3, parallelize_deepseek_v3, DEEPSEEK_V3_PARALLEL_PLAN),
     # Full-rank queries (wq column-parallel on the gathered input, as the 16B flavor).
-    "deepseek_v3_full_rank_q": (DeepSeekV3Model, dataclasses.replace(TINY_DEEPSEEK_V3, q_lora_rank=0),
-                                parallelize_deepseek_v3),
+    "deepseek_v3_full_rank_q": MoEModel(DeepSeekV3Model, dataclasses.replace(TINY_DEEPSEEK_V3, q_lora_rank=0),
+                                        parallelize_deepseek_v3, DEEPSEEK_V3_PARALLEL_PLAN),
+    "deepseek_v3_128": MoEModel(DeepSeekV3Model, TINY_DEEPSEEK_V3_128, parallelize_deepseek_v3,
+                                DEEPSEEK_V3_PARALLEL_PLAN),
 }
 LR = 3e-3
 
@@ -85,9 +107,9 @@ class MoERun(Run):
 
 
 def initial_state_dict(name: str = "tiny") -> dict[str, torch.Tensor]:
-    model_cls, args, _ = MOE_MODELS[name]
+    family = MOE_MODELS[name]
     torch.manual_seed(0)
-    model = model_cls(args)
+    model = family.model_cls(family.args)
     model.init_weights()
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -95,7 +117,7 @@ def initial_state_dict(name: str = "tiny") -> dict[str, torch.Tensor]:
 def build(run: Run) -> tuple[BaseModel, ParallelDims, Precision, object]:
     """Meta model -> float8 conversion of the attention -> the family's parallelize -> materialise -> initial
     weights."""
-    model_cls, args, parallelize = MOE_MODELS[run.model]
+    family = MOE_MODELS[run.model]
     one_rank_fsdp = run.world_size == 1 and run.dp_micro_batches > 1
     dims = (_OneRankFsdp if one_rank_fsdp else ParallelDims)(run.dp_replicate, run.dp_shard, run.tp,
                                                               world_size=run.world_size, ep=getattr(run, "ep", 1))
@@ -103,13 +125,15 @@ def build(run: Run) -> tuple[BaseModel, ParallelDims, Precision, object]:
     config = parallel_config(run, dims)
     precision = Precision.Config(param_dtype=run.param_dtype).build(device="cpu", fsdp_enabled=dims.fsdp_enabled)
     with torch.device("meta"):
-        model = model_cls(args)
+        model = family.model_cls(family.args)
     if run.float8:
         fp8_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(run.float8),
                                          emulate=float8_recipe_needs_emulation(run.float8, "cpu") is not None)
         # The attention Linears only: the router and the experts are not Linears the float8 converter owns.
         convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda m, fqn: ".attention." in fqn)
-    parallelize(model, ParallelizeContext(
+    if run.blockwise:
+        blockwise_converter(run, dims, family.plan).convert(model)
+    family.parallelize(model, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=config.sequence_parallel,
         loss_parallel=config.loss_parallel, activation_checkpoint=config.activation_checkpoint,
         compile_model=config.compile_model, compile=config.compile,
