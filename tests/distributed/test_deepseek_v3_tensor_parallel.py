@@ -12,6 +12,8 @@ on every layout. Measured on a 2-core AMD EPYC CPU, AdamW ("losses": max relativ
   run                                  steps  losses / grads
   TP 2, low-rank queries               10     9.1e-8 / 4.0e-7
   TP 2, full-rank queries (wq)         5      8.6e-8 / 4.1e-7
+  TP 2 without SP / loss parallel      3      0 / 3.7e-7
+  TP 2, full / selective op AC         3      8.1e-8 / 4.0e-7
   TP 2, float8 tensorwise attention   3      8.1e-8 / 4.8e-7   (float8's effect: 1.8e-5 / 0.13)
   FSDP 2 x TP 2 (4 ranks)              5      2.5e-7 / 3.7e-7
   EP 2 x TP 2 (4 ranks)                5      2.5e-7 / 3.7e-7   (reference: FSDP 2 x TP 2's)
@@ -53,6 +55,9 @@ FP32 = Tolerance(losses=1e-5, grads=1e-5)
 TP2 = {
     "low_rank_q": Run(tp=2, steps=10, model="deepseek_v3"),
     "full_rank_q": Run(tp=2, steps=5, model="deepseek_v3_full_rank_q"),
+    "no_sp_no_loss_parallel": Run(tp=2, steps=3, model="deepseek_v3", sequence_parallel=False, loss_parallel=False),
+    "full_ac": Run(tp=2, steps=3, model="deepseek_v3", ac_mode="full"),
+    "selective_op_ac": Run(tp=2, steps=3, model="deepseek_v3", ac_mode="selective", ac_option="op"),
     # torchao float8 on every attention Linear, the replicated down-projections included.
     "fp8_tensorwise": Run(tp=2, steps=3, model="deepseek_v3", float8="tensorwise"),
 }
@@ -90,7 +95,7 @@ def reference(run: Run) -> dict:
     return run_single(run)
 
 
-@pytest.mark.parametrize("name", ["low_rank_q", "full_rank_q"])
+@pytest.mark.parametrize("name", ["low_rank_q", "full_rank_q", "no_sp_no_loss_parallel", "full_ac", "selective_op_ac"])
 def test_tp2_float32_matches_single_process(tp2, name):
     ranks = tp2["trained"][name]
     ref = reference(TP2[name])
