@@ -62,6 +62,44 @@ def apply_moe_parallelisms(model: BaseModel, context: ParallelizeContext, plan: 
     return model
 
 
+def apply_moe_tp(model: BaseModel, context: ParallelizeContext, plan: ParallelPlan) -> list[str]:
+    """The family's TP plan applied to ``model`` when the run has TP (the experts' hidden dim split, checked
+    first); returns the layout words of the log line."""
+    from torchtitan_lite.distributed.tensor_parallel import apply_tp
+
+    dims = context.parallel_dims
+    layouts = [dims.describe()]
+    if dims.tp_mesh is None:
+        return layouts
+    experts = grouped_experts(model)
+    if experts:
+        check_expert_tp(experts[0].w1.shape[1], dims.tp, any(m.use_grouped_mm for m in experts))
+    regions = apply_tp(model, dims.tp_mesh, plan, sequence_parallel=context.sequence_parallel,
+                       loss_parallel=context.loss_parallel)
+    layouts.append("SP" if context.sequence_parallel else "no SP")
+    layouts.append("loss parallel" if context.loss_parallel else "replicated logits")
+    layouts.append(f"expert TP {dims.tp}")
+    float8 = sum(r.float8 for block in regions for r in block)
+    if float8:
+        layouts.append(f"float8 TP comms in {float8} of {sum(len(b) for b in regions)} regions")
+    return layouts
+
+
+def check_expert_tp(hidden_dim: int, tp: int, grouped_mm: bool) -> None:
+    """Expert tensor parallelism splits every expert's (and each shared expert's) hidden dim over the tp ranks:
+    it must divide, and under torch._grouped_mm each slice must keep its 16-byte aligned strides."""
+    if hidden_dim % tp:
+        raise ValueError(
+            f"parallelism.tp={tp} must divide the MoE experts' hidden_dim={hidden_dim} (expert tensor parallelism "
+            f"gives each rank hidden_dim / tp channels of every expert); use a tp among the divisors of "
+            f"{hidden_dim}, or data parallelism (parallelism.dp_shard) instead")
+    if grouped_mm and (hidden_dim // tp) % 8:
+        raise ValueError(
+            f"parallelism.tp={tp} leaves each rank {hidden_dim // tp} of the experts' hidden_dim={hidden_dim} "
+            "channels, not a multiple of 8: torch._grouped_mm needs 16-byte aligned strides in bfloat16; use a "
+            "smaller tp, or set the flavor's moe.use_grouped_mm=False to run the per-expert loop")
+
+
 def check_grouped_mm_compile_dtype(grouped_mm: bool, compile_model: bool, compute_dtype: torch.dtype | None) -> None:
     """torch._grouped_mm runs in any float dtype eagerly, but its traced (meta) form in torch 2.13 accepts only
     bfloat16 operands: a compiled float32 / float16 model would fail inside the compiler."""

@@ -1,16 +1,21 @@
 """DeepSeek-V3's parallel plan, as data, and the order in which the parallelisms are applied.
 
-The family runs data-parallel (FSDP2 / HSDP over every parameter, the 3-D expert weights sharded on their
-expert dim) and expert-parallel (parallelism.ep: the routed experts of every MoE block split over the EP
-ranks with all-to-all token dispatch, models/common/expert_parallel.py, and FSDP-sharded over the ranks left,
-expert_fsdp_mesh; the dense first blocks, the shared experts, the routers and their expert biases are
-data-parallel as without EP), with activation checkpointing and compile. Order: EP -> activation
-checkpointing -> compile -> FSDP. Tensor parallelism of latent attention is not wired yet: a TP degree
-above 1 is refused (by --check-config and at build), so the plan holds no TP split.
+Tensor parallelism of multi-head latent attention: the attention input is gathered over the sequence and
+read by the low-rank down-projections (wq_a, wkv_a) and their norms (q_norm, kv_norm), which every TP rank
+runs whole with replicated weights (their gradients are summed over the ranks, each rank's being the share
+of its own heads); the up-projections (wq_b, or wq in a flavor with full-rank queries, and wkv_b) are
+column-parallel by heads, so each rank holds n_heads / tp query, key and value heads and the shared rotary
+key part; the attention core runs on the local heads and wo is row-parallel. The first dense blocks' SwiGLU
+is split as Llama 3's; the MoE blocks run expert tensor parallel as Qwen3-MoE's (the input gathered, the
+router replicated, every routed and shared expert's hidden dim split, the partial output reduce-scattered).
+Sequence-parallel norms, vocabulary-parallel embedding, output and loss as Llama 3.
 
-Latent attention does not fit the Megatron split of one shared input feeding column-parallel Linears: its
-input feeds the low-rank down-projections (wq_a, wkv_a), which TP would replicate, and the column-parallel
-up-projections (wq_b, wkv_b) read their normalised outputs.
+Data parallelism: FSDP2 / HSDP over every parameter, the 3-D expert weights sharded on their expert dim.
+Expert parallelism (parallelism.ep) splits the routed experts of every MoE block over the EP ranks with
+all-to-all token dispatch (models/common/expert_parallel.py) and FSDP shards them over the ranks left
+(expert_fsdp_mesh); the dense first blocks, the shared experts, the routers and their expert biases are
+data-parallel as without EP. EP composes with TP as in Qwen3-MoE (the expert weights on the (ep, tp) mesh).
+Order: TP -> EP -> activation checkpointing -> compile -> FSDP.
 """
 from __future__ import annotations
 
@@ -18,13 +23,41 @@ import torch
 
 from models.common.expert_parallel import check_expert_parallel
 from models.common.experts import GroupedExperts
-from models.common.moe_parallelize import apply_moe_parallelisms, check_grouped_mm_compile_dtype
+from models.common.moe_parallelize import (
+    apply_moe_parallelisms,
+    apply_moe_tp,
+    check_expert_tp,
+    check_grouped_mm_compile_dtype,
+)
 from torchtitan_lite.protocols.model import BaseModel
-from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, RunFacts, build_tp_plan
+from torchtitan_lite.protocols.model_spec import (
+    BlockTPPlan,
+    MoETPPlan,
+    ParallelPlan,
+    RunFacts,
+    TPInput,
+    build_tp_plan,
+)
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 DEEPSEEK_V3_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
-    BlockTPPlan(inputs=(), rowwise=(), norms=("attention_norm", "ffn_norm")),
+    BlockTPPlan(
+        inputs=(
+            # wq exists only with full-rank queries (q_lora_rank=0), wq_a / q_norm / wq_b only with low-rank ones.
+            TPInput("attention", ("attention.wq", "attention.wq_a", "attention.wkv_a"), "attention input", n_inputs=2),
+            # The first n_dense_layers blocks.
+            TPInput("feed_forward", ("feed_forward.w1", "feed_forward.w3"), "feed_forward input"),
+        ),
+        rowwise=("attention.wo", "feed_forward.w2"),
+        norms=("attention_norm", "ffn_norm"),
+        replicated=("attention.wq_a", "attention.q_norm", "attention.wkv_a", "attention.kv_norm"),
+        colwise_from_replicated=("attention.wq_b", "attention.wkv_b"),
+        moe=MoETPPlan(
+            module="moe", router="moe.router", experts="moe.experts",
+            shared_colwise=("moe.shared_experts.w1", "moe.shared_experts.w3"),
+            shared_rowwise=("moe.shared_experts.w2",),
+        ),
+    ),
     blocks="layers",
     embedding="tok_embeddings",
     output="output",
@@ -44,24 +77,23 @@ def ep_compile_regions(block: torch.nn.Module) -> tuple[str, ...]:
 
 
 def parallelize_deepseek_v3(model: BaseModel, context: ParallelizeContext) -> BaseModel:
-    """EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
-    dims = context.parallel_dims
-    check_degrees(dims.tp)  # also checked by resolve_run (check_deepseek_v3_run)
-    return apply_moe_parallelisms(model, context, DEEPSEEK_V3_PARALLEL_PLAN, family="deepseek_v3",
-                                  layouts=[dims.describe()], ep_compile_regions=ep_compile_regions)
+    """TP -> EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
+    plan = DEEPSEEK_V3_PARALLEL_PLAN
+    layouts = apply_moe_tp(model, context, plan)
+    return apply_moe_parallelisms(model, context, plan, family="deepseek_v3", layouts=layouts,
+                                  ep_compile_regions=ep_compile_regions)
 
 
 def check_deepseek_v3_run(facts: RunFacts) -> None:
-    """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config."""
-    moe = facts.model_args.moe
-    check_degrees(facts.tp)
+    """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config.
+    (The attention heads' split over tp is ParallelDims.validate_for_model's.)"""
+    args = facts.model_args
+    moe = args.moe
     check_grouped_mm_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
     check_expert_parallel(moe.num_experts, facts.ep, facts.ac_mode, facts.ac_selective_option)
-
-
-def check_degrees(tp: int) -> None:
-    """ValueError for the parallelism the family has no plan for yet."""
-    if tp > 1:
-        raise ValueError(f"deepseek_v3 does not support tensor parallelism yet (parallelism.tp={tp}): latent "
-                         "attention and the MoE have no TP plan; set --parallelism.tp 1 and shard with FSDP "
-                         "(parallelism.dp_shard), and split the experts with expert parallelism (parallelism.ep)")
+    if facts.tp > 1:
+        check_expert_tp(moe.hidden_dim, facts.tp, moe.use_grouped_mm)
+        if args.n_dense_layers and args.dense_hidden_dim % facts.tp:
+            raise ValueError(
+                f"parallelism.tp={facts.tp} must divide the dense blocks' dense_hidden_dim={args.dense_hidden_dim} "
+                f"(their SwiGLU is split by hidden channels); use a tp among the divisors of {args.dense_hidden_dim}")

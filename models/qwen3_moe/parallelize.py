@@ -21,7 +21,12 @@ dim over tp). Order: TP -> EP -> activation checkpointing -> compile -> FSDP.
 from __future__ import annotations
 
 from models.common.expert_parallel import check_expert_parallel
-from models.common.moe_parallelize import apply_moe_parallelisms, check_grouped_mm_compile_dtype, grouped_experts
+from models.common.moe_parallelize import (
+    apply_moe_parallelisms,
+    apply_moe_tp,
+    check_expert_tp,
+    check_grouped_mm_compile_dtype,
+)
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import (
     BlockTPPlan,
@@ -60,23 +65,8 @@ combine, whose all-to-all split sizes are host integers (a whole-block graph wou
 
 def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> BaseModel:
     """TP -> EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
-    from torchtitan_lite.distributed.tensor_parallel import apply_tp
-
-    plan, dims = QWEN3_MOE_PARALLEL_PLAN, context.parallel_dims
-    experts = grouped_experts(model)
-    grouped_mm = any(m.use_grouped_mm for m in experts)
-    layouts = [dims.describe()]
-    if dims.tp_mesh is not None:
-        hidden_dim = experts[0].w1.shape[1] if experts else 0
-        _check_expert_tp(hidden_dim, dims.tp, grouped_mm)
-        regions = apply_tp(model, dims.tp_mesh, plan, sequence_parallel=context.sequence_parallel,
-                           loss_parallel=context.loss_parallel)
-        layouts.append("SP" if context.sequence_parallel else "no SP")
-        layouts.append("loss parallel" if context.loss_parallel else "replicated logits")
-        layouts.append(f"expert TP {dims.tp}")
-        float8 = sum(r.float8 for block in regions for r in block)
-        if float8:
-            layouts.append(f"float8 TP comms in {float8} of {sum(len(b) for b in regions)} regions")
+    plan = QWEN3_MOE_PARALLEL_PLAN
+    layouts = apply_moe_tp(model, context, plan)
     return apply_moe_parallelisms(model, context, plan, family="qwen3_moe", layouts=layouts,
                                   ep_compile_regions=EP_COMPILE_REGIONS)
 
@@ -88,19 +78,4 @@ def check_qwen3_moe_run(facts: RunFacts) -> None:
     check_grouped_mm_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
     check_expert_parallel(moe.num_experts, facts.ep, facts.ac_mode, facts.ac_selective_option)
     if facts.tp > 1:
-        _check_expert_tp(moe.hidden_dim, facts.tp, moe.use_grouped_mm)
-
-
-def _check_expert_tp(hidden_dim: int, tp: int, grouped_mm: bool) -> None:
-    """Expert tensor parallelism splits every expert's (and each shared expert's) hidden dim over the tp ranks:
-    it must divide, and under torch._grouped_mm each slice must keep its 16-byte aligned strides."""
-    if hidden_dim % tp:
-        raise ValueError(
-            f"parallelism.tp={tp} must divide the MoE experts' hidden_dim={hidden_dim} (expert tensor parallelism "
-            f"gives each rank hidden_dim / tp channels of every expert); use a tp among the divisors of "
-            f"{hidden_dim}, or data parallelism (parallelism.dp_shard) instead")
-    if grouped_mm and (hidden_dim // tp) % 8:
-        raise ValueError(
-            f"parallelism.tp={tp} leaves each rank {hidden_dim // tp} of the experts' hidden_dim={hidden_dim} "
-            "channels, not a multiple of 8: torch._grouped_mm needs 16-byte aligned strides in bfloat16; use a "
-            "smaller tp, or set the flavor's moe.use_grouped_mm=False to run the per-expert loop")
+        check_expert_tp(moe.hidden_dim, facts.tp, moe.use_grouped_mm)

@@ -256,8 +256,9 @@ def mx_converter(run: Run, dims: ParallelDims):
     return MXLinearConverter.Config(recipe_name=run.mx).build(context=context)
 
 
-def blockwise_converter(run: Run, dims: ParallelDims):
-    """The project's float8_blockwise converter for ``run``, planned for its FSDP and TP degrees."""
+def blockwise_converter(run: Run, dims: ParallelDims, plan=None):
+    """The project's float8_blockwise converter for ``run``, planned for its FSDP and TP degrees and the family's
+    TP ``plan`` (Llama 3's by default)."""
     from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN
     from torchtitan_lite.components.precision import resolve_precision
     from torchtitan_lite.components.quantization import Float8BlockwiseConverter
@@ -268,7 +269,7 @@ def blockwise_converter(run: Run, dims: ParallelDims):
     context = ConversionContext(device_type="cpu", param_dtype=resolved.param_dtype, autocast=resolved.autocast,
                                 fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=run.compile,
                                 seq_len=SEQ, output_module="output", dp_shard=dims.dp_shard if dims.fsdp_enabled else 1,
-                                tp=dims.tp, tp_shard_dim=LLAMA3_PARALLEL_PLAN.tp_shard_dim)
+                                tp=dims.tp, tp_shard_dim=(plan or LLAMA3_PARALLEL_PLAN).tp_shard_dim)
     return Float8BlockwiseConverter.Config(power_of_2_scales=True,
                                            enable_fsdp_float8_all_gather=run.blockwise_fp8_all_gather).build(context=context)
 

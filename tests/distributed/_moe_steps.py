@@ -9,29 +9,44 @@ the tensor-parallel ranks route the same gathered tokens, so a correct layout le
 single process's.
 
 The tiny model has one shared expert, which no published Qwen3-MoE flavor has, so that the shared experts'
-split is trained too. ``MoERun.ep`` adds expert parallelism to a layout (EP x TP).
+split is trained too. ``MoERun.ep`` adds expert parallelism to a layout (EP x TP). ``Run.model`` picks the
+family (MOE_MODELS): the tiny Qwen3-MoE, or a tiny DeepSeek-V3 (latent attention with low-rank or full-rank
+queries, one dense block then MoE blocks).
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
-from _llama_steps import MAX_NORM, Run, _OneRankFsdp, full_grads, global_batches, parallel_config
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from _llama_steps import MAX_NORM, Run, _OneRankFsdp, blockwise_converter, full_grads, global_batches, parallel_config
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from models.common.moe import MoEArgs
+from models.common.yarn import YarnScaling
+from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
+from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN, parallelize_deepseek_v3
 from models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs
-from models.qwen3_moe.parallelize import parallelize_qwen3_moe
+from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, parallelize_qwen3_moe
 from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import as_loss_term, local_loss, loss_parallel_context
+from torchtitan_lite.protocols.model import BaseModel
+from torchtitan_lite.protocols.model_spec import ParallelPlan
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 # Vocabulary as _llama_steps' batches; attention Linears multiples of 16 (float8); heads, KV heads and the
@@ -41,6 +56,43 @@ TINY_MOE = Qwen3MoeModelArgs(
     moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=32, num_shared_experts=1, aux_loss_coeff=1e-2,
                 bias_update_rate=1e-3),
 )
+# Latent attention split over tp=2 (4 heads), with YaRN, group-limited sigmoid routing (top-2 of 8 experts in the 2
+# best of 4 groups: with 4 experts in 2 groups every token took both experts of a group and the bias update
+# stepped back to zero) and a shared expert; block 0 dense (its SwiGLU split as Llama 3's), block 1 MoE.
+TINY_DEEPSEEK_V3 = DeepSeekV3ModelArgs(
+    dim=64, n_layers=2, n_heads=4, vocab_size=256, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, n_dense_layers=1, dense_hidden_dim=128, norm_eps=1e-6, rope_theta=10000.0,
+    rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16), max_seq_len=64,
+    moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=32, score_func="sigmoid", norm_topk_prob=True, route_scale=2.5,
+                num_groups=4, topk_groups=2, num_shared_experts=1, bias_update_rate=1e-3, aux_loss_coeff=1e-2),
+)
+# The blockwise FP8 recipe under TP 2: every converted Linear's TP shard holds whole 128-wide tiles and blocks
+# (2 heads of qk head dim 128 + 128 and v head dim 128: wq_b / wkv_b 256 rows, wo 128 columns per rank; the
+# replicated wq_a 256 -> 128 and wkv_a 256 -> 128 + 128 whole; SwiGLU and shared-expert hidden dims 256 per rank).
+TINY_DEEPSEEK_V3_128 = dataclasses.replace(
+    TINY_DEEPSEEK_V3, dim=256, n_heads=2, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=128,
+    qk_rope_head_dim=128, v_head_dim=128, dense_hidden_dim=512,
+    moe=dataclasses.replace(TINY_DEEPSEEK_V3.moe, hidden_dim=256),
+)
+
+
+@dataclass(frozen=True)
+class MoEModel:
+    model_cls: type[BaseModel]
+    args: Any
+    parallelize: Callable[[BaseModel, ParallelizeContext], BaseModel]
+    plan: ParallelPlan
+
+
+MOE_MODELS: dict[str, MoEModel] = {
+    "tiny": MoEModel(Qwen3MoeModel, TINY_MOE, parallelize_qwen3_moe, QWEN3_MOE_PARALLEL_PLAN),
+    "deepseek_v3": MoEModel(DeepSeekV3Model, TINY_DEEPSEEK_V3, parallelize_deepseek_v3, DEEPSEEK_V3_PARALLEL_PLAN),
+    # Full-rank queries (wq column-parallel on the gathered input, as the 16B flavor).
+    "deepseek_v3_full_rank_q": MoEModel(DeepSeekV3Model, dataclasses.replace(TINY_DEEPSEEK_V3, q_lora_rank=0),
+                                        parallelize_deepseek_v3, DEEPSEEK_V3_PARALLEL_PLAN),
+    "deepseek_v3_128": MoEModel(DeepSeekV3Model, TINY_DEEPSEEK_V3_128, parallelize_deepseek_v3,
+                                DEEPSEEK_V3_PARALLEL_PLAN),
+}
 LR = 3e-3
 
 
@@ -54,15 +106,18 @@ class MoERun(Run):
         return dataclasses.replace(super().single_process(), ep=1)
 
 
-def initial_state_dict() -> dict[str, torch.Tensor]:
+def initial_state_dict(name: str = "tiny") -> dict[str, torch.Tensor]:
+    family = MOE_MODELS[name]
     torch.manual_seed(0)
-    model = Qwen3MoeModel(TINY_MOE)
+    model = family.model_cls(family.args)
     model.init_weights()
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def build(run: Run) -> tuple[Qwen3MoeModel, ParallelDims, Precision, object]:
-    """Meta model -> float8 conversion of the attention -> parallelize_qwen3_moe -> materialise -> initial weights."""
+def build(run: Run) -> tuple[BaseModel, ParallelDims, Precision, object]:
+    """Meta model -> float8 conversion of the attention -> the family's parallelize -> materialise -> initial
+    weights."""
+    family = MOE_MODELS[run.model]
     one_rank_fsdp = run.world_size == 1 and run.dp_micro_batches > 1
     dims = (_OneRankFsdp if one_rank_fsdp else ParallelDims)(run.dp_replicate, run.dp_shard, run.tp,
                                                               world_size=run.world_size, ep=getattr(run, "ep", 1))
@@ -70,13 +125,15 @@ def build(run: Run) -> tuple[Qwen3MoeModel, ParallelDims, Precision, object]:
     config = parallel_config(run, dims)
     precision = Precision.Config(param_dtype=run.param_dtype).build(device="cpu", fsdp_enabled=dims.fsdp_enabled)
     with torch.device("meta"):
-        model = Qwen3MoeModel(TINY_MOE)
+        model = family.model_cls(family.args)
     if run.float8:
         fp8_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(run.float8),
                                          emulate=float8_recipe_needs_emulation(run.float8, "cpu") is not None)
         # The attention Linears only: the router and the experts are not Linears the float8 converter owns.
         convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda m, fqn: ".attention." in fqn)
-    parallelize_qwen3_moe(model, ParallelizeContext(
+    if run.blockwise:
+        blockwise_converter(run, dims, family.plan).convert(model)
+    family.parallelize(model, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=config.sequence_parallel,
         loss_parallel=config.loss_parallel, activation_checkpoint=config.activation_checkpoint,
         compile_model=config.compile_model, compile=config.compile,
@@ -84,17 +141,17 @@ def build(run: Run) -> tuple[Qwen3MoeModel, ParallelDims, Precision, object]:
     model.to_empty(device="cpu")
     model.init_weights()
     if dims.fsdp_enabled or dims.tp_enabled:
-        set_model_state_dict(model, initial_state_dict(), options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(model, initial_state_dict(run.model), options=StateDictOptions(full_state_dict=True))
     else:
-        model.load_state_dict(initial_state_dict())
+        model.load_state_dict(initial_state_dict(run.model))
     return model, dims, precision, config
 
 
-def optimizer_for(model: Qwen3MoeModel) -> torch.optim.Optimizer:
+def optimizer_for(model: BaseModel) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
-def train(run: Run, model: Qwen3MoeModel, dims: ParallelDims, precision: Precision, config) -> dict:
+def train(run: Run, model: BaseModel, dims: ParallelDims, precision: Precision, config) -> dict:
     """Train ``run.steps`` steps; per-step global losses and grad norms, the first gradients, every layer's
     final expert bias and the router statistics of the whole run."""
     optimizer = optimizer_for(model)
@@ -109,7 +166,7 @@ def train(run: Run, model: Qwen3MoeModel, dims: ParallelDims, precision: Precisi
     return out
 
 
-def train_step(run: Run, model: Qwen3MoeModel, optimizer: torch.optim.Optimizer, dims: ParallelDims,
+def train_step(run: Run, model: BaseModel, optimizer: torch.optim.Optimizer, dims: ParallelDims,
                precision: Precision, config, batch: tuple[torch.Tensor, torch.Tensor],
                on_grads: Callable[[], object] = lambda: None) -> tuple[float, float]:
     """One step on the global ``batch`` (this rank's shares of it): (global loss, gradient norm)."""
@@ -141,8 +198,8 @@ def train_step(run: Run, model: Qwen3MoeModel, optimizer: torch.optim.Optimizer,
     return float(value), grad_norm
 
 
-def expert_biases(model: Qwen3MoeModel) -> dict[str, torch.Tensor]:
-    return {name: layer.moe.expert_bias.clone() for name, layer in model.layers.items()}
+def expert_biases(model: BaseModel) -> dict[str, torch.Tensor]:
+    return {name: layer.moe.expert_bias.clone() for name, layer in model.layers.items() if hasattr(layer, "moe")}
 
 
 def _dp_group(dims: ParallelDims) -> dist.ProcessGroup | None:
@@ -167,3 +224,69 @@ def run_single(run: Run) -> dict:
 
         return run_ranks(run_layout, 1, run)[0]
     return train(run, *build(run))
+
+
+def assert_same_routing(ranks: list[dict], ref: dict) -> None:
+    """Every rank routed as the single process did: the same expert biases (updated from token counts summed
+    over the data ranks only) and the same loads per expert."""
+    for got in ranks:
+        assert set(got["bias"]) == set(ref["bias"])
+        for layer, bias in ref["bias"].items():
+            assert torch.equal(got["bias"][layer], bias), (layer, got["bias"][layer], bias)
+        stats, ref_stats = got["router_stats"], ref["router_stats"]
+        assert set(stats) == set(ref_stats)
+        for tag in ref_stats:
+            if tag == "moe/aux_loss":
+                assert stats[tag] == pytest.approx(ref_stats[tag], rel=1e-5)
+            else:  # count-based: exact
+                assert stats[tag] == ref_stats[tag], tag
+    assert any(float(b.abs().max()) > 0 for b in ref["bias"].values())  # the bias did move
+
+
+# --- checkpoints: saved under a layout, loaded elsewhere ----------------------------------------------
+
+SAVED_STEPS = 2
+
+
+class _OptimizerState:
+    """The optimizer's state in DCP form (sharded like the parameters it belongs to)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+def states(model, optimizer) -> dict:
+    from torchtitan_lite.components.checkpoint import ModelWrapper
+
+    return {"model": ModelWrapper(model), "optimizer": _OptimizerState(model, optimizer)}
+
+
+def checkpointer(dump: str, states: dict):
+    from torchtitan_lite.components.checkpoint import CheckpointManager
+
+    return CheckpointManager.Config(enable=True, interval=SAVED_STEPS).build(dump_folder=dump, states=states)
+
+
+def train_save_continue(rank: int, world_size: int, dump: str, run: Run) -> tuple[list[float], dict, dict]:
+    """Train SAVED_STEPS steps of ``run``, save, train two more: (the two losses after the save, saved biases,
+    the saved model state unsharded)."""
+    model, dims, precision, config = build(run)
+    optimizer = optimizer_for(model)
+    ckpt = checkpointer(dump, states(model, optimizer))
+    batches = global_batches(SAVED_STEPS + 2)
+    for step in range(SAVED_STEPS):
+        train_step(run, model, optimizer, dims, precision, config, batches[step])
+    ckpt.save(SAVED_STEPS)
+    ckpt.close()
+    saved_bias = expert_biases(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+    saved_state = {k: v.clone() for k, v in full.items()}  # plain buffers come back as themselves: copy now
+    after = [train_step(run, model, optimizer, dims, precision, config, batches[step])[0]
+             for step in range(SAVED_STEPS, SAVED_STEPS + 2)]
+    return after, saved_bias, saved_state

@@ -37,12 +37,18 @@ import pytest
 import torch
 from _harness import run_ranks
 from _llama_steps import Run, Tolerance, check_two_sided, differences, global_batches
-from _moe_steps import MoERun, build, expert_biases, optimizer_for, run_single, train_runs, train_step
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
+from _moe_steps import (
+    SAVED_STEPS,
+    MoERun,
+    assert_same_routing,
+    build,
+    checkpointer,
+    optimizer_for,
+    run_single,
+    states,
+    train_runs,
+    train_save_continue,
+    train_step,
 )
 
 # float32: a layout only changes the order of float32 sums (TP partial products, the reduce-scatter of the
@@ -81,23 +87,6 @@ def _prefix(result: dict, steps: int) -> dict:
     return dict(result, losses=result["losses"][:steps])
 
 
-def _assert_same_routing(ranks: list[dict], ref: dict) -> None:
-    """Every rank routed as the single process did: the same expert biases (updated from token counts summed
-    over the data ranks only) and the same loads per expert."""
-    for got in ranks:
-        assert set(got["bias"]) == set(ref["bias"])
-        for layer, bias in ref["bias"].items():
-            assert torch.equal(got["bias"][layer], bias), (layer, got["bias"][layer], bias)
-        stats, ref_stats = got["router_stats"], ref["router_stats"]
-        assert set(stats) == set(ref_stats)
-        for tag in ref_stats:
-            if tag == "moe/aux_loss":
-                assert stats[tag] == pytest.approx(ref_stats[tag], rel=1e-5)
-            else:  # count-based: exact
-                assert stats[tag] == ref_stats[tag], tag
-    assert any(float(b.abs().max()) > 0 for b in ref["bias"].values())  # the bias did move
-
-
 @pytest.mark.parametrize("name", ["fp32", "no_sp_no_loss_parallel", "full_ac", "selective_op_ac"])
 def test_tp2_float32_matches_single_process(name):
     ranks = tp2_results()[name]
@@ -105,7 +94,7 @@ def test_tp2_float32_matches_single_process(name):
     for got in ranks:
         diff = differences(got, ref)
         assert diff["losses"] < FP32.losses and diff["grads"] < FP32.grads, diff
-    _assert_same_routing(ranks, ref)
+    assert_same_routing(ranks, ref)
 
 
 def test_fsdp2_x_tp2_on_4_ranks_matches_single_process():
@@ -116,7 +105,7 @@ def test_fsdp2_x_tp2_on_4_ranks_matches_single_process():
     diff = differences(results[0], ref)
     assert diff["losses"] < FP32.losses and diff["grads"] < FP32.grads, diff
     assert len({tuple(r["losses"]) for r in results}) == 1  # every rank reports the same global losses
-    _assert_same_routing(results, ref)
+    assert_same_routing(results, ref)
 
 
 @pytest.mark.parametrize(("name", "tol"), [("fp8_tensorwise", FP8_TENSORWISE), ("fp8_rowwise", FP8_ROWWISE)])
@@ -128,57 +117,10 @@ def test_tp2_float8_attention_matches_single_process_and_float32_does_not(name, 
 
 # --- checkpoint: saved at TP 2, loaded on one process --------------------------------------------------
 
-SAVED_STEPS = 2
-
-
-class _OptimizerState:
-    """The optimizer's state in DCP form (sharded like the parameters it belongs to)."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
-
-
-def _states(model, optimizer) -> dict:
-    from torchtitan_lite.components.checkpoint import ModelWrapper
-
-    return {"model": ModelWrapper(model), "optimizer": _OptimizerState(model, optimizer)}
-
-
-def _checkpointer(dump: str, states: dict):
-    from torchtitan_lite.components.checkpoint import CheckpointManager
-
-    return CheckpointManager.Config(enable=True, interval=SAVED_STEPS).build(dump_folder=dump, states=states)
-
-
 def tp2_train_save_continue(rank: int, world_size: int, dump: str) -> tuple[list[float], dict]:
     """Train SAVED_STEPS steps at TP 2, save, train two more: (the two losses after the save, saved biases)."""
     after, saved_bias, _ = train_save_continue(rank, world_size, dump, Run(tp=2))
     return after, saved_bias
-
-
-def train_save_continue(rank: int, world_size: int, dump: str, run: Run) -> tuple[list[float], dict, dict]:
-    """Train SAVED_STEPS steps of ``run``, save, train two more: (the two losses after the save, saved biases,
-    the saved model state unsharded)."""
-    model, dims, precision, config = build(run)
-    optimizer = optimizer_for(model)
-    ckpt = _checkpointer(dump, _states(model, optimizer))
-    batches = global_batches(SAVED_STEPS + 2)
-    for step in range(SAVED_STEPS):
-        train_step(run, model, optimizer, dims, precision, config, batches[step])
-    ckpt.save(SAVED_STEPS)
-    ckpt.close()
-    saved_bias = expert_biases(model)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
-    saved_state = {k: v.clone() for k, v in full.items()}  # plain buffers come back as themselves: copy now
-    after = [train_step(run, model, optimizer, dims, precision, config, batches[step])[0]
-             for step in range(SAVED_STEPS, SAVED_STEPS + 2)]
-    return after, saved_bias, saved_state
 
 
 def test_tp2_checkpoint_loads_on_one_process_and_training_continues(tmp_path):
@@ -189,7 +131,7 @@ def test_tp2_checkpoint_loads_on_one_process_and_training_continues(tmp_path):
     run = Run()
     model, dims, precision, config = build(run)  # the initial weights, overwritten by the load
     optimizer = optimizer_for(model)
-    ckpt = _checkpointer(dump, _states(model, optimizer))
+    ckpt = checkpointer(dump, states(model, optimizer))
     assert ckpt.load() == SAVED_STEPS
     ckpt.close()
     for layer, bias in saved_bias.items():  # the expert biases survive (a persistent buffer, replicated over TP)
@@ -224,13 +166,13 @@ def test_ep2_x_tp2_on_4_ranks_matches_single_process_and_its_checkpoint_loads_on
         diff = differences(got, ref)
         assert diff["losses"] < FP32.losses and diff["grads"] < FP32.grads, diff
     assert len({tuple(r["losses"]) for r in results}) == 1  # every rank reports the same global losses
-    _assert_same_routing(results, ref)
+    assert_same_routing(results, ref)
 
     # The checkpoint holds the global tensors (experts split 2 x 2 on the (ep, tp) mesh, sharded by FSDP):
     # one process loads every weight bit for bit, the biases, and continues as the 4 ranks did.
     model, dims, precision, config = build(Run())
     optimizer = optimizer_for(model)
-    ckpt = _checkpointer(str(tmp_path), _states(model, optimizer))
+    ckpt = checkpointer(str(tmp_path), states(model, optimizer))
     assert ckpt.load() == SAVED_STEPS
     ckpt.close()
     saved_state = ranks[0]["saved_state"]

@@ -34,6 +34,8 @@ LONG_RUNNING = {
         "trains (tests/unit/test_deepseek_v3_training.py trains the family through the trainer)",
     "python scripts/convert_to_hf.py --checkpoint outputs/checkpoint/step-200 --output deepseek_v3_debug_hf":
         "needs the trained run (tests/unit/test_deepseek_v3_export_run.py runs it on a small checkpoint)",
+    "NPROC=2 ./run_train.sh --config deepseek_v3_debug --parallelism.tp 2 --training.steps 5":
+        "trains on 2 processes (tests/distributed/test_deepseek_v3_tensor_parallel.py compares TP 2 with one process)",
     "NPROC=2 ./run_train.sh --config qwen3_moe_debug --parallelism.tp 2 --training.steps 5":
         "trains on 2 processes (tests/integration/test_train_distributed.py runs it against one process)",
     "./run_train.sh --config qwen3_moe_debug_bf16 --training.steps 20":

@@ -1,7 +1,9 @@
 """The DeepSeek-V3 configs: registered, complete, buildable on meta; the FP8 recipe's plan keeps what DeepSeek-V3
-keeps in high precision and says why; tensor parallelism, which the family has no plan for, and expert-parallel
-layouts it cannot run are refused before launch."""
+keeps in high precision and says why; its tensor-parallel plan splits latent attention by heads and keeps the
+down-projections whole; layouts it cannot run are refused before launch."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -9,8 +11,11 @@ import torch
 import config_registry
 from config_registry import DEFAULT_REGISTRY
 from models import build_model_args, get_model_spec
+from models.deepseek_v3.parallelize import check_deepseek_v3_run
 from torchtitan_lite.components.quantization.float8_blockwise import Float8BlockwiseConverter
 from torchtitan_lite.config import config_to_toml, parse_cli
+from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
+from torchtitan_lite.protocols.model_spec import RunFacts
 from torchtitan_lite.resolved_run import resolve_run
 
 NAMES = ["deepseek_v3_debug", "deepseek_v3_debug_bf16", "deepseek_v3_debug_fp8_blockwise", "deepseek_v3_16b",
@@ -65,19 +70,72 @@ def test_671b_fp8_plan_converts_every_block_linear_but_the_gates_and_wkv_a():
     assert all(rows[f"layers.5.attention.{n}"] == "blockwise" for n in ("wq_a", "wq_b", "wkv_b", "wo"))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--parallelism.tp", "2"], r"deepseek_v3 does not support tensor parallelism yet \(parallelism.tp=2\)"),
-    (["--compile.enable", "true"], r"compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype "
-                                   r"is float32"),
-    (["--parallelism.ep", "2", "--activation_checkpoint.mode", "selective"],
+@pytest.mark.parametrize("name, args, world_size, message", [
+    ("deepseek_v3_debug", ["--parallelism.tp", "3"], 3,
+     r"parallelism.tp=3 must divide the model's n_heads=4 \(each rank computes whole attention heads\)"),
+    ("deepseek_v3_debug", ["--compile.enable", "true"], 1,
+     r"compiling grouped MoE experts needs bfloat16 compute, but precision.param_dtype is float32"),
+    ("deepseek_v3_debug", ["--parallelism.ep", "2", "--activation_checkpoint.mode", "selective"], 2,
      r"activation_checkpoint.mode=selective with selective_option=op does not work with expert parallelism "
      r"\(parallelism.ep=2\)"),
 ])
-def test_what_the_family_cannot_run_is_refused_before_launch(args, message):
-    cfg = parse_cli(["--config", "deepseek_v3_debug", *args], registry=DEFAULT_REGISTRY).config
+def test_what_the_family_cannot_run_is_refused_before_launch(name, args, world_size, message):
+    cfg = parse_cli(["--config", name, *args], registry=DEFAULT_REGISTRY).config
     with pytest.raises(ValueError, match=message):
-        resolve_run(cfg, world_size=2 if args[0].startswith("--parallelism") else 1, device_type="cpu",
-                    vocab_size=2048, cuda_available=False)
+        resolve_run(cfg, world_size=world_size, device_type="cpu", vocab_size=2048, cuda_available=False)
+
+
+def test_blockwise_fp8_refuses_a_tp_split_that_cuts_its_tiles():
+    cfg = parse_cli(["--config", "deepseek_v3_debug_fp8_blockwise", "--parallelism.tp", "2"],
+                    registry=DEFAULT_REGISTRY).config
+    run = resolve_run(cfg, world_size=2, device_type="cpu", vocab_size=2048, cuda_available=False)
+    with torch.device("meta"):
+        model = run.model_spec.model_cls(run.model_args)
+    (quantizer,) = run.converters.converters
+    # wo reads n_heads x v_head_dim = 128 channels: 64 per TP rank, half a blockwise tile. The replicated
+    # wq_a is not split, and wq_b / wkv_b keep 128 output rows per rank.
+    with pytest.raises(ValueError, match=r"layers.0.attention.wo \(128 -> 256\) is row-wise \(splits in_features\) "
+                                         r"under parallelism.tp=2: in_features=128 / 2 is not a multiple of 128"):
+        quantizer.plan_rows(model)
+
+
+def test_dense_blocks_hidden_dim_must_split_over_tp():
+    args = dataclasses.replace(build_model_args(get_model_spec("deepseek_v3"), "debug"), dense_hidden_dim=100)
+    facts = RunFacts(model_args=args, compile_model=False, param_dtype=torch.float32, tp=8)
+    with pytest.raises(ValueError, match=r"parallelism.tp=8 must divide the dense blocks' dense_hidden_dim=100"):
+        check_deepseek_v3_run(facts)
+
+
+def test_tensor_parallel_plan_splits_latent_attention_by_heads_and_keeps_its_down_projections_whole():
+    cfg = parse_cli(["--config", "deepseek_v3_debug", "--parallelism.tp", "2"], registry=DEFAULT_REGISTRY).config
+    run = resolve_run(cfg, world_size=2, device_type="cpu", vocab_size=2048, cuda_available=False)
+    assert run.parallel_dims.describe() == "TP 2"
+    plan = run.model_spec.parallel_plan
+    dims = {name: plan.param_tp_shard_dim(f"layers.1.{name}") for name in (
+        "attention.wq_a.weight", "attention.q_norm.weight", "attention.wkv_a.weight", "attention.kv_norm.weight",
+        "attention.wq_b.weight", "attention.wkv_b.weight", "attention.wo.weight", "moe.router.gate.weight",
+        "moe.experts.w1", "moe.experts.w2", "moe.shared_experts.w1.weight", "moe.shared_experts.w2.weight")}
+    assert dims == {
+        "attention.wq_a.weight": None, "attention.q_norm.weight": None, "attention.wkv_a.weight": None,
+        "attention.kv_norm.weight": None, "attention.wq_b.weight": 0, "attention.wkv_b.weight": 0,
+        "attention.wo.weight": 1, "moe.router.gate.weight": None, "moe.experts.w1": 1, "moe.experts.w2": 2,
+        "moe.shared_experts.w1.weight": 0, "moe.shared_experts.w2.weight": 1}
+    assert plan.param_tp_shard_dim("layers.0.feed_forward.w1.weight") == 0
+    assert plan.param_tp_shard_dim("layers.0.feed_forward.w2.weight") == 1
+    with torch.device("meta"):
+        model = run.model_spec.model_cls(run.model_args)
+    text = tp_communication_text(plan, model, tp=2, high_precision=torch.bfloat16)
+    # One dense block, then three MoE blocks; the attention input is gathered in high precision for the
+    # replicated down-projections.
+    assert text.splitlines() == [
+        "TP 2 communication per block (4 blocks):",
+        "  attention input          bfloat16  (attention.wq_a, attention.wkv_a replicated; every block)",
+        "  feed_forward input       bfloat16  (feed_forward.w1, feed_forward.w3 not tensorwise float8; 1 of 4 blocks)",
+        "  attention.wo output      bfloat16  (not tensorwise float8; every block)",
+        "  feed_forward.w2 output   bfloat16  (not tensorwise float8; 1 of 4 blocks)",
+        "  moe input                bfloat16  (the router reads it in float32; 3 of 4 blocks)",
+        "  moe output               bfloat16  (partial sums of the experts; 3 of 4 blocks)",
+    ]
 
 
 def test_expert_parallelism_resolves():

@@ -48,3 +48,23 @@ def test_float8_regions_need_every_consumer_tensorwise():
 def test_local_loss_passes_plain_tensors_through():
     t = torch.tensor(2.5)
     assert local_loss(t) is t
+
+
+def test_a_block_applies_the_plan_entries_of_the_modules_it_has():
+    from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model
+    from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN
+    from torchtitan_lite.distributed.tensor_parallel import block_plan
+
+    with torch.device("meta"):
+        model = DeepSeekV3Model(DEEPSEEK_V3_FLAVORS["debug"])  # block 0 dense, blocks 1-3 MoE; low-rank queries
+    dense, moe = (block_plan(DEEPSEEK_V3_PARALLEL_PLAN.block_tp, model.layers[i]) for i in ("0", "1"))
+    assert [(i.module, i.consumers) for i in dense.inputs] == [
+        ("attention", ("attention.wq_a", "attention.wkv_a")), ("feed_forward", ("feed_forward.w1", "feed_forward.w3"))]
+    assert dense.rowwise == ("attention.wo", "feed_forward.w2") and dense.moe is None
+    assert [(i.module, i.consumers) for i in moe.inputs] == [("attention", ("attention.wq_a", "attention.wkv_a"))]
+    assert moe.rowwise == ("attention.wo",) and moe.moe is not None and moe.moe.shared_rowwise == ("moe.shared_experts.w2",)
+    # The replicated down-projections read the attention input: it is gathered in high precision, whatever they are.
+    assert [(r.name, r.float8, r.why) for r in tp_regions(moe, lambda fqn: True)][0] == (
+        "attention input", False, "attention.wq_a, attention.wkv_a replicated")
+    # Only the up-projections and wo are split among the attention's Linears (wq, absent here, would be too).
+    assert moe.colwise == ("attention.wq_b", "attention.wkv_b")

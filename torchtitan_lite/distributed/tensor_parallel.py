@@ -16,6 +16,11 @@ Row-wise float8 recipes keep the plain styles: their per-row scales cannot be ga
 An MoE feed-forward (``BlockTPPlan.moe``) is split by expert tensor parallelism
 (expert_tensor_parallel.py): its input is gathered and its partial output reduce-scattered in high
 precision, since the router reads that input in float32 and the experts' GEMMs are not float8 Linears.
+
+Modules the plan replicates (``BlockTPPlan.replicated``: latent attention's down-projections and their norms,
+replicated_modules.py) run whole on the gathered input; a region they read is gathered in high precision,
+since they take no float8 TP style. The up-projections that read their outputs are column-parallel with
+nothing to gather. Blocks that differ (dense and MoE feed-forwards) each apply the plan's entries they have.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ from torchtitan_lite.distributed.expert_tensor_parallel import (
     GatheredRegion,
     ReplicatedRouter,
 )
+from torchtitan_lite.distributed.replicated_modules import ReplicatedInRegion
 from torchtitan_lite.protocols.model_spec import BlockTPPlan, MoETPPlan, ParallelPlan
 
 logger = logging.getLogger(__name__)
@@ -79,9 +85,13 @@ def tp_regions(plan: BlockTPPlan, is_float8_tensorwise_linear: Callable[[str], b
     whether the block's Linear ``fqn`` is (or will be) a tensorwise Float8Linear."""
     regions = []
     for tp_input in plan.inputs:
-        hp = [fqn for fqn in tp_input.consumers if not is_float8_tensorwise_linear(fqn)]
-        why = "every consumer is tensorwise float8" if not hp else f"{', '.join(hp)} not tensorwise float8"
-        regions.append(TPRegion(tp_input.name, not hp, why))
+        replicated = [fqn for fqn in tp_input.consumers if fqn in plan.replicated]
+        hp = [fqn for fqn in tp_input.consumers if fqn not in plan.replicated and not is_float8_tensorwise_linear(fqn)]
+        if replicated:
+            why = f"{', '.join(replicated)} replicated"
+        else:
+            why = "every consumer is tensorwise float8" if not hp else f"{', '.join(hp)} not tensorwise float8"
+        regions.append(TPRegion(tp_input.name, not hp and not replicated, why))
     for fqn in plan.rowwise:
         float8 = is_float8_tensorwise_linear(fqn)
         regions.append(TPRegion(f"{fqn} output", float8, "tensorwise float8" if float8 else "not tensorwise float8"))
@@ -95,18 +105,27 @@ def _is_float8_in(block: nn.Module, fqn: str) -> bool:
     return is_float8_tensorwise(block.get_submodule(fqn))
 
 
+def block_plan(plan: BlockTPPlan, block: nn.Module) -> BlockTPPlan:
+    """``plan`` as it applies to ``block``: the entries whose modules the block has."""
+    return plan.present_in({fqn for fqn, _ in block.named_modules()})
+
+
 def tp_communication_text(plan: ParallelPlan, model: nn.Module, *, tp: int, high_precision: torch.dtype) -> str:
     """Each TP communication region of ``model``'s (converted, not yet parallelized) blocks: float8 or
     ``high_precision``, and why."""
     blocks = list(getattr(model, plan.blocks).values())
-    per_block = [tp_regions(plan.block_tp, partial(_is_float8_in, b)) for b in blocks]
+    by_name: dict[str, list[TPRegion]] = {}
+    for block in blocks:
+        for region in tp_regions(block_plan(plan.block_tp, block), partial(_is_float8_in, block)):
+            by_name.setdefault(region.name, []).append(region)
     dtype = str(high_precision).removeprefix("torch.")
     lines = [f"TP {tp} communication per block ({len(blocks)} blocks):"]
-    for i, region in enumerate(per_block[0]):
-        same = sum(regions[i].float8 == region.float8 for regions in per_block)
+    for name, regions in by_name.items():
+        region = regions[0]
+        same = sum(r.float8 == region.float8 for r in regions)
         where = "every block" if same == len(blocks) else f"{same} of {len(blocks)} blocks"
         moves = "float8" if region.float8 else dtype
-        lines.append(f"  {region.name:<24} {moves:<9} ({region.why}; {where})")
+        lines.append(f"  {name:<24} {moves:<9} ({region.why}; {where})")
     return "\n".join(lines)
 
 
@@ -136,9 +155,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, seque
 
     all_regions = []
     for block in getattr(model, plan.blocks).values():
-        regions = tp_regions(plan.block_tp, partial(_is_float8_in, block))
+        own = block_plan(plan.block_tp, block)
+        regions = tp_regions(own, partial(_is_float8_in, block))
         all_regions.append(regions)
-        parallelize_module(block, tp_mesh, _block_styles(plan.block_tp, regions, residual, sequence_parallel, block))
+        parallelize_module(block, tp_mesh, _block_styles(own, regions, residual, sequence_parallel))
     float8 = sum(r.float8 for regions in all_regions for r in regions)
     total = sum(len(regions) for regions in all_regions)
     logger.info("applied TP %d%s%s to %d blocks (%d of %d communication regions in float8)", tp_mesh.size(),
@@ -147,10 +167,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, seque
     return all_regions
 
 
-def _block_styles(plan: BlockTPPlan, regions: list[TPRegion], residual: Placement, sequence_parallel: bool,
-                  block: nn.Module) -> dict[str, ParallelStyle]:
+def _block_styles(plan: BlockTPPlan, regions: list[TPRegion], residual: Placement,
+                  sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The styles of one block under ``plan`` (already restricted to the block's modules)."""
     float8 = {region.name: region.float8 for region in regions}
-    styles: dict[str, ParallelStyle] = {}
+    styles: dict[str, ParallelStyle] = {fqn: ReplicatedInRegion() for fqn in plan.replicated}
     for tp_input in plan.inputs:
         colwise, _, prepare_input = _styles(float8[tp_input.name])
         # Only the first positional input is the activation; the rest (e.g. the rotary table) pass through.
@@ -158,7 +179,10 @@ def _block_styles(plan: BlockTPPlan, regions: list[TPRegion], residual: Placemen
         styles[tp_input.module] = prepare_input(input_layouts=(residual, *passthrough),
                                                 desired_input_layouts=(Replicate(), *passthrough))
         for fqn in tp_input.consumers:
-            styles[fqn] = colwise()
+            if fqn not in plan.replicated:
+                styles[fqn] = colwise()
+    for fqn in plan.colwise_from_replicated:
+        styles[fqn] = ColwiseInPartialRegion()
     for fqn in plan.rowwise:
         _, rowwise, _ = _styles(float8[f"{fqn} output"])
         styles[fqn] = rowwise(output_layouts=residual)
@@ -169,24 +193,21 @@ def _block_styles(plan: BlockTPPlan, regions: list[TPRegion], residual: Placemen
         # Input [batch, seq, local heads, head_dim]: each rank normalises its heads (dim 2) over head_dim.
         styles[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if plan.moe is not None:
-        styles |= _moe_styles(plan.moe, block, residual)
+        styles |= _moe_styles(plan.moe, residual)
     return styles
 
 
-def _moe_styles(plan: MoETPPlan, block: nn.Module, residual: Placement) -> dict[str, ParallelStyle]:
-    """Expert tensor parallelism of the block's MoE layer; shared-expert entries only where the block has them."""
+def _moe_styles(plan: MoETPPlan, residual: Placement) -> dict[str, ParallelStyle]:
+    """Expert tensor parallelism of the block's MoE layer."""
     styles: dict[str, ParallelStyle] = {
         plan.module: GatheredRegion(residual),
         plan.router: ReplicatedRouter(),
         plan.experts: ExpertTensorParallel(),
     }
-    present = {fqn for fqn, _ in block.named_modules()}
     for fqn in plan.shared_colwise:
-        if fqn in present:
-            styles[fqn] = ColwiseInPartialRegion()
+        styles[fqn] = ColwiseInPartialRegion()
     for fqn in plan.shared_rowwise:
-        if fqn in present:
-            styles[fqn] = RowwiseParallel(output_layouts=Partial())
+        styles[fqn] = RowwiseParallel(output_layouts=Partial())
     return styles
 
 

@@ -68,7 +68,10 @@ class MoETPPlan:
 
 @dataclass(frozen=True)
 class BlockTPPlan:
-    """Megatron-style split of one transformer block."""
+    """Megatron-style split of one transformer block.
+
+    A family whose blocks differ (dense and MoE feed-forwards) names every part in one plan: each block applies
+    the entries whose modules it has (``present_in``)."""
 
     inputs: tuple[TPInput, ...]
     rowwise: tuple[str, ...]
@@ -78,16 +81,40 @@ class BlockTPPlan:
     head_norms: tuple[str, ...] = ()
     """Norms over each head's channels of [batch, seq, heads, head_dim] activations (Qwen3's QK-norm): each
     rank normalises its own heads; their weights are replicated and their gradients summed over the ranks."""
+    replicated: tuple[str, ...] = ()
+    """Modules every TP rank runs whole, with replicated parameters, on the gathered input of a region (they may
+    be a TPInput's consumers) or on one another's outputs: latent attention's low-rank down-projections and
+    their norms. Their outputs are plain tensors equal on every rank, which the ranks' own heads consume, so
+    the gradient reaching them on each rank is that rank's share (replicated_modules.py)."""
+    colwise_from_replicated: tuple[str, ...] = ()
+    """Column-parallel Linears that read a replicated module's output (latent attention's up-projections):
+    split by output features, nothing gathered, their input gradient left as each rank's share."""
     moe: MoETPPlan | None = None
     """The MoE feed-forward's expert tensor parallelism; None for a dense block."""
 
     @property
     def colwise(self) -> tuple[str, ...]:
-        return tuple(fqn for tp_input in self.inputs for fqn in tp_input.consumers)
+        gathered = tuple(fqn for tp_input in self.inputs for fqn in tp_input.consumers if fqn not in self.replicated)
+        return gathered + self.colwise_from_replicated
 
     @property
     def linears(self) -> tuple[str, ...]:
         return self.colwise + self.rowwise
+
+    def present_in(self, modules: set[str]) -> BlockTPPlan:
+        """This plan less the entries whose module is not among ``modules`` (a block's module names): a region
+        whose module is absent goes whole, as does an MoE plan without its MoE layer."""
+        def keep(names: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(fqn for fqn in names if fqn in modules)
+
+        inputs = tuple(dataclasses.replace(i, consumers=keep(i.consumers)) for i in self.inputs if i.module in modules)
+        moe = self.moe
+        if moe is not None:
+            moe = (dataclasses.replace(moe, shared_colwise=keep(moe.shared_colwise),
+                                       shared_rowwise=keep(moe.shared_rowwise)) if moe.module in modules else None)
+        return dataclasses.replace(self, inputs=inputs, rowwise=keep(self.rowwise), norms=keep(self.norms),
+                                   head_norms=keep(self.head_norms), replicated=keep(self.replicated),
+                                   colwise_from_replicated=keep(self.colwise_from_replicated), moe=moe)
 
 
 @dataclass(frozen=True)

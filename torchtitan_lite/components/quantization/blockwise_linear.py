@@ -6,16 +6,17 @@ FSDP's parameter casts deliver), so both layouts quantize the same values; the w
 back through the cast into the high-precision parameter. The bias is added after the GEMM, in the
 output's dtype.
 
-Under tensor parallelism the weight is a DTensor, column-wise (Shard(0), input replicated) or row-wise
-(Shard(1), input sharded along its last dim). The converter has checked that every TP shard holds whole
-128-element tiles and blocks, so the GEMMs run on the local shards (the tiles of a shard are tiles of the
-whole operand) and the output is the matching DTensor: sharded along its last dim, or partial sums.
+Under tensor parallelism the weight is a DTensor, column-wise (Shard(0), input replicated), row-wise
+(Shard(1), input sharded along its last dim) or replicated (a module every rank runs whole, input
+replicated). The converter has checked that every TP shard holds whole 128-element tiles and blocks, so the
+GEMMs run on the local shards (the tiles of a shard are tiles of the whole operand) and the output is the
+matching DTensor: sharded along its last dim, partial sums, or replicated.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torchtitan_lite.components.quantization.autocast_operands import autocast_operands
 from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK, emulated_blockwise_linear
@@ -56,14 +57,21 @@ class BlockwiseFP8Linear(nn.Linear):
             raise TypeError("a tensor-parallel BlockwiseFP8Linear expects a DTensor input (from its TP style)")
         (w_place,), (x_place,) = weight.placements, input.placements
         last = input.ndim - 1
+        if w_place.is_replicate() and x_place.is_replicate():
+            # Replicated (replicated_modules.py): the output's gradient is each rank's share, so are the
+            # input's and the weight's.
+            share = (Partial(),)
+            local = self._gemm(input.to_local(grad_placements=share), weight.to_local(grad_placements=share))
+            return DTensor.from_local(local, weight.device_mesh, (Replicate(),), run_check=False, grad_placements=share)
         if w_place == Shard(0) and x_place.is_replicate():
             out_place: Shard | Partial = Shard(last)  # column-wise: each rank has its output features
         elif w_place == Shard(1) and (x_place == Shard(-1) or x_place == Shard(last)):
             out_place = Partial()  # row-wise: each rank sums over its share of the input features
         else:
             raise NotImplementedError(f"BlockwiseFP8Linear under TP takes a column-wise (Shard(0)) weight with a "
-                                      f"replicated input or a row-wise (Shard(1)) one with an input sharded on its "
-                                      f"last dim; got weight {weight.placements}, input {input.placements}")
+                                      f"replicated input, a row-wise (Shard(1)) one with an input sharded on its "
+                                      f"last dim or a replicated one with a replicated input; got weight "
+                                      f"{weight.placements}, input {input.placements}")
         # Column-wise, each rank's input gradient covers only its output features: partial sums over TP ranks.
         grad_place = (Partial(),) if isinstance(out_place, Shard) else input.placements
         local = self._gemm(input.to_local(grad_placements=grad_place), weight.to_local())
