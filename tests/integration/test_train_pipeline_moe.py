@@ -1,6 +1,8 @@
-"""`NPROC=2 ./run_train.sh --config deepseek_v3_debug --parallelism.pp 2` trains: the dense first block and the
-MoE blocks split over two stages, the balance loss entering through the MoE layers (both balancing schemes of
-the debug flavor on), and the router statistics of both stages' layers logged by every rank as one model's.
+"""`NPROC=2 ./run_train.sh --config deepseek_v3_debug --parallelism.pp 2` with Interleaved1F1B trains: the dense
+first block and the MoE blocks on four stages, two per rank (rank 0: the embedding and dense block 0, then MoE
+block 2; rank 1: MoE block 1, then MoE block 3 and the head), the balance loss entering through the MoE layers
+(both balancing schemes of the debug flavor on), and the router statistics of every stage's layers merged
+(within each rank, then over the pipeline group) and logged by every rank as one model's.
 (The comparison with one process on identical data is tests/distributed/test_moe_pipeline.py.)"""
 from __future__ import annotations
 
@@ -10,19 +12,19 @@ import re
 from _cli import read_scalars
 
 STEPS = 3
-RUN = ["--config", "deepseek_v3_debug", "--parallelism.pp", "2", "--training.steps", str(STEPS),
+RUN = ["--config", "deepseek_v3_debug", "--parallelism.pp", "2", "--parallelism.pipeline_schedule", "Interleaved1F1B",
+       "--training.steps", str(STEPS),
        "--training.seq_len", "32", "--training.local_batch_size", "2", "--validation.enable", "false",
        "--metrics.log_freq", "1", "--checkpoint.enable", "false"]
 MOE_LAYERS = ("layers.1", "layers.2", "layers.3")
-"""deepseek_v3 debug: block 0 dense, blocks 1-3 MoE; stage 0 holds the embedding and blocks 0-1, stage 1 blocks
-2-3 and the head."""
+"""deepseek_v3 debug: block 0 dense, blocks 1-3 MoE."""
 
 
 def test_deepseek_v3_pp2_trains_and_reports_every_stages_routers(cli, tmp_path):
     result = cli([*RUN, "--job.dump_folder", str(tmp_path)], NPROC="2")
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
-    assert "this rank runs stage 0: embedding + blocks 0-1" in log
+    assert "this rank runs stage 0: embedding + block 0, stage 2: block 2" in log
     scalars = read_scalars(tmp_path / "tb")
     losses = scalars["train/loss"]
     assert sorted(losses) == list(range(1, STEPS + 1)) and all(math.isfinite(v) for v in losses.values())
