@@ -1,6 +1,7 @@
 """Pipeline parallelism trains a tiny Qwen3-MoE (4 blocks, both balancing schemes) as one process does: PP 2 with
-each schedule, with full activation checkpointing, and PP 2 x FSDP 2 x EP 2 on 4 ranks (tests/distributed/
-_moe_pp_steps.py runs the stages as the trainer does).
+1F1B, Interleaved1F1B and ZBVZeroBubble, 1F1B with full activation checkpointing, and PP 2 x FSDP 2 x EP 2 on 4
+ranks (1F1B without and with checkpointing, Interleaved1F1B with it, ZBVZeroBubble without).
+tests/distributed/_moe_pp_steps.py runs the stages as the trainer does.
 
 The balance loss enters through the MoE layers' outputs (models/common/aux_loss_grad.py) weighted 1 / (pipeline
 micro-batches x data-parallel ranks): the routers' gradients must equal the one-process run's, where the whole
@@ -37,6 +38,8 @@ FOUR_RANKS = {
     "1F1B_ep2": PPRun(pp=2, dp_shard=2, ep=2),
     "1F1B_ep2_full_ac": PPRun(pp=2, dp_shard=2, ep=2, ac_mode="full"),
     "Interleaved1F1B_ep2_full_ac": PPRun(pp=2, dp_shard=2, ep=2, ac_mode="full", schedule="Interleaved1F1B"),
+    # Without checkpointing (with it, refused: tests/unit/test_pipeline_moe.py).
+    "ZBVZeroBubble_ep2": PPRun(pp=2, dp_shard=2, ep=2, schedule="ZBVZeroBubble"),
 }
 
 
@@ -65,7 +68,7 @@ def _merged(results: list[dict], key: str) -> dict:
 
 @pytest.mark.parametrize("world_size, name", [(2, "1F1B"), (2, "Interleaved1F1B"), (2, "ZBVZeroBubble"),
                                               (2, "1F1B_full_ac"), (4, "1F1B_ep2"), (4, "1F1B_ep2_full_ac"),
-                                              (4, "Interleaved1F1B_ep2_full_ac")])
+                                              (4, "Interleaved1F1B_ep2_full_ac"), (4, "ZBVZeroBubble_ep2")])
 def test_pipeline_moe_float32_matches_one_process(world_size, name):
     results, ref = _launch(world_size)[name], _reference()
     got = results[0]
