@@ -34,7 +34,8 @@ class BaseModel(nn.Module):
         (models/common/aux_loss_grad.py): the loss the trainer differentiates and logs is the language-model
         loss alone, with or without a pipeline schedule. The trainer sets 1 / (forwards per optimizer step and
         rank x data-parallel ranks), times the FP16 loss scale, so the step optimises the auxiliary loss's mean
-        over the global batch. Until set, 1. No-op for a model without one.
+        over the global batch. Until set, 1. No-op for a model without one. Set it before a step's forwards, not
+        between a forward and its backward (autograd saves the weight with the forward and refuses a changed one).
         """
 
     def post_optimizer_step(self, dp_group: dist.ProcessGroup | None) -> None:
