@@ -26,7 +26,7 @@ from torchtitan_lite.config.sections import (
     TrainingConfig,
 )
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
-from torchtitan_lite.distributed.pipeline.layout import PipelineLayout, resolve_pipeline
+from torchtitan_lite.distributed.pipeline.layout import PipelineLayout, check_pipeline_expert_parallel, resolve_pipeline
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConvertersContainer
 from torchtitan_lite.protocols.model_spec import ModelSpec, RunFacts, build_model_args, get_model_spec
 from torchtitan_lite.protocols.moe_facts import MoEFacts
@@ -158,6 +158,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         tied_embeddings=getattr(args, "tie_word_embeddings", False))
     moe_facts = spec.moe_facts(args) if spec.moe_facts is not None else None
     check_expert_parallel(dims.ep, moe_facts, config.model)
+    check_pipeline_expert_parallel(pipeline, ep=dims.ep, ac_mode=config.activation_checkpoint.mode)
     sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
     dims.validate_for_model(args, config.training.seq_len, sequence_parallel=sequence_parallel)
     precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,

@@ -8,6 +8,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +46,8 @@ from torchtitan_lite.distributed.compile import compile_label, compile_stats, ma
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.pipeline import build_stage_modules
 from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
-from torchtitan_lite.distributed.tensor_parallel import as_loss_term, local_loss, loss_parallel_context
+from torchtitan_lite.distributed.pipeline.stats import gather_over_stages, read_part_stats
+from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
 from torchtitan_lite.nonfinite import NonFiniteLossError, explain_nonfinite
 from torchtitan_lite.protocols.model import BaseModel
@@ -248,7 +250,7 @@ class Trainer(Configurable):
         for i, part in enumerate(parts):
             part = parts[i] = spec.parallelize_fn(part, context)
             part.to_empty(device=init_device)
-            with torch.no_grad():
+            with torch.no_grad(), self._stage_rng(stage_ids[i] if layout is not None else 0):
                 part.init_weights(buffer_device=self.device if cfg.parallelism.fsdp_cpu_offload else None)
             part.train()
         logger.info("model %s %s: %s params, %.3g FLOPs/token, parallelized in %.1fs",
@@ -263,6 +265,18 @@ class Trainer(Configurable):
                         ", ".join(layout.stages[i].describe() for i in stage_ids),
                         f"{sum(p.num_params() for p in parts):,}")
         return parts
+
+    def _stage_rng(self, stage_id: int) -> contextlib.AbstractContextManager[None]:
+        """The random stream pipeline stage ``stage_id`` initialises its weights from. Every rank is seeded alike,
+        so without this each stage would draw its first parameters from the numbers stage 0's embedding drew:
+        the last stage's output head came out correlated with the embedding (initial loss about 15 instead of
+        8 on llama3_debug). Stage s seeds seed + s inside a forked RNG, so stage 0 keeps the 1-process stream
+        and the run's stream after the build is unchanged. A pipeline's initial weights therefore differ from
+        one process's; runs compared with one process start from one seed checkpoint."""
+        seed = self.config.training.seed
+        if stage_id == 0 or seed is None:
+            return contextlib.nullcontext()
+        return _seeded_fork(seed + stage_id, self.device)
 
     def _build_validator(self) -> Validator | None:
         cfg = self.config
@@ -390,6 +404,7 @@ class Trainer(Configurable):
         global_tokens = self._global_target_tokens(batches)
         loss_total = torch.zeros((), device=self.device)
         fp8_stats_step = self.fp8_stats is not None and self.fp8_stats.due(self.train_state.step)
+        self._set_aux_loss_scale(n_forwards=len(batches) * (self.pipeline.layout.n_microbatches if self.pipeline else 1))
         for i, (inputs, labels) in enumerate(batches):
             # non_blocking: a blocking host-to-device copy waits for the device to finish all queued work.
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
@@ -406,8 +421,7 @@ class Trainer(Configurable):
                 loss_sum, _ = self.loss_fn(logits, labels)
                 loss = loss_sum / global_tokens
                 del logits
-                objective = self._with_aux_loss(model, loss, len(batches))
-                self._scaled(objective).backward()
+                self._scaled(loss).backward()
             loss_total += local_loss(loss.detach())
 
         overflow = self.grad_scaler is not None and self.grad_scaler.unscale_(self.optimizers)
@@ -467,13 +481,12 @@ class Trainer(Configurable):
             self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
         return read[-1] if read else None
 
-    def _with_aux_loss(self, model: BaseModel, loss: torch.Tensor, n_microbatches: int) -> torch.Tensor:
-        """loss plus the model's auxiliary loss (MoE balancing) as this micro-batch's share of its global mean;
-        the logged loss stays the language-model loss alone."""
-        aux = model.aux_loss()
-        if aux is None:
-            return loss
-        return loss + as_loss_term(aux, loss) / (n_microbatches * self.parallel_dims.dp_degree)
+    def _set_aux_loss_scale(self, n_forwards: int) -> None:
+        """The models' auxiliary loss (MoE balancing) enters each of this step's ``n_forwards`` forwards per rank
+        as its share of the global mean, FP16-scaled as the loss is; the logged loss stays the LM loss alone."""
+        scale = self.grad_scaler.scale_value if self.grad_scaler is not None else 1.0
+        for part in self.model_parts:
+            part.set_aux_loss_scale(scale / (n_forwards * self.parallel_dims.dp_degree))
 
     def _global_target_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # Counted where the labels are (the host) and sent to the device without reading anything back.
@@ -518,16 +531,12 @@ class Trainer(Configurable):
 
     def _model_stats(self) -> tuple[dict[str, float], str | None]:
         """The models' own statistics since the previous log step (MoE router balance), read in one transfer,
-        and their console summary. Collective: every rank calls it at every log step."""
-        stats: dict[str, torch.Tensor] = {}
-        for part in self.model_parts:
-            stats |= part.training_stats(self._dp_group())
-        if not stats:
-            return {}, None
-        read = torch.stack([value.detach().float().reshape(()) for value in stats.values()]).tolist()
-        values = dict(zip(stats, read, strict=True))
-        summaries = [s for part in self.model_parts if (s := part.training_stats_summary(values))]
-        return values, "  ".join(summaries) or None
+        and their console summary, for the whole model (under a pipeline, every stage's). Collective: every rank
+        calls it at every log step."""
+        parts = read_part_stats([part.training_stats(self._dp_group()) for part in self.model_parts])
+        model = self.model_parts[0]
+        values = model.merge_training_stats(gather_over_stages(parts, self._pp_group()))
+        return (values, model.training_stats_summary(values)) if values else ({}, None)
 
     def _maybe_validate(self, *, force: bool) -> None:
         if self.validator is None:
@@ -545,6 +554,14 @@ class Trainer(Configurable):
         self.metrics.close()
         if self.config.training.gc_freq > 0:
             gc.enable()
+
+
+@contextlib.contextmanager
+def _seeded_fork(seed: int, device: torch.device) -> Iterator[None]:
+    """Run the body on the RNG seeded with ``seed`` and give the caller's RNG state back afterwards."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 def _describe_converters(converters: list) -> str:

@@ -9,12 +9,17 @@ The row exchanges are differentiable: their backward is the reverse exchange.
 
 Under activation checkpointing (``save_for_recompute``) the forward keeps what it exchanged (the routing
 order, the split sizes and the exchanged rows), and the recomputation in backward replays it: the
-recompute neither routes again nor communicates, and its backward still sends the gradients back. Both
+recompute neither routes again nor communicates, and its backward still sends the gradients back. Several
+forwards of one layer may be in flight before the first backward (a pipeline schedule runs the forwards of
+several micro-batches first); their exchanges wait in a queue, and each recomputation takes the oldest:
+every schedule this project runs with expert parallelism and checkpointing backpropagates a stage's
+micro-batches in the order it ran their forwards (torchtitan_lite/distributed/pipeline/layout.py). Both
 methods run eagerly inside a compiled block (the split sizes are host integers a graph cannot hold), so
 the compiler graph-breaks around them and compiles the rest.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +29,7 @@ import torch.distributed._functional_collectives as funcol
 
 from models.common.dispatch import DispatchHandle, LocalTokenDispatcher
 from models.common.recompute import recomputing
+from torchtitan_lite.protocols.placeholder_forward import in_placeholder_forward
 
 
 @dataclass
@@ -44,15 +50,16 @@ class AllToAllHandle:
     """The rows received in dispatch (kept for a recomputation only)."""
     returned: torch.Tensor | None = None
     """The rows received back in combine (kept for a recomputation only)."""
+    kept: bool = False
+    """Queued for a recomputation (the forward was checkpointed and differentiable)."""
 
 
 class AllToAllTokenDispatcher:
     """Experts split over the ``group`` ranks in contiguous blocks: rank r holds experts
     [r * num_experts / ep, (r + 1) * num_experts / ep). Not an nn.Module: it holds no parameters.
 
-    save_for_recompute: the blocks are activation-checkpointed; keep the latest forward's exchanges for
-    the recomputation (one forward per layer is in flight at a time: its backward, which consumes them,
-    runs before the next forward of the layer).
+    save_for_recompute: the blocks are activation-checkpointed; keep each training forward's exchanges until
+    its recomputation takes them, oldest first.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup, *, save_for_recompute: bool = False) -> None:
@@ -66,14 +73,23 @@ class AllToAllTokenDispatcher:
         self.group = group
         self.save_for_recompute = save_for_recompute
         self._local = LocalTokenDispatcher(num_experts)
-        self._saved: AllToAllHandle | None = None
+        self._saved: deque[AllToAllHandle] = deque()
+        """Exchanges of the forwards whose recomputation has not run yet, oldest first."""
 
     @torch.compiler.disable
     def dispatch(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
         """x [T, dim], experts [T, k] -> (rows received for the local experts, sorted by local expert;
         tokens per local expert [num_local_experts] int64; handle)."""
-        saved = self._saved if recomputing() else None
+        # A pipeline schedule's shape-inference pass keeps nothing and replays nothing (it may recompute only
+        # some stages), and routes placeholder values: it exchanges like a forward without checkpointing.
+        keep = self.save_for_recompute and not in_placeholder_forward()
+        saved = self._saved.popleft() if keep and recomputing() and self._saved else None
         if saved is not None:
+            if saved.local.order.numel() != experts.numel():
+                raise RuntimeError(
+                    f"expert-parallel recomputation of {experts.shape[0]} tokens found the exchange of a forward of "
+                    f"{saved.local.order.numel() // saved.local.top_k}: backward ran the micro-batches in another order "
+                    "than their forwards, which activation checkpointing with expert parallelism cannot replay")
             rows = x[saved.local.order // saved.local.top_k]
             arrived = _Replay.apply(rows, saved.arrived, saved.recv_splits, saved.send_splits, self.group)
             return arrived[saved.regroup], saved.local_counts, saved
@@ -93,9 +109,10 @@ class AllToAllTokenDispatcher:
                                 stable=True)
         handle = AllToAllHandle(local=local, regroup=regroup, local_counts=by_source.sum(dim=0),
                                 send_splits=send_splits, recv_splits=recv_splits)
-        if self.save_for_recompute and torch.is_grad_enabled():
+        if keep and torch.is_grad_enabled():
             handle.arrived = arrived.detach()
-            self._saved = handle
+            handle.kept = True
+            self._saved.append(handle)
         return arrived[regroup], handle.local_counts, handle
 
     @torch.compiler.disable
@@ -106,7 +123,7 @@ class AllToAllTokenDispatcher:
             returned = _Replay.apply(arrival_order, handle.returned, handle.send_splits, handle.recv_splits, self.group)
         else:
             returned = _exchange(arrival_order, handle.send_splits, handle.recv_splits, self.group)
-            if handle is self._saved:
+            if handle.kept:
                 handle.returned = returned.detach()
         return self._local.combine(returned, handle.local, weights)
 

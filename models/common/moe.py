@@ -11,8 +11,10 @@ Replaceable parts, so that later work plugs in without touching this module:
     the bias update: ``routed_tokens`` (loads of every training forward since the previous read) and
     ``aux_loss_window`` (summed balance loss and forwards since then).
 
-What the trainer calls (see ``models/common/moe_hooks.py`` for the model-wide forms):
-  * ``take_aux_loss()`` after a forward: this layer's coefficient-weighted balance loss (None when off);
+The balance loss never leaves the layer: a training forward attaches its gradient to the layer's output
+(models/common/aux_loss_grad.py), weighted by the ``aux_loss_scale`` buffer, so that it works alike with and
+without a pipeline schedule. What the trainer calls (see ``models/common/moe_hooks.py`` for the model-wide forms):
+  * ``aux_loss_scale.fill_(s)`` once per step: the balance loss's weight in the objective (1 until set);
   * ``update_expert_bias()`` once after each optimizer step that changed the weights.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.common.aux_loss_grad import attach_aux_loss
 from models.common.dispatch import LocalTokenDispatcher, TokenDispatcher, tokens_per_expert
 from models.common.experts import GroupedExperts
 from models.common.feed_forward import FeedForward
@@ -120,12 +123,11 @@ class MoE(nn.Module):
         self.aux_loss_window: torch.Tensor
         self.register_buffer("routed_tokens", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_window", torch.zeros(2, dtype=torch.float32), persistent=False)
-        # The coefficient-weighted balance loss of the latest training forward, with its
-        # autograd history: a buffer updated in place rather than an attribute assigned in forward, because
-        # torch.compile cannot trace an attribute write inside an activation-checkpointed block. It holds a
-        # loss to read exactly when it requires grad (``take_aux_loss``), which needs no host read.
-        self.aux_loss_pending: torch.Tensor
-        self.register_buffer("aux_loss_pending", torch.zeros((), dtype=torch.float32), persistent=False)
+        # The weight of this layer's balance loss in what backward differentiates (models/common/moe_hooks.py:
+        # set_aux_loss_scale): 1 / the forwards over which the step averages it, times the FP16 loss scale. A
+        # buffer, not a float attribute: a compiled block reads it as an input and recompiles for no new value.
+        self.aux_loss_scale: torch.Tensor
+        self.register_buffer("aux_loss_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     @property
     def uses_expert_bias(self) -> bool:
@@ -141,48 +143,42 @@ class MoE(nn.Module):
         self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, dtype=torch.float32)
         self.routed_tokens = torch.zeros_like(self.routed_tokens, dtype=torch.int64)
         self.aux_loss_window = torch.zeros_like(self.aux_loss_window, dtype=torch.float32)
-        self.aux_loss_pending = torch.zeros_like(self.aux_loss_pending, dtype=torch.float32)
+        self.aux_loss_scale = torch.ones_like(self.aux_loss_scale, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, dim = x.shape
         tokens = x.reshape(-1, dim)
         routing = self.router(tokens, self.expert_bias if self.uses_expert_bias else None)
+        aux_loss = None
         if self.training:
-            self._record(routing.experts, routing.scores, batch, seq_len, recomputing=recomputing())
+            aux_loss = self._record(routing.experts, routing.scores, batch, seq_len, recomputing=recomputing())
         rows, counts, handle = self.dispatcher.dispatch(tokens, routing.experts)
         out = self.dispatcher.combine(self.experts(rows, counts), handle, routing.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
+        if aux_loss is not None and torch.is_grad_enabled():
+            out = attach_aux_loss(out, aux_loss, self.aux_loss_scale)
         return out.view(batch, seq_len, dim)
 
     def _record(self, experts: torch.Tensor, scores: torch.Tensor, batch: int, seq_len: int, *,
-                recomputing: bool) -> None:
-        """Count the loads and compute the aux loss of a training forward. An activation-checkpointing
-        recomputation counts nothing (the original forward did) but computes the aux loss again, unused:
-        checkpointing requires the recomputation to save the same tensors as the original forward."""
+                recomputing: bool) -> torch.Tensor | None:
+        """Count the loads of a training forward and return its coefficient-weighted balance loss (None when
+        off). An activation-checkpointing recomputation counts nothing (the original forward did) but computes
+        the loss again: its backward is the one that reaches the router."""
         if not recomputing:
             with torch.no_grad():
                 loads = tokens_per_expert(experts, self.args.num_experts)
                 self.routed_tokens.add_(loads)
                 if self.uses_expert_bias:
                     self.tokens_per_expert.add_(loads)
-        if self.args.aux_loss_coeff > 0:
-            aux_loss = self.args.aux_loss_coeff * sequence_aux_loss(
-                scores.view(batch, seq_len, -1), experts.view(batch, seq_len, -1), self.args.num_experts)
-            if not recomputing:
-                self.aux_loss_pending.copy_(aux_loss)
-                with torch.no_grad():  # [sum of the loss, forwards], read by the metrics
-                    self.aux_loss_window.add_(torch.stack([aux_loss.detach().float(), aux_loss.new_ones(())]))
-
-    def take_aux_loss(self) -> torch.Tensor | None:
-        """The balance loss of the latest training forward (None: none since the previous call, or the loss is off),
-        with its gradient to the router; the layer starts over."""
-        pending = self.aux_loss_pending
-        if not pending.requires_grad:
+        if self.args.aux_loss_coeff <= 0:
             return None
-        loss = pending.clone()
-        pending.detach_().zero_()
-        return loss
+        aux_loss = self.args.aux_loss_coeff * sequence_aux_loss(
+            scores.view(batch, seq_len, -1), experts.view(batch, seq_len, -1), self.args.num_experts)
+        if not recomputing:
+            with torch.no_grad():  # [sum of the loss, forwards], read by the metrics
+                self.aux_loss_window.add_(torch.stack([aux_loss.detach().float(), aux_loss.new_ones(())]))
+        return aux_loss
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:

@@ -1,7 +1,6 @@
 """Model-wide forms of the MoE layer's trainer-facing calls: every MoE layer of a model, found by type."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -12,11 +11,10 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """Sum of the layers' coefficient-weighted balance losses from the latest training forward; None when
-    no layer has one. Each layer's loss is consumed: a second call without a forward in between returns None."""
-    losses = [loss for layer in moe_layers(model) if (loss := layer.take_aux_loss()) is not None]
-    return torch.stack(losses).sum() if losses else None
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Weight every MoE layer's balance loss by ``scale`` in the backward passes to come (until set again)."""
+    for layer in moe_layers(model):
+        layer.aux_loss_scale.fill_(scale)
 
 
 def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:

@@ -83,6 +83,25 @@ def router_stats(model: nn.Module, dp_group: dist.ProcessGroup | None = None) ->
     return stats
 
 
+def merge_router_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Read ``router_stats`` values of several parts of one model (pipeline stages) as the whole model's: a layer
+    lives on one stage, so the per-layer tags are disjoint; the worst imbalance is the parts' worst, the balance
+    loss their sum, and the dead share their mean weighted by MoE layers (every MoE layer of a model has the
+    same number of experts: one MoEArgs per model). A part without MoE layers has no values."""
+    parts = [values for values in parts if "moe/imbalance_max" in values]
+    merged: dict[str, float] = {}
+    for values in parts:
+        merged |= values
+    if len(parts) > 1:
+        layers = [sum(tag.endswith("/imbalance") for tag in values) for values in parts]
+        merged["moe/imbalance_max"] = max(values["moe/imbalance_max"] for values in parts)
+        merged["moe/dead_share"] = sum(v["moe/dead_share"] * n for v, n in zip(parts, layers, strict=True)) / sum(layers)
+        aux = [values["moe/aux_loss"] for values in parts if "moe/aux_loss" in values]
+        if aux:
+            merged["moe/aux_loss"] = sum(aux)
+    return merged
+
+
 def router_summary(values: dict[str, float]) -> str | None:
     """The console's short form of read ``router_stats`` values: ``moe imb 1.80 (layers.3) dead 0.12 aux
     1.02e-03`` (the worst layer's imbalance, the share of experts without a token, the balance loss)."""

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from models.common.decoder import Decoder
 from models.common.feed_forward import FeedForward
 from models.common.moe import MoE
-from models.common.moe_hooks import moe_aux_loss, update_expert_biases
+from models.common.moe_hooks import set_aux_loss_scale, update_expert_biases
 from models.common.pre_norm_block import PreNormBlock
-from models.common.router_stats import router_stats, router_summary
+from models.common.router_stats import merge_router_stats, router_stats, router_summary
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
 from models.deepseek_v3.attention import MultiHeadLatentAttention
 from torchtitan_lite.protocols.moe_facts import MoEFacts
@@ -44,9 +44,9 @@ class DeepSeekV3Model(Decoder[DeepSeekV3ModelArgs]):
         super().__init__(args, lambda i: DeepSeekV3Block(i, args), rope_scaling=args.rope_scaling,
                          rope_dim=args.qk_rope_head_dim)
 
-    def aux_loss(self) -> torch.Tensor | None:
-        """The MoE layers' summed sequence-level balance loss of the latest training forward (None when off)."""
-        return moe_aux_loss(self)
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Weight of the MoE layers' balance loss in the coming backward passes."""
+        set_aux_loss_scale(self, scale)
 
     def post_optimizer_step(self, dp_group: dist.ProcessGroup | None) -> None:
         """Move every MoE layer's expert bias toward balance from the loads of the step (when the bias is on)."""
@@ -55,6 +55,9 @@ class DeepSeekV3Model(Decoder[DeepSeekV3ModelArgs]):
     def training_stats(self, dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
         """The routers' load balance since the previous call (models/common/router_stats.py)."""
         return router_stats(self, dp_group)
+
+    def merge_training_stats(self, parts: list[dict[str, float]]) -> dict[str, float]:
+        return merge_router_stats(parts)
 
     def training_stats_summary(self, values: dict[str, float]) -> str | None:
         return router_summary(values)

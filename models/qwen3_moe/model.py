@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from models.common.decoder import Decoder
 from models.common.moe import MoE
-from models.common.moe_hooks import moe_aux_loss, update_expert_biases
+from models.common.moe_hooks import set_aux_loss_scale, update_expert_biases
 from models.common.pre_norm_block import PreNormBlock
-from models.common.router_stats import router_stats, router_summary
+from models.common.router_stats import merge_router_stats, router_stats, router_summary
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 from models.qwen3_moe.attention import Attention
 from torchtitan_lite.protocols.moe_facts import MoEFacts
@@ -38,9 +38,9 @@ class Qwen3MoeModel(Decoder[Qwen3MoeModelArgs]):
     def __init__(self, args: Qwen3MoeModelArgs) -> None:
         super().__init__(args, lambda i: Qwen3MoeBlock(i, args))
 
-    def aux_loss(self) -> torch.Tensor | None:
-        """The MoE layers' summed load-balancing loss of the latest training forward (None when off)."""
-        return moe_aux_loss(self)
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Weight of the MoE layers' balance loss in the coming backward passes."""
+        set_aux_loss_scale(self, scale)
 
     def post_optimizer_step(self, dp_group: dist.ProcessGroup | None) -> None:
         """Move every layer's expert bias toward balance from the loads of the step (when the bias is on)."""
@@ -49,6 +49,9 @@ class Qwen3MoeModel(Decoder[Qwen3MoeModelArgs]):
     def training_stats(self, dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
         """The routers' load balance since the previous call (models/common/router_stats.py)."""
         return router_stats(self, dp_group)
+
+    def merge_training_stats(self, parts: list[dict[str, float]]) -> dict[str, float]:
+        return merge_router_stats(parts)
 
     def training_stats_summary(self, values: dict[str, float]) -> str | None:
         return router_summary(values)

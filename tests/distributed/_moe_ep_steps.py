@@ -3,8 +3,8 @@ expert-parallelism tests.
 
 Every layout trains from the same initial weights (made on one process, then loaded into the parallel
 model) on the same global batches with the trainer's loss semantics: each rank sums the token losses of
-its share of the global batch and divides by the target tokens of the whole batch, adds its balance loss
-divided by the number of shares, and FSDP sums gradients over the data-parallel ranks; the expert bias
+its share of the global batch and divides by the target tokens of the whole batch, weights its balance loss
+by 1 / the number of shares, and FSDP sums gradients over the data-parallel ranks; the expert bias
 moves after each step from the loads summed over the data-parallel ranks. The single-process reference
 runs the shares of each global batch in turn (``Run.single_process``), so it computes what the ranks
 compute and only the order of float sums differs.
@@ -152,13 +152,13 @@ def train(run: Run, model, dims: ParallelDims, precision: Precision, optimizer, 
     for step, (global_inputs, global_labels) in enumerate(batches, start=first):
         global_tokens = (global_labels != IGNORE_INDEX).sum().float()
         total = torch.zeros(())
+        model.set_aux_loss_scale(1 / shares)
         for share in range(first_share, first_share + run.shares):
             inputs, labels = (t[share * rows:(share + 1) * rows] for t in (global_inputs, global_labels))
             with precision.autocast():
                 loss_sum, _ = cross_entropy_sum(model(inputs), labels)
                 loss = loss_sum / global_tokens
-                aux = model.aux_loss()
-                (loss + aux / shares).backward()
+                loss.backward()  # with each MoE layer's balance loss, weighted 1 / shares
             total += loss.detach().float()
         if keep_first_grads and step == 0:
             out["first_grads"] = full_grads(model)

@@ -44,7 +44,7 @@ from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
-from torchtitan_lite.distributed.tensor_parallel import as_loss_term, local_loss, loss_parallel_context
+from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import ParallelPlan
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
@@ -177,15 +177,14 @@ def train_step(run: Run, model: BaseModel, optimizer: torch.optim.Optimizer, dim
     first_share = dims.dp_rank * run.dp_micro_batches
     global_tokens = (global_labels != IGNORE_INDEX).sum().float()
     share_losses = []
+    model.set_aux_loss_scale(1 / shares)
     for share in range(first_share, first_share + run.dp_micro_batches):
         inputs = global_inputs[share * rows:(share + 1) * rows]
         labels = global_labels[share * rows:(share + 1) * rows]
         with precision.autocast(), loss_parallel_context(config.loss_parallel):
             loss_sum, _ = cross_entropy_sum(model(inputs), labels)
             loss = loss_sum / global_tokens
-            aux = model.aux_loss()
-            assert aux is not None
-            (loss + as_loss_term(aux, loss) / shares).backward()
+            loss.backward()  # with each MoE layer's balance loss, weighted 1 / shares
         share_losses.append(loss.detach())
     on_grads()
     grad_norm = float(clip_grad_norm_(model.parameters(), MAX_NORM))

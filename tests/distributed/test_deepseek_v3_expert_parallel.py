@@ -46,11 +46,12 @@ def _train(model, rank: int, shares_per_rank: int, shares: int, dp_group) -> dic
     for step, (inputs, labels) in enumerate(global_batches(STEPS)):
         global_tokens = (labels != IGNORE_INDEX).sum().float()
         total = torch.zeros(())
+        model.set_aux_loss_scale(1 / shares)
         for share in range(rank * shares_per_rank, (rank + 1) * shares_per_rank):
             loss_sum, _ = cross_entropy_sum(model(inputs[share * rows:(share + 1) * rows]),
                                             labels[share * rows:(share + 1) * rows])
             loss = loss_sum / global_tokens
-            (loss + model.aux_loss() / shares).backward()
+            loss.backward()  # with the balance loss, weighted 1 / shares
             total += loss.detach()
         if step == 0:
             out["first_grads"] = full_grads(model)

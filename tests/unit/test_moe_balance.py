@@ -5,7 +5,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.common.load_balance import expert_bias_delta, sequence_aux_loss
 from models.common.moe import MoE, MoEArgs
-from models.common.moe_hooks import moe_aux_loss, update_expert_biases
+from models.common.moe_hooks import set_aux_loss_scale, update_expert_biases
 
 DIM, HIDDEN, EXPERTS = 8, 8, 4
 
@@ -102,8 +102,7 @@ def test_aux_loss_under_activation_checkpointing_has_the_plain_gradient():
     for wrap in (lambda f, x: f(x), lambda f, x: checkpoint(f, x, use_reentrant=False)):
         moe.zero_grad()
         out = wrap(moe, x)
-        loss = out.sum() + moe_aux_loss(moe)
-        loss.backward()
+        out.sum().backward()  # with the balance loss the output carries
         grads.append(moe.router.gate.weight.grad.clone())
     # The recomputation repeats the same ops on the same values: bitwise equal gradients.
     assert torch.equal(grads[1], grads[0])
@@ -123,30 +122,43 @@ def test_aux_loss_on_a_hand_computed_case():
     assert float(two) == pytest.approx((1.25 + 1.0) / 2, abs=1e-7)
 
 
-def test_layer_exposes_its_weighted_aux_loss_with_a_gradient_to_the_gate():
+def _aux_only_gate_grads(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The routers' gradients from the balance losses alone: the output's own gradient is zero."""
+    model.zero_grad()
+    (model(x) * 0).sum().backward()
+    return [layer.router.gate.weight.grad.clone() for layer in model]
+
+
+def test_each_layer_adds_its_weighted_aux_loss_gradient_times_the_scale():
     torch.manual_seed(0)
     args = MoEArgs(num_experts=EXPERTS, top_k=2, hidden_dim=HIDDEN, aux_loss_coeff=0.01)
     model = torch.nn.Sequential(MoE(DIM, args), MoE(DIM, args))
     for layer in model:
         layer.init_weights(out_proj_std=0.02, router_std=0.5)
     x = torch.randn(2, 6, DIM)
-    model(x)
-    expected = 0.0
+    # The reference: each layer's coefficient-weighted loss differentiated by hand, on the layer's input.
+    expected = []
     h = x
-    with torch.no_grad():
-        for layer in model:
-            r = layer.router(h.view(-1, DIM))
-            expected += 0.01 * float(sequence_aux_loss(r.scores.view(2, 6, -1), r.experts.view(2, 6, -1), EXPERTS))
-            h = layer(h)
-    model(x)
-    loss = moe_aux_loss(model)
-    assert loss is not None and float(loss.detach()) == pytest.approx(expected, rel=1e-6)
-    loss.backward()
-    assert all(layer.router.gate.weight.grad.abs().max() > 0 for layer in model)
-    assert moe_aux_loss(model) is None  # consumed: a second call without a forward adds nothing
+    for layer in model:
+        layer.zero_grad()
+        r = layer.router(h.detach().view(-1, DIM))
+        (0.01 * sequence_aux_loss(r.scores.view(2, 6, -1), r.experts.view(2, 6, -1), EXPERTS)).backward()
+        expected.append(layer.router.gate.weight.grad.clone())
+        h = layer(h).detach()
+    # Layer 1's balance loss reaches layer 0's router through layer 1's input too: only the last layer's
+    # gradient is its own loss alone. Compared on each layer fed alone.
+    for layer, want in zip(model, expected, strict=True):
+        single = torch.nn.Sequential(layer)
+        layer_input = x if layer is model[0] else model[0](x).detach()
+        (got,) = _aux_only_gate_grads(single, layer_input)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        assert want.abs().max() > 0
+        set_aux_loss_scale(single, 0.25)  # e.g. 1 / (4 micro-batches): a quarter of the gradient
+        (quarter,) = _aux_only_gate_grads(single, layer_input)
+        torch.testing.assert_close(quarter, 0.25 * want, rtol=1e-6, atol=0)
+        set_aux_loss_scale(single, 1.0)
     model.eval()
-    model(x)
-    assert moe_aux_loss(model) is None  # no balance loss in evaluation
+    assert all(g.abs().max() == 0 for g in _aux_only_gate_grads(model, x))  # no balance loss in evaluation
 
 
 def test_update_expert_biases_reaches_every_layer():

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -242,14 +242,6 @@ def _styles(float8: bool) -> tuple[type, type, type]:
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
     """Context for computing the loss (and its backward) on vocab-sharded logits; a no-op when disabled."""
     return loss_parallel() if enabled else contextlib.nullcontext()
-
-
-def as_loss_term(value: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """``value``, the same on every TP rank (an MoE balance loss), in the form of ``loss``: a replicated
-    DTensor where loss parallelism made the loss one, so that the two can be added."""
-    if isinstance(loss, DTensor) and not isinstance(value, DTensor):
-        return DTensor.from_local(value, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
-    return value
 
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:

@@ -26,14 +26,17 @@ class BaseModel(nn.Module):
         """Training FLOPs (forward + backward) per token at ``seq_len``, attention included."""
         raise NotImplementedError
 
-    def aux_loss(self) -> torch.Tensor | None:
-        """Auxiliary training loss of the latest training forward (e.g. MoE load balancing), already weighted
-        by its coefficient and averaged over that forward's sequences; None when the model has none.
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Weight of the model's auxiliary training loss (e.g. MoE load balancing) in the backward passes to come.
 
-        The trainer adds it to each micro-batch's loss divided by (micro-batches x data-parallel ranks), so
-        the step optimises its mean over the global batch. Reading it consumes it.
+        Each training forward computes its auxiliary loss (already weighted by its coefficient and averaged over
+        that forward's sequences) and attaches its gradient, times ``scale``, to its own activations
+        (models/common/aux_loss_grad.py): the loss the trainer differentiates and logs is the language-model
+        loss alone, with or without a pipeline schedule. The trainer sets 1 / (forwards per optimizer step and
+        rank x data-parallel ranks), times the FP16 loss scale, so the step optimises the auxiliary loss's mean
+        over the global batch. Until set, 1. No-op for a model without one. Set it before a step's forwards, not
+        between a forward and its backward (autograd saves the weight with the forward and refuses a changed one).
         """
-        return None
 
     def post_optimizer_step(self, dp_group: dist.ProcessGroup | None) -> None:
         """Called once after every optimizer step that changed the weights (not after one the FP16 scaler
@@ -46,6 +49,14 @@ class BaseModel(nn.Module):
         interval. The trainer calls it at log steps only, on every rank (it may be collective), and reads all
         the values in one transfer. Empty when the model has none."""
         return {}
+
+    def merge_training_stats(self, parts: list[dict[str, float]]) -> dict[str, float]:
+        """The read ``training_stats`` of several parts of this model (pipeline stages, each holding some of
+        its layers) as the whole model's values. Default: their union."""
+        merged: dict[str, float] = {}
+        for values in parts:
+            merged |= values
+        return merged
 
     def training_stats_summary(self, values: dict[str, float]) -> str | None:
         """A short console form of read ``training_stats`` values, appended to the log line; None: nothing."""

@@ -35,6 +35,9 @@ class ScheduleFacts:
     default_stages_per_rank: int
     fixed_stages_per_rank: bool
     """The schedule accepts only its default number of stages per rank."""
+    split_backward: bool = False
+    """Runs a micro-batch's backward in two passes (input gradients, later weight gradients), each of which
+    recomputes an activation-checkpointed block."""
 
 
 SCHEDULES: dict[str, ScheduleFacts] = {
@@ -43,9 +46,9 @@ SCHEDULES: dict[str, ScheduleFacts] = {
     "Interleaved1F1B": ScheduleFacts("ScheduleInterleaved1F1B", looped=True, style="loop", default_stages_per_rank=2,
                                      fixed_stages_per_rank=False),
     "ZBVZeroBubble": ScheduleFacts("ScheduleZBVZeroBubble", looped=True, style="v", default_stages_per_rank=2,
-                                   fixed_stages_per_rank=True),
+                                   fixed_stages_per_rank=True, split_backward=True),
     "DualPipeV": ScheduleFacts("ScheduleDualPipeV", looped=True, style="v", default_stages_per_rank=2,
-                               fixed_stages_per_rank=True),
+                               fixed_stages_per_rank=True, split_backward=True),
 }
 
 
@@ -134,6 +137,21 @@ def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, microbatch
                    for i, group in enumerate(groups))
     return PipelineLayout(pp=pp, schedule=schedule, stages_per_rank=n_stages // pp, n_microbatches=n_microbatches,
                           microbatch_size=microbatch_size, stages=stages)
+
+
+def check_pipeline_expert_parallel(layout: PipelineLayout | None, *, ep: int, ac_mode: str) -> None:
+    """Expert parallelism with activation checkpointing replays each checkpointed block's exchanges in its
+    recomputation, taking them in the order of the forwards (models/common/all_to_all_dispatch.py): 1F1B and
+    Interleaved1F1B backpropagate each stage's micro-batches in their forward order and recompute each once.
+    The schedules that split the backward recompute a block twice per micro-batch, which no queue of
+    exchanges can serve. Refused here, before any work."""
+    if layout is None or ep == 1 or ac_mode == "none" or not layout.facts.split_backward:
+        return
+    raise ValueError(
+        f"parallelism.pipeline_schedule={layout.schedule} with parallelism.ep={ep} and activation_checkpoint.mode="
+        f"{ac_mode} is not supported: this schedule computes each micro-batch's input and weight gradients in two "
+        f"passes, each recomputing a checkpointed block, and the second cannot replay the block's expert-parallel "
+        f"exchanges. Use --parallelism.pipeline_schedule 1F1B or Interleaved1F1B, or --activation_checkpoint.mode none")
 
 
 def _n_stages(pp: int, facts: ScheduleFacts, stages_per_rank: int, layers_per_stage: int, n_layers: int,

@@ -3,8 +3,8 @@
 The schedule runs the backward itself, so what the trainer would do around ``loss.backward()`` happens in the
 loss function handed to it: each micro-batch's loss is normalised by the step's global target-token count
 (the same ``sum / global tokens`` as without a pipeline, so gradients match a 1-process run), the MoE
-auxiliary loss is not involved (it enters through the blocks, see ``aux_loss_grad``), and the objective is
-scaled by the FP16 loss scaler when there is one. Gradients are not rescaled by the schedule
+auxiliary loss is not involved (it enters through the blocks, models/common/aux_loss_grad.py), and the
+objective is scaled by the FP16 loss scaler when there is one. Gradients are not rescaled by the schedule
 (``scale_grads=False``): the normalisation above already makes them the global mean.
 
 Only the rank holding the last stage sees losses; ``step`` returns their sum there and zero elsewhere, and
@@ -13,6 +13,7 @@ the trainer sums it over the pipeline group so that every rank logs, checks and 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from torch.distributed import pipelining
 
 from torchtitan_lite.distributed.pipeline.layout import PipelineLayout
 from torchtitan_lite.protocols.model import BaseModel
+from torchtitan_lite.protocols.placeholder_forward import in_placeholder_forward, placeholder_forward
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """(logits, labels) -> (summed loss, target tokens), e.g. cross_entropy_sum."""
@@ -39,6 +41,7 @@ class PipelineRunner:
         stages = self.stages if layout.facts.looped else self.stages[0]
         self.schedule = schedule_cls(stages, n_microbatches=layout.n_microbatches, loss_fn=self._loss,
                                      scale_grads=False)
+        self._guard_shape_inference(modules)
         # Set for the duration of one step / eval by ``step`` and ``eval``.
         self._global_tokens: torch.Tensor | None = None
         self._objective: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
@@ -72,13 +75,35 @@ class PipelineRunner:
         args = (inputs,) if self.holds_first else ()
         target = labels if self.holds_last else None
         call(*args, target=target, return_outputs=False)
-        # The schedule's first call (and the first after a switch between step and eval) also runs the loss on
-        # the outputs of its shape inference, before the micro-batches: only the last n_microbatches are real.
-        n = self.layout.n_microbatches
-        self._sums, self._tokens = self._sums[-n:], self._tokens[-n:]
+        if self.holds_last and len(self._sums) != self.layout.n_microbatches:
+            raise RuntimeError(f"the pipeline schedule computed {len(self._sums)} losses for "
+                               f"{self.layout.n_microbatches} micro-batches")
+
+    def _guard_shape_inference(self, modules: list[BaseModel]) -> None:
+        """The schedule learns the stages' input and output shapes by running each stage's forward, its loss and
+        its backward to the inputs once on placeholder tensors (the first micro-batch detached, uninitialised
+        tensors for the other stages), at the first step and after every switch between training and evaluation.
+        That pass must leave no trace: its loss is not counted, every buffer (e.g. MoE load counters) gets back
+        its value, and the model knows it is a placeholder forward (torchtitan_lite/protocols/placeholder_forward.py).
+        torch offers no hook for this: the schedule's own method is wrapped."""
+        infer = self.schedule._initialize_pp_stages
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            with torch.no_grad():
+                buffers = [(b, b.clone()) for module in modules for b in module.buffers()]
+            with placeholder_forward():
+                result = infer(*args, **kwargs)
+            with torch.no_grad():
+                for buffer, value in buffers:
+                    buffer.copy_(value)
+            return result
+
+        self.schedule._initialize_pp_stages = guarded
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss_sum, n_tokens = self.loss_fn(output, target)
+        if in_placeholder_forward():
+            return loss_sum
         self._sums.append(loss_sum.detach().float())
         self._tokens.append(torch.as_tensor(n_tokens, device=loss_sum.device).float())
         if self._global_tokens is None:  # eval: nothing is differentiated
