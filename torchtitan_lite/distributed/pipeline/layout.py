@@ -95,6 +95,11 @@ class PipelineLayout:
         return (f"PP {self.pp} ({self.schedule}, {self.n_stages} stages, {self.stages_per_rank} per rank, "
                 f"{self.n_microbatches} micro-batches of {self.microbatch_size})")
 
+    def summary(self) -> str:
+        """``describe`` and the blocks of each stage, for --check-config."""
+        blocks = ", ".join(str(len(stage.blocks)) for stage in self.stages)
+        return f"{self.describe()}; blocks per stage {blocks} (the first adds the embedding, the last the head)"
+
 
 def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, microbatch_size: int,
                      split_points: list[str] | tuple[str, ...], layers_per_stage: int, n_layers: int,
@@ -171,7 +176,8 @@ def _check_microbatches(schedule: str, n: int, *, pp: int, n_stages: int, microb
         raise ValueError(f"the 1F1B schedule needs at least as many micro-batches as stages ({pp}): {fix}")
     if schedule == "DualPipeV" and n < n_stages:
         raise ValueError(f"the DualPipeV schedule needs at least as many micro-batches as stages ({n_stages}): {fix}")
-    if schedule in ("Interleaved1F1B", "ZBVZeroBubble"):
+    # ZBVZeroBubble takes any count: its order is built for max(2 pp - 1, n) micro-batches and cut to n.
+    if schedule == "Interleaved1F1B":
         rounds = max(1, n // pp)
         if n % rounds != 0:
             raise ValueError(f"the {schedule} schedule runs micro-batches in rounds of pp={pp}, so their number must be "
