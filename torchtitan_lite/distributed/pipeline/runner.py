@@ -72,6 +72,10 @@ class PipelineRunner:
         args = (inputs,) if self.holds_first else ()
         target = labels if self.holds_last else None
         call(*args, target=target, return_outputs=False)
+        # The schedule's first call also infers shapes by running the last stage's loss on placeholder tensors
+        # before the real micro-batches: only the last n_microbatches calls are the batch's.
+        n = self.layout.n_microbatches
+        self._sums, self._tokens = self._sums[-n:], self._tokens[-n:]
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss_sum, n_tokens = self.loss_fn(output, target)
