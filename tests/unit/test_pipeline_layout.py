@@ -7,10 +7,11 @@ from torchtitan_lite.distributed.pipeline import resolve_pipeline
 
 
 def layout(*, pp=2, schedule="1F1B", stages_per_rank=0, microbatch_size=1, split_points=(), layers_per_stage=0,
-           n_layers=6, local_batch_size=8, tied_embeddings=False):
+           n_layers=6, local_batch_size=8, tied_embeddings=False, compiled_blocks=False):
     return resolve_pipeline(pp=pp, schedule=schedule, stages_per_rank=stages_per_rank, microbatch_size=microbatch_size,
                             split_points=list(split_points), layers_per_stage=layers_per_stage, n_layers=n_layers,
-                            local_batch_size=local_batch_size, tied_embeddings=tied_embeddings)
+                            local_batch_size=local_batch_size, tied_embeddings=tied_embeddings,
+                            compiled_blocks=compiled_blocks)
 
 
 def sizes(result) -> list[int]:
@@ -70,6 +71,11 @@ def test_loop_and_v_placement():
         assert v.rank_of_stage(7) == 0 and v.rank_of_stage(4) == 3
     one = layout(pp=4, n_layers=12, local_batch_size=4)
     assert [one.stage_ids(r) for r in range(4)] == [(0,), (1,), (2,), (3,)]
+
+
+def test_compiled_blocks_run_under_the_1f1b_schedules():
+    assert layout(compiled_blocks=True).n_stages == 2
+    assert layout(schedule="Interleaved1F1B", compiled_blocks=True).n_stages == 4
 
 
 def test_microbatches_and_describe():
@@ -143,6 +149,11 @@ REFUSALS = [
     (dict(schedule="Interleaved1F1B", layers_per_stage=2, stages_per_rank=2, n_layers=10),
      "parallelism.pipeline_layers_per_stage=2 makes 3 stages per rank but parallelism.pipeline_stages_per_rank=2; "
      "set one of them"),
+    *[(dict(schedule=schedule, compiled_blocks=True),
+       f"parallelism.pipeline_schedule={schedule} splits each backward into an input-gradient and a weight-gradient "
+       "pass over one retained graph, which compiled blocks do not allow (their backward donates its buffers and "
+       "runs once): use the 1F1B or Interleaved1F1B schedule, or compile only the loss (--compile.components loss)")
+      for schedule in ("ZBVZeroBubble", "DualPipeV")],
     (dict(schedule="GPipe"), "parallelism.pipeline_schedule='GPipe' is not one of 1F1B, Interleaved1F1B, "
      "ZBVZeroBubble, DualPipeV"),
 ]

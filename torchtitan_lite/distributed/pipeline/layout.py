@@ -35,6 +35,8 @@ class ScheduleFacts:
     default_stages_per_rank: int
     fixed_stages_per_rank: bool
     """The schedule accepts only its default number of stages per rank."""
+    split_backward: bool = False
+    """The backward runs as an input-gradient pass, then a weight-gradient pass (zero-bubble schedules)."""
 
 
 SCHEDULES: dict[str, ScheduleFacts] = {
@@ -43,9 +45,9 @@ SCHEDULES: dict[str, ScheduleFacts] = {
     "Interleaved1F1B": ScheduleFacts("ScheduleInterleaved1F1B", looped=True, style="loop", default_stages_per_rank=2,
                                      fixed_stages_per_rank=False),
     "ZBVZeroBubble": ScheduleFacts("ScheduleZBVZeroBubble", looped=True, style="v", default_stages_per_rank=2,
-                                   fixed_stages_per_rank=True),
+                                   fixed_stages_per_rank=True, split_backward=True),
     "DualPipeV": ScheduleFacts("ScheduleDualPipeV", looped=True, style="v", default_stages_per_rank=2,
-                               fixed_stages_per_rank=True),
+                               fixed_stages_per_rank=True, split_backward=True),
 }
 
 
@@ -103,7 +105,8 @@ class PipelineLayout:
 
 def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, microbatch_size: int,
                      split_points: list[str] | tuple[str, ...], layers_per_stage: int, n_layers: int,
-                     local_batch_size: int, blocks: str = "layers", tied_embeddings: bool = False) -> PipelineLayout | None:
+                     local_batch_size: int, blocks: str = "layers", tied_embeddings: bool = False,
+                     compiled_blocks: bool = False) -> PipelineLayout | None:
     """The pipeline layout of a run, or None without pipeline parallelism (pp 1). Refuses with the fix."""
     if pp == 1:
         if split_points or layers_per_stage:
@@ -119,6 +122,12 @@ def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, microbatch
             f"parallelism.pp={pp} cannot split a model whose embedding and output head share one matrix "
             "(tie_word_embeddings): they live on the first and the last stage. Use a flavor with untied embeddings "
             "or parallelism.pp=1")
+    if compiled_blocks and facts.split_backward:
+        raise ValueError(
+            f"parallelism.pipeline_schedule={schedule} splits each backward into an input-gradient and a "
+            "weight-gradient pass over one retained graph, which compiled blocks do not allow (their backward "
+            "donates its buffers and runs once): use the 1F1B or Interleaved1F1B schedule, or compile only the "
+            "loss (--compile.components loss)")
     n_stages = _n_stages(pp, facts, stages_per_rank, layers_per_stage, n_layers, schedule)
     if n_stages > n_layers:
         raise ValueError(
