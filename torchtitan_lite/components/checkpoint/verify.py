@@ -57,6 +57,13 @@ def check_compatible(path: str, metadata: Metadata, state: dict[str, Any], *, ex
     """
     flat, _ = flatten_state_dict(state)
     saved = metadata.state_dict_metadata
+    # A pipeline stage holds only its own blocks: a key is accounted for when any rank holds it. Gathered
+    # before any check, so that a rank refusing below leaves no other rank waiting in the collective.
+    held = set(flat)
+    if exact_prefixes and dist.is_initialized() and dist.get_world_size() > 1:
+        every: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(every, [k for k in flat if k.startswith(exact_prefixes)])
+        held.update(k for keys in every for k in keys)
     for key, value in flat.items():
         entry = saved.get(key)
         if entry is None or not isinstance(value, torch.Tensor):
@@ -75,12 +82,6 @@ def check_compatible(path: str, metadata: Metadata, state: dict[str, Any], *, ex
             f"checkpoint {path} lacks {len(missing)} key(s) this run needs, first {missing[:_SHOWN]}. It was "
             f"written for another model or optimizer configuration; use the matching configuration, or list "
             f"the state in checkpoint.exclude_from_loading to start it fresh")
-    # A pipeline stage holds only its own blocks: a key is accounted for when any rank holds it.
-    held = set(flat)
-    if exact_prefixes and dist.is_initialized() and dist.get_world_size() > 1:
-        every: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(every, [k for k in flat if k.startswith(exact_prefixes)])
-        held.update(k for keys in every for k in keys)
     for prefix in exact_prefixes:
         extra = [k for k in saved if k.startswith(prefix) and k not in held]
         if extra:
