@@ -140,6 +140,10 @@ def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
         verdict += (f"\nmodel: {estimate.model}\n" + expert_layout_text(
             run.moe_facts, n_layers=run.model_args.n_layers, ep=dims.ep, dp_shard=dims.dp_shard, fsdp=dims.fsdp_enabled,
             tp=dims.tp))
+    if run.pipeline is not None:
+        # Two different numbers: micro-batches flow through the stages, accumulation repeats the pipeline step.
+        verdict += (f"\npipeline: {run.pipeline.summary()}; gradient accumulation {run.n_microbatches} "
+                    f"(local batches per optimizer step)")
     verdict = "\n".join([verdict, *resume])
     unchecked = unchecked_here(run, ngpu=ngpu, preflight=preflight)
     if unchecked:

@@ -155,7 +155,8 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         microbatch_size=par.pipeline_microbatch_size, split_points=par.pipeline_split_points,
         layers_per_stage=par.pipeline_layers_per_stage, n_layers=args.n_layers,
         local_batch_size=config.training.local_batch_size, blocks=spec.parallel_plan.blocks,
-        tied_embeddings=getattr(args, "tie_word_embeddings", False))
+        tied_embeddings=getattr(args, "tie_word_embeddings", False),
+        compiled_blocks=config.compile.enable and "model" in config.compile.components)
     moe_facts = spec.moe_facts(args) if spec.moe_facts is not None else None
     check_expert_parallel(dims.ep, moe_facts, config.model)
     check_pipeline_expert_parallel(pipeline, ep=dims.ep, ac_mode=config.activation_checkpoint.mode)

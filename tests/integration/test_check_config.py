@@ -253,3 +253,14 @@ def test_a_tp_that_does_not_split_the_moe_evenly_is_refused_before_launch(check,
     assert status == 2
     assert ("error: parallelism.tp=2 leaves each rank 20 of the experts' hidden_dim=40 channels, not a multiple of "
             "8: torch._grouped_mm needs 16-byte aligned strides in bfloat16") in err
+
+
+def test_the_pipeline_layout_is_stated_with_accumulation_as_its_own_number(check):
+    """Stages per rank, blocks per stage and micro-batches per local batch, apart from gradient accumulation."""
+    status, out, _ = check(["--parallelism.pp", "2", "--parallelism.pipeline_schedule", "Interleaved1F1B",
+                            "--parallelism.pipeline_microbatch_size", "2", "--training.global_batch_size", "64",
+                            "--parallelism.dp_shard", "2"], NPROC="4")
+    assert status == 0
+    assert ("pipeline: PP 2 (Interleaved1F1B, 4 stages, 2 per rank, 8 micro-batches of 2); blocks per stage 1, 2, 2, "
+            "1 (the first adds the embedding, the last the head); gradient accumulation 2 (local batches per "
+            "optimizer step)") in out

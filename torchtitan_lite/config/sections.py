@@ -98,7 +98,8 @@ class ParallelismConfig:
     pipeline_schedule: Literal["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] = "1F1B"
     """Pipeline schedule (torch.distributed.pipelining). 1F1B holds one stage per rank; Interleaved1F1B loops
     over several stages per rank (rank r holds stages r, r + pp, ...); ZBVZeroBubble and DualPipeV hold two
-    stages per rank in a V (rank r holds stages r and 2 pp - 1 - r)."""
+    stages per rank in a V (rank r holds stages r and 2 pp - 1 - r); they split each backward into an
+    input-gradient and a weight-gradient pass, which compiled blocks do not allow (compile only the loss)."""
     pipeline_stages_per_rank: int = 0
     """Stages each pipeline rank holds; 0 takes the schedule's own (1 for 1F1B, 2 for the others). Only
     Interleaved1F1B accepts more than 2."""

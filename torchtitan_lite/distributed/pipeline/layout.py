@@ -98,10 +98,16 @@ class PipelineLayout:
         return (f"PP {self.pp} ({self.schedule}, {self.n_stages} stages, {self.stages_per_rank} per rank, "
                 f"{self.n_microbatches} micro-batches of {self.microbatch_size})")
 
+    def summary(self) -> str:
+        """``describe`` and the blocks of each stage, for --check-config."""
+        blocks = ", ".join(str(len(stage.blocks)) for stage in self.stages)
+        return f"{self.describe()}; blocks per stage {blocks} (the first adds the embedding, the last the head)"
+
 
 def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, microbatch_size: int,
                      split_points: list[str] | tuple[str, ...], layers_per_stage: int, n_layers: int,
-                     local_batch_size: int, blocks: str = "layers", tied_embeddings: bool = False) -> PipelineLayout | None:
+                     local_batch_size: int, blocks: str = "layers", tied_embeddings: bool = False,
+                     compiled_blocks: bool = False) -> PipelineLayout | None:
     """The pipeline layout of a run, or None without pipeline parallelism (pp 1). Refuses with the fix."""
     if pp == 1:
         if split_points or layers_per_stage:
@@ -117,6 +123,12 @@ def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, microbatch
             f"parallelism.pp={pp} cannot split a model whose embedding and output head share one matrix "
             "(tie_word_embeddings): they live on the first and the last stage. Use a flavor with untied embeddings "
             "or parallelism.pp=1")
+    if compiled_blocks and facts.split_backward:
+        raise ValueError(
+            f"parallelism.pipeline_schedule={schedule} splits each backward into an input-gradient and a "
+            "weight-gradient pass over one retained graph, which compiled blocks do not allow (their backward "
+            "donates its buffers and runs once): use the 1F1B or Interleaved1F1B schedule, or compile only the "
+            "loss (--compile.components loss)")
     n_stages = _n_stages(pp, facts, stages_per_rank, layers_per_stage, n_layers, schedule)
     if n_stages > n_layers:
         raise ValueError(
@@ -189,7 +201,8 @@ def _check_microbatches(schedule: str, n: int, *, pp: int, n_stages: int, microb
         raise ValueError(f"the 1F1B schedule needs at least as many micro-batches as stages ({pp}): {fix}")
     if schedule == "DualPipeV" and n < n_stages:
         raise ValueError(f"the DualPipeV schedule needs at least as many micro-batches as stages ({n_stages}): {fix}")
-    if schedule in ("Interleaved1F1B", "ZBVZeroBubble"):
+    # ZBVZeroBubble takes any count: its order is built for max(2 pp - 1, n) micro-batches and cut to n.
+    if schedule == "Interleaved1F1B":
         rounds = max(1, n // pp)
         if n % rounds != 0:
             raise ValueError(f"the {schedule} schedule runs micro-batches in rounds of pp={pp}, so their number must be "

@@ -33,7 +33,7 @@ class PipelineRunner:
         self.layout = layout
         self.stage_ids = stage_ids
         self.loss_fn = loss_fn
-        self.stages = [pipelining.PipelineStage(module, stage_id, layout.n_stages, device, group=group)
+        self.stages = [_Stage(module, stage_id, layout.n_stages, device, group=group)
                        for module, stage_id in zip(modules, stage_ids, strict=True)]
         self.holds_first = 0 in stage_ids
         self.holds_last = layout.n_stages - 1 in stage_ids
@@ -109,3 +109,17 @@ class PipelineRunner:
         if self._global_tokens is None:  # eval: nothing is differentiated
             return loss_sum
         return self._objective(loss_sum / self._global_tokens)
+
+
+class _Stage(pipelining.PipelineStage):
+    """A PipelineStage that V schedules can also evaluate: torch's runtime hands the input gradient from a
+    rank's stage to its other, adjacent stage even in ``eval``, where no stage has a backward (torch 2.13
+    raises "can't steal_bwd_input if this stage doesn't have backward"). Without a backward there is nothing
+    to hand over."""
+
+    def get_local_bwd_output(self, mb_index: int) -> tuple[torch.Tensor | None, ...]:
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple[torch.Tensor | None, ...], mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
