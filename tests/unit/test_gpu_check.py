@@ -203,3 +203,22 @@ def test_pipeline_stages_are_skipped_with_the_reason_on_one_gpu(tmp_path, monkey
     summary = {s["key"]: s for s in json.loads((tmp_path / "summary.json").read_text())["stages"]}
     assert (summary["f"]["skipped"], summary["f"]["passed"], summary["a"]["skipped"]) == (True, True, False)
     assert "| f. two GPUs | skipped | skipped: needs 2 GPUs" in (tmp_path / "BENCHMARKS_section.md").read_text()
+
+
+def test_figures_of_the_pipeline_stages(tmp_path):
+    log = ("[rank0]:00:01:24 INFO torchtitan_lite: step      0  validation loss  15.2529\n"
+           "[rank0]:00:01:25 INFO torchtitan_lite: step      1  loss  15.7380  grad_norm  2.2481  lr 1.200e-03\n"
+           "[rank0]:00:01:30 INFO torchtitan_lite: step      4  loss   9.8918  grad_norm  6.8270  lr 3.000e-03\n")
+    assert gpu_check._pp_train_figure(tmp_path, log) == (True, "PP 2 x 1F1B: loss 15.7380 at step 1 -> 9.8918 at step 4")
+    assert gpu_check._pp_train_figure(tmp_path, log.replace("9.8918", "nan"))[0] is False
+    assert gpu_check._pp_train_figure(tmp_path, "") == (False, "no training loss in the log")
+
+    assert gpu_check._bubble_figure(tmp_path, "") == (False, "no bubble table (see g_pipeline_bubble.log)")
+    (tmp_path / "g_pipeline_bubble.md").write_text(
+        "Pipeline bubble, ...\n\n- GPUs: NVIDIA H100 80GB HBM3, one per rank (NCCL)\n\n"
+        "| ranks | schedule | stages/rank | micro-batches | step ms | idle share per rank | mean | theory | "
+        "chunk ms F / B / I / W | compute CPU share |\n|---:|---|\n"
+        "| 2 | 1F1B | 1 | 8 | 310 | 12.0%, 11.0% | 11.5% | 11.1% | 10.0 / 20.0 / - / - | 1.00 |\n"
+        "| 2 | ZBVZeroBubble | 2 | 8 | 290 | 3.0%, 4.0% | 3.5% | 0.0% | 5.0 / - / 5.0 / 5.0 | 1.00 |\n")
+    assert gpu_check._bubble_figure(tmp_path, "") == (
+        True, "1F1B idle 11.5% (theory 11.1%), step 310 ms; ZBVZeroBubble idle 3.5% (theory 0.0%), step 290 ms")

@@ -262,8 +262,8 @@ def _pp_train_figure(out: Path, log: str) -> tuple[bool, str]:
     if not losses:
         return False, "no training loss in the log"
     (first_step, first), (last_step, last) = losses[0], losses[-1]
-    # 20 steps at lr 3e-3 leave the first loss (~7.6, uniform over the 2048 tokens) well behind.
-    sound = last == last and last < first
+    # A pipeline that trains: 20 steps at lr 3e-3 leave the first loss well behind (a NaN fails the comparison).
+    sound = last < first
     return sound, f"PP {PP_GPUS} x 1F1B: loss {first:.4f} at step {first_step} -> {last:.4f} at step {last_step}"
 
 
