@@ -75,3 +75,13 @@ def test_two_gloo_ranks_time_every_chunk_inside_the_step():
     assert counts[3] == {"forward": 8, "backward_input": 8, "backward_weight": 8}
     for r in results:
         assert 0 < r.compute_s <= r.step_s and 0 <= bubble.idle_share(r.step_s, r.compute_s) < 1
+
+
+def test_cuda_rows_have_no_cpu_share():
+    # On CUDA compute is GPU time from events, so thread CPU time says nothing about it.
+    ranks = [bubble.RankResult(2, "1F1B", r, (r,), step_s=1.0, compute_s=0.9, compute_cpu_s=0.0,
+                               kind_s={"forward": 0.3, "backward": 0.6}, kind_count={"forward": 8, "backward": 8},
+                               gpu="NVIDIA H100 80GB HBM3") for r in range(2)]
+    row, = bubble.summarize(ranks, bubble.Settings(steps=1, device="cuda"))
+    assert row.cpu_share is None and bubble.markdown([row])[-1].endswith("| 37.5 / 75.0 / - / - | - |")
+    assert bubble.environment([2], ranks, "cmd", (1.0, 2.0))[0].startswith("- GPUs: NVIDIA H100 80GB HBM3, one per rank")

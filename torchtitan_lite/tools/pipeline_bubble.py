@@ -8,7 +8,8 @@ builds the stages as the trainer does (``resolve_pipeline`` -> ``build_stage_mod
 from a model whose stages are equal: the blocks are split evenly with explicit split points and the
 vocabulary is small, so the embedding and the head add little to the first and last stage. Each step runs
 between two barriers; a rank's compute is the wall time inside its stages' ``forward_one_chunk``,
-``backward_one_chunk`` and ``backward_weight_one_chunk`` and the loss function; everything else in the step
+``backward_one_chunk`` and ``backward_weight_one_chunk`` and the loss function (on CUDA the GPU time between
+events around those calls); everything else in the step
 (waiting for a neighbour's activations or gradients, send/receive, the schedule's bookkeeping, the closing
 barrier) is idle. The idle share of a rank is ``1 - compute / step``, summed over the measured steps.
 
@@ -161,11 +162,14 @@ def chunk_means(results: list[RankResult]) -> dict[str, float]:
 
 
 class ComputeClock:
-    """Wall and CPU time spent inside a runner's stage computations and its loss function."""
+    """Time spent inside a runner's stage computations and its loss function. On a CPU: wall and thread CPU
+    time around each call. On CUDA: GPU time between events recorded on the compute stream around each call,
+    read by ``settle`` once the step is done; this neither blocks the CPU (a device-wide synchronize would
+    also wait for pending sends, which wait for the neighbour) nor counts a wait for a receive, which the
+    schedule queues on the stream before the call."""
 
-    def __init__(self, runner: PipelineRunner, *, sync: Callable[[], None] = lambda: None) -> None:
-        self.sync = sync
-        """Waits for the device's queued work (CUDA runs asynchronously; the CPU needs nothing)."""
+    def __init__(self, runner: PipelineRunner, *, cuda: bool = False) -> None:
+        self.cuda = cuda
         self.reset()
         for stage in runner.stages:
             self._wrap(stage, "forward_one_chunk", lambda kwargs: "forward")
@@ -178,6 +182,13 @@ class ComputeClock:
         self.kind_s: dict[str, float] = defaultdict(float)
         self.kind_count: dict[str, int] = defaultdict(int)
         self.cpu_s = 0.0
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def settle(self) -> None:
+        """Add the GPU times of the step's calls (CUDA; call after synchronizing the device)."""
+        for kind, start, end in self._events:
+            self.kind_s[kind] += start.elapsed_time(end) / 1000
+        self._events = []
 
     @property
     def compute_s(self) -> float:
@@ -187,15 +198,21 @@ class ComputeClock:
         original = getattr(owner, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            self.sync()
+            kind = kind_of(kwargs)
+            self.kind_count[kind] += 1
+            if self.cuda:
+                start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start_event.record()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    end_event.record()
+                    self._events.append((kind, start_event, end_event))
             start, cpu_start = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
-                self.sync()
-                kind = kind_of(kwargs)
                 self.kind_s[kind] += time.perf_counter() - start
-                self.kind_count[kind] += 1
                 self.cpu_s += time.thread_time() - cpu_start
 
         setattr(owner, name, timed)
@@ -232,7 +249,7 @@ def measure_schedule(rank: int, pp: int, schedule: str, settings: Settings) -> R
     assert world is not None  # the process group is initialised by the rank's entry
     runner = PipelineRunner(layout, modules, stage_ids, group=world, device=device,
                             loss_fn=cross_entropy_sum)
-    clock = ComputeClock(runner, sync=torch.cuda.synchronize if device.type == "cuda" else lambda: None)
+    clock = ComputeClock(runner, cuda=device.type == "cuda")
     barrier = (lambda: dist.barrier(device_ids=[rank])) if device.type == "cuda" else dist.barrier
     batch = settings.n_microbatches * settings.microbatch_size
     tokens = torch.randint(0, settings.vocab_size, (batch, settings.seq_len + 1), generator=torch.Generator().manual_seed(1))
@@ -248,7 +265,9 @@ def measure_schedule(rank: int, pp: int, schedule: str, settings: Settings) -> R
         barrier()
         start = time.perf_counter()
         runner.step(inputs, labels, global_tokens=global_tokens)
-        clock.sync()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            clock.settle()
         barrier()  # the step ends when the last rank is done: a rank that finished early idles until then
         elapsed = time.perf_counter() - start
         if step >= settings.warmup:
@@ -329,7 +348,8 @@ class Row:
     """Per rank."""
     theory: float | None
     chunk_ms: dict[str, float]
-    cpu_share: float
+    cpu_share: float | None
+    """Thread CPU time over wall time inside compute (None on CUDA, where compute is GPU time)."""
 
 
 def summarize(results: list[RankResult], settings: Settings) -> list[Row]:
@@ -346,6 +366,7 @@ def summarize(results: list[RankResult], settings: Settings) -> list[Row]:
                         1000 * max(r.step_s for r in ranks) / settings.steps,
                         [idle_share(r.step_s, r.compute_s) for r in ranks], theory,
                         {k: 1000 * v for k, v in chunks.items()},
+                        None if any(r.gpu for r in ranks) else
                         sum(r.compute_cpu_s for r in ranks) / sum(r.compute_s for r in ranks)))
     return rows
 
@@ -360,7 +381,7 @@ def markdown(rows: list[Row]) -> list[str]:
         theory = "n/a" if row.theory is None else f"{row.theory:.1%}"
         lines.append(f"| {row.pp} | {row.schedule} | {row.stages_per_rank} | {row.n_microbatches} | {row.step_ms:.0f} | "
                      f"{', '.join(f'{x:.1%}' for x in row.idle)} | {sum(row.idle) / len(row.idle):.1%} | {theory} | "
-                     f"{chunk} | {row.cpu_share:.2f} |")
+                     f"{chunk} | {'-' if row.cpu_share is None else f'{row.cpu_share:.2f}'} |")
     return lines
 
 
