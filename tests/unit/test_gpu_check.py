@@ -22,16 +22,17 @@ def _script(*args: str) -> subprocess.CompletedProcess:
                           env=dict(os.environ, TTL_PYTHON=sys.executable), timeout=600)
 
 
-def test_plan_lists_stages_a_to_e_and_their_commands_within_the_budget(tmp_path):
+def test_plan_lists_stages_a_to_g_and_their_commands_within_the_budget(tmp_path):
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "torchao-0.18.0-py3-none-any.whl").write_bytes(b"")
     result = _script("--plan", "--out", str(tmp_path / "out"), "--wheels", str(tmp_path / "w"))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     stages = [line for line in lines if line.startswith("# stage ")]
-    assert [s.split(":")[0] for s in stages] == ["# stage a", "# stage b", "# stage c", "# stage d", "# stage e"]
+    assert [s.split(":")[0] for s in stages] == [f"# stage {k}" for k in "abcdefg"]
+    assert [s.endswith("needs 2 GPUs, skipped on a machine with fewer)") for s in stages] == [False] * 5 + [True] * 2
     commands = [line for line in lines if not line.startswith("#")]
-    assert len(commands) == 6  # the wheel install, then one command per stage
+    assert len(commands) == 8  # the wheel install, then one command per stage
     assert commands[0].startswith(f"{sys.executable} -m pip install --no-index --no-deps")
     assert "-m pytest -m gpu tests/gpu" in commands[1]
     assert ("scripts/float8_layer_bench.py --shapes llama3_8b --recipes tensorwise rowwise rowwise_with_gw_hp "
@@ -40,8 +41,12 @@ def test_plan_lists_stages_a_to_e_and_their_commands_within_the_budget(tmp_path)
             in commands[3])
     assert "--model.n_layers 4 --training.seq_len 8192" in commands[3] and "--compile.enable true" in commands[3]
     assert "scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 --steps 200" in commands[4]
+    assert commands[6].startswith("env NGPU=2 ") and "run_train.sh --config llama3_debug --parallelism.pp 2" in commands[6]
+    assert "scripts/pipeline_bubble.py --device cuda --pp 2 " in commands[7]
     assert f"output under {tmp_path / 'out'}" in lines[0]
-    assert sum(s.timeout_s for s in gpu_check.build_stages("python", tmp_path)) <= gpu_check.BUDGET_S
+    assert "one-GPU stage limits add up to 540 s (budget 540 s), stages needing 2+ GPUs add 240 s" in lines[0]
+    single_gpu = [s for s in gpu_check.build_stages("python", tmp_path) if s.gpus == 1]
+    assert sum(s.timeout_s for s in single_gpu) <= gpu_check.BUDGET_S
 
 
 def test_stage_b_recipes_are_the_benchmarks_own():
@@ -135,8 +140,11 @@ def test_a_failing_stage_does_not_stop_the_next_and_lands_in_the_markdown(tmp_pa
 
 def test_a_subset_of_stages_shares_the_budget_and_merges_with_earlier_results(tmp_path):
     stages = gpu_check.build_stages("python", tmp_path)
-    assert [s.timeout_s for s in gpu_check.select_stages(stages, "abcde")] == [s.timeout_s for s in stages]
+    assert [s.timeout_s for s in gpu_check.select_stages(stages, "abcdefg")] == [s.timeout_s for s in stages]
     assert [(s.key, s.timeout_s) for s in gpu_check.select_stages(stages, "b")] == [("b", gpu_check.BUDGET_S)]
+    # The two-GPU stages keep their own limits; the one-GPU stages chosen with them still share the budget.
+    assert [(s.key, s.timeout_s) for s in gpu_check.select_stages(stages, "bfg")] == [
+        ("b", gpu_check.BUDGET_S), ("f", stages[5].timeout_s), ("g", stages[6].timeout_s)]
 
     def result(key: str, figure: str) -> gpu_check.StageResult:
         return gpu_check.StageResult(key, key, "cmd", True, figure, 1.0, 0, f"{key}.log")
@@ -145,3 +153,72 @@ def test_a_subset_of_stages_shares_the_budget_and_merges_with_earlier_results(tm
     (tmp_path / "summary.json").write_text(json.dumps({"stages": [vars(r) for r in earlier]}))
     merged = gpu_check.merge_results(tmp_path, [result("b", "second b"), result("c", "c")])
     assert [(r.key, r.figure) for r in merged] == [("a", "first a"), ("b", "second b"), ("c", "c")]
+
+
+def test_stage_f_trains_llama3_debug_on_a_two_rank_pipeline():
+    from config_registry import DEFAULT_REGISTRY as registry
+    from torchtitan_lite.config import parse_cli
+    from torchtitan_lite.resolved_run import resolve_run
+
+    command = gpu_check.build_stages("python", Path("/out"))[5].command
+    assert command[:3] == ["env", "NGPU=2", str(REPO / "run_train.sh")]
+    cfg = parse_cli(command[3:], registry=registry).config
+    run = resolve_run(cfg, world_size=2, device_type="cpu", vocab_size=None)
+    assert run.pipeline is not None and (run.pipeline.pp, run.pipeline.schedule) == (2, "1F1B")
+    assert (cfg.training.steps, cfg.checkpoint.enable, cfg.job.dump_folder) == (20, False, "/out/f_run")
+
+
+def test_stage_g_measures_every_schedule_on_two_gpus():
+    from torchtitan_lite.tools import pipeline_bubble
+
+    command = gpu_check.build_stages("python", Path("/out"))[6].command
+    args, settings = pipeline_bubble.parse_args(command[2:])  # also resolves each schedule's layout
+    assert (args.pp, args.schedules, settings.device) == ([2], list(pipeline_bubble.SCHEDULES), "cuda")
+    assert (settings.flavor, settings.n_layers, settings.seq_len) == ("8B", 8, 1024)
+
+
+def test_pipeline_stages_are_skipped_with_the_reason_on_one_gpu(tmp_path, monkeypatch, capsys):
+    """On a one-GPU machine stages f and g do not run, say why, and leave the exit status to the others."""
+    stages = gpu_check.build_stages("python", tmp_path)
+    assert [s.key for s in stages if gpu_check.skip_reason(s, 2) is None] == list("abcdefg")
+    assert [s.key for s in stages if gpu_check.skip_reason(s, 1) is None] == list("abcde")
+    assert gpu_check.skip_reason(stages[5], 1) == (
+        "skipped: needs 2 GPUs (one per pipeline rank), this machine has 1; run it on a machine with 2 or more")
+
+    def figure(out: Path, log: str) -> tuple[bool, str]:
+        return True, log.strip()
+
+    fake = [gpu_check.Stage("a", "fine", "one GPU", [sys.executable, "-c", "print('ran')"], 30, figure),
+            gpu_check.Stage("f", "pp", "two GPUs", [sys.executable, "-c", "raise SystemExit(3)"], 30, figure, gpus=2)]
+    info = dict(gpus="1", device="NVIDIA H100 80GB HBM3", driver="570.1", cuda="13.0", torch="2.11.0",
+                torchao="0.18.0", commit="abc1234", date="2026-11-24 07:00 UTC")
+    monkeypatch.setattr(gpu_check, "build_stages", lambda python, out: fake)
+    monkeypatch.setattr(gpu_check, "probe_interpreter", lambda python: ([], dict(info)))
+    assert gpu_check.main(["--out", str(tmp_path), "--stages", "af"]) == 0
+    printed = capsys.readouterr().out
+    assert ("[f] SKIPPED: needs 2 GPUs (one per pipeline rank), this machine has 1; run it on a machine with 2 or "
+            "more") in printed
+    assert "gpu_check: 1 of 1 stages passed; skipped (too few GPUs): f." in printed
+    assert not (tmp_path / "f_pp.log").exists()
+    summary = {s["key"]: s for s in json.loads((tmp_path / "summary.json").read_text())["stages"]}
+    assert (summary["f"]["skipped"], summary["f"]["passed"], summary["a"]["skipped"]) == (True, True, False)
+    assert "| f. two GPUs | skipped | skipped: needs 2 GPUs" in (tmp_path / "BENCHMARKS_section.md").read_text()
+
+
+def test_figures_of_the_pipeline_stages(tmp_path):
+    log = ("[rank0]:00:01:24 INFO torchtitan_lite: step      0  validation loss  15.2529\n"
+           "[rank0]:00:01:25 INFO torchtitan_lite: step      1  loss  15.7380  grad_norm  2.2481  lr 1.200e-03\n"
+           "[rank0]:00:01:30 INFO torchtitan_lite: step      4  loss   9.8918  grad_norm  6.8270  lr 3.000e-03\n")
+    assert gpu_check._pp_train_figure(tmp_path, log) == (True, "PP 2 x 1F1B: loss 15.7380 at step 1 -> 9.8918 at step 4")
+    assert gpu_check._pp_train_figure(tmp_path, log.replace("9.8918", "nan"))[0] is False
+    assert gpu_check._pp_train_figure(tmp_path, "") == (False, "no training loss in the log")
+
+    assert gpu_check._bubble_figure(tmp_path, "") == (False, "no bubble table (see g_pipeline_bubble.log)")
+    (tmp_path / "g_pipeline_bubble.md").write_text(
+        "Pipeline bubble, ...\n\n- GPUs: NVIDIA H100 80GB HBM3, one per rank (NCCL)\n\n"
+        "| ranks | schedule | stages/rank | micro-batches | step ms | idle share per rank | mean | theory | "
+        "chunk ms F / B / I / W | compute CPU share |\n|---:|---|\n"
+        "| 2 | 1F1B | 1 | 8 | 310 | 12.0%, 11.0% | 11.5% | 11.1% | 10.0 / 20.0 / - / - | 1.00 |\n"
+        "| 2 | ZBVZeroBubble | 2 | 8 | 290 | 3.0%, 4.0% | 3.5% | 0.0% | 5.0 / - / 5.0 / 5.0 | 1.00 |\n")
+    assert gpu_check._bubble_figure(tmp_path, "") == (
+        True, "1F1B idle 11.5% (theory 11.1%), step 310 ms; ZBVZeroBubble idle 3.5% (theory 0.0%), step 290 ms")

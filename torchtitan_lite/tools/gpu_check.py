@@ -1,12 +1,15 @@
-"""GPU acceptance run: the CUDA tests, FP8 layer speed, 8B-width training throughput and an FP8 loss check.
+"""GPU acceptance run: the CUDA tests, FP8 layer speed, 8B-width training throughput, an FP8 loss check and,
+with 2+ GPUs, pipeline parallelism.
 
     scripts/gpu_check.sh                        # everything, into gpu_check/<date>-<commit>/
     scripts/gpu_check.sh --plan                 # print the commands and exit (works without a GPU)
     TTL_PYTHON=/opt/py/bin/python scripts/gpu_check.sh --wheels /data/wheels --out /data/gpu_run
 
 Stages, in order (each in its own process with its own time limit; a failed stage does not stop the
-next; the exit status is 1 if any failed). ``--stages`` runs some of them, with the 9 minutes shared
-among those; results of other stages already in the same ``--out`` folder are kept in the report, so
+next; the exit status is 1 if any failed). Stages a-e need one GPU and share 9 minutes; f and g need two
+and add their own limits; on a machine with fewer GPUs than a stage needs, the stage is skipped, says why,
+and does not fail the run. ``--stages`` runs some of them, the 9 minutes shared among the one-GPU stages
+chosen; results of other stages already in the same ``--out`` folder are kept in the report, so
 ``--stages ab`` then ``--stages cde`` into one folder gives the same report as one run:
 
 a. ``pytest -m gpu tests/gpu``: the tests that exist only for CUDA (real ``_scaled_mm`` vs emulation,
@@ -23,6 +26,10 @@ d. ``scripts/loss_compare.py``: 200 steps of llama3_debug_bf16 vs llama3_debug_f
 e. ``scripts/benchmark.py`` on the MoE family: Qwen3-30B-A3B's width (128 experts, top-8) cut to 2 blocks
    so that it fits one GPU, seq 4096, BF16 grouped experts vs FP8 rowwise experts (torchao's grouped
    GEMM kernels on Hopper), eager, on the embedded corpus with the byte tokenizer: tokens/s per config.
+f. ``NGPU=2 ./run_train.sh --config llama3_debug --parallelism.pp 2``: 20 steps of the 1F1B pipeline on two
+   GPUs (NCCL), validation included: the first and last loss.
+g. ``scripts/pipeline_bubble.py --device cuda --pp 2``: each schedule's idle share of a step on two GPUs
+   against its theory, at the 8B width cut to 8 blocks, float32.
 
 With ``--wheels DIR`` the wheels in DIR and its subfolders (scripts/fetch_gpu_wheels.sh) are installed
 into the interpreter first, offline (``pip install --no-index --no-deps``). Everything is written under
@@ -50,12 +57,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 9 * 60
-"""The whole run fits in 9 minutes on one H100; the stage limits below add up to this."""
+"""The one-GPU stages (a-e) fit in 9 minutes on one H100; their limits below add up to this. Stages that need
+more GPUs add their own limits on machines that have them."""
 BENCH_CONFIGS = ("llama3_8b", "llama3_8b_fp8", "llama3_8b_fp8_rowwise")
 BENCH_LAYERS = 4
 MOE_BENCH_CONFIGS = ("qwen3_moe_30b_a3b", "qwen3_moe_30b_a3b_fp8")
 MOE_BENCH_LAYERS = 2
-STAGE_KEYS = "abcde"
+STAGE_KEYS = "abcdefg"
+PP_GPUS = 2
+"""GPUs the pipeline stages (f, g) need: one per pipeline rank."""
+PP_BUBBLE_ARGS = ("--flavor", "8B", "--n-layers", "8", "--seq-len", "1024", "--microbatch-size", "1",
+                  "--n-microbatches", "8")
+"""Stage g's model: 8B-width blocks (a ~9 ms forward per block at 1024 tokens in float32 on an H100), so
+compute dominates the NCCL send/receive latency and the bubble shows."""
 LAYER_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
 """Stage b's recipes: torchao's float8 recipes and the float8_blockwise converter's Linear."""
 TARGET_FP8_SPEEDUP = 1.25
@@ -74,6 +88,8 @@ class Stage:
     timeout_s: int
     figure: Callable[[Path, str], tuple[bool, str]]
     """Reads the stage's outputs (its folder and its log text) -> (figures look sound, figure text)."""
+    gpus: int = 1
+    """GPUs the stage needs; on a machine with fewer it is skipped (``skip_stage``)."""
 
 
 @dataclass
@@ -87,6 +103,8 @@ class StageResult:
     exit_code: int | None
     log: str
     details: dict = field(default_factory=dict)
+    skipped: bool = False
+    """Not run: the machine has fewer GPUs than the stage needs (the figure says so). Does not fail the run."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,18 +141,37 @@ def build_stages(python: str, out: Path) -> list[Stage]:
                "--title", f"qwen3_moe 30B-A3B width, {MOE_BENCH_LAYERS} blocks, seq 4096",
                "--out-md", str(out / "e_benchmark.md"), "--json-out", str(out / "e_benchmark.json"),
                "--logs", str(out / "e_logs")], 85, _benchmark_figure("e_benchmark.json")),
-
+        Stage("f", "pp_train", f"pipeline parallelism, llama3_debug, PP {PP_GPUS} x 1F1B, 20 steps",
+              ["env", f"NGPU={PP_GPUS}", str(REPO / "run_train.sh"), "--config", "llama3_debug", "--parallelism.pp",
+               str(PP_GPUS), "--parallelism.pipeline_schedule", "1F1B", "--training.steps", "20",
+               "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
+               "--validation.freq", "20", "--job.dump_folder", str(out / "f_run")], 90, _pp_train_figure,
+              gpus=PP_GPUS),
+        Stage("g", "pipeline_bubble", f"pipeline bubble per schedule on {PP_GPUS} GPUs, 8B width x 8 blocks",
+              [python, str(scripts / "pipeline_bubble.py"), "--device", "cuda", "--pp", str(PP_GPUS), *PP_BUBBLE_ARGS,
+               "--out-md", str(out / "g_pipeline_bubble.md"), "--json-out", str(out / "g_pipeline_bubble.json")], 150,
+              _bubble_figure, gpus=PP_GPUS),
     ]
 
 
 def select_stages(stages: list[Stage], keys: str) -> list[Stage]:
-    """The stages named in ``keys``, their limits scaled so that they share the whole budget.
+    """The stages named in ``keys``, the one-GPU stages' limits scaled so that they share the whole budget.
 
-    Run alone (``--stages b``), a stage gets all 9 minutes; all five get their default shares.
+    Run alone (``--stages b``), a one-GPU stage gets all 9 minutes; all five get their default shares. The
+    multi-GPU stages keep their own limits.
     """
     chosen = [s for s in stages if s.key in keys]
-    scale = BUDGET_S / sum(s.timeout_s for s in chosen)
-    return [dataclasses.replace(s, timeout_s=int(s.timeout_s * scale)) for s in chosen]
+    single = sum(s.timeout_s for s in chosen if s.gpus == 1)
+    scale = BUDGET_S / single if single else 1.0
+    return [dataclasses.replace(s, timeout_s=int(s.timeout_s * scale)) if s.gpus == 1 else s for s in chosen]
+
+
+def skip_reason(stage: Stage, gpus: int) -> str | None:
+    """Why ``stage`` cannot run on a machine with ``gpus`` GPUs, or None when it can."""
+    if stage.gpus <= gpus:
+        return None
+    return (f"skipped: needs {stage.gpus} GPUs (one per pipeline rank), this machine has {gpus}; "
+            f"run it on a machine with {stage.gpus} or more")
 
 
 def merge_results(out: Path, results: list[StageResult]) -> list[StageResult]:
@@ -219,12 +256,40 @@ def _loss_figure(out: Path, log: str) -> tuple[bool, str]:
     return True, "; ".join(f"{name} mean |loss gap| {gap} nats ({verdict})" for name, gap, verdict in gaps)
 
 
+def _pp_train_figure(out: Path, log: str) -> tuple[bool, str]:
+    losses = [(int(step), float(loss)) for step, loss in
+              re.findall(r"step\s+(\d+)\s+loss\s+([-+0-9.naif]+)", re.sub(r"\x1b\[[0-9;]*m", "", log))]
+    if not losses:
+        return False, "no training loss in the log"
+    (first_step, first), (last_step, last) = losses[0], losses[-1]
+    # A pipeline that trains: 20 steps at lr 3e-3 leave the first loss well behind (a NaN fails the comparison).
+    sound = last < first
+    return sound, f"PP {PP_GPUS} x 1F1B: loss {first:.4f} at step {first_step} -> {last:.4f} at step {last_step}"
+
+
+def _bubble_figure(out: Path, log: str) -> tuple[bool, str]:
+    path = out / "g_pipeline_bubble.md"
+    if not path.exists():
+        return False, "no bubble table (see g_pipeline_bubble.log)"
+    header, *rows = [_cells(line) for line in path.read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    parts = []
+    for row in rows:
+        cell = dict(zip(header, row, strict=True))
+        parts.append(f"{cell['schedule']} idle {cell['mean']} (theory {cell['theory']}), step {cell['step ms']} ms")
+    return bool(parts), "; ".join(parts) or "empty bubble table"
+
+
 def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
 # --------------------------------------------------------------------------------------------------
 # Running
+
+
+def skip_stage(stage: Stage, reason: str) -> StageResult:
+    print(f"[{stage.key}] {stage.title}\n[{stage.key}] SKIPPED: {reason.removeprefix('skipped: ')}", flush=True)
+    return StageResult(stage.key, stage.title, shlex.join(stage.command), True, reason, 0.0, None, "", skipped=True)
 
 
 def run_stage(stage: Stage, out: Path, env: dict[str, str]) -> StageResult:
@@ -315,7 +380,8 @@ def markdown_section(results: list[StageResult], info: dict[str, str], command: 
              "| stage | result | figure | seconds |", "|---|---|---|---:|"]
     for r in results:
         figure = r.figure.replace("|", "\\|")
-        lines.append(f"| {r.key}. {r.title} | {'pass' if r.passed else '**FAIL**'} | {figure} | {r.seconds:.0f} |")
+        verdict = "skipped" if r.skipped else "pass" if r.passed else "**FAIL**"
+        lines.append(f"| {r.key}. {r.title} | {verdict} | {figure} | {r.seconds:.0f} |")
     for name, heading in (("c_benchmark.md", None), ("d_loss_compare.md", "Loss comparison (stage d)"),
                           ("e_benchmark.md", None)):
         path = out / name
@@ -363,13 +429,15 @@ def main(argv: list[str] | None = None) -> int:
     stages = select_stages(build_stages(python, out), args.stages)
     setup = wheel_install_command(python, args.wheels) if args.wheels else None
     if args.plan:
+        single = sum(s.timeout_s for s in stages if s.gpus == 1)
         print(f"# gpu_check plan: run from {REPO} with PYTHONPATH={REPO}; output under {out}; interpreter {python}; "
-              f"stage limits add up to "
-              f"{sum(s.timeout_s for s in stages)} s (budget {BUDGET_S} s)")
+              f"one-GPU stage limits add up to {single} s (budget {BUDGET_S} s), stages needing {PP_GPUS}+ GPUs "
+              f"add {sum(s.timeout_s for s in stages) - single} s where they run")
         if setup:
             print(f"# setup: install the carried wheels\n{shlex.join(setup)}")
         for s in stages:
-            print(f"# stage {s.key}: {s.title} (limit {s.timeout_s} s)\n{shlex.join(s.command)}")
+            needs = f"; needs {s.gpus} GPUs, skipped on a machine with fewer" if s.gpus > 1 else ""
+            print(f"# stage {s.key}: {s.title} (limit {s.timeout_s} s{needs})\n{shlex.join(s.command)}")
         return 0
 
     out.mkdir(parents=True, exist_ok=True)
@@ -395,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    results = merge_results(out, [run_stage(stage, out, env) for stage in stages])
+    gpus = int(info["gpus"])
+    results = merge_results(out, [run_stage(stage, out, env) if (reason := skip_reason(stage, gpus)) is None
+                                  else skip_stage(stage, reason) for stage in stages])
 
     command = shlex.join(["scripts/gpu_check.sh", *argv])
     section = markdown_section(results, info, command, out)
@@ -403,8 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.json").write_text(json.dumps({"environment": info, "command": command,
                                                   "stages": [asdict(r) for r in results]}, indent=2) + "\n")
     failed = [r.key for r in results if not r.passed]
-    print(f"\ngpu_check: {len(results) - len(failed)} of {len(results)} stages passed"
-          f"{'; failed: ' + ', '.join(failed) if failed else ''}. Markdown for BENCHMARKS.md: "
+    skipped = [r.key for r in results if r.skipped]
+    ran = len(results) - len(skipped)
+    print(f"\ngpu_check: {ran - len(failed)} of {ran} stages passed"
+          f"{'; failed: ' + ', '.join(failed) if failed else ''}"
+          f"{'; skipped (too few GPUs): ' + ', '.join(skipped) if skipped else ''}. Markdown for BENCHMARKS.md: "
           f"{out / 'BENCHMARKS_section.md'}", flush=True)
     return 1 if failed else 0
 
