@@ -142,11 +142,11 @@ class Trainer(Configurable):
         self.model_parts = self._build_model_parts()
         self.optimizers = cfg.optimizer.build(model_parts=self.model_parts)
         self.lr_schedulers = cfg.lr_scheduler.build(optimizers=self.optimizers, training_steps=cfg.training.steps)
-        # Float8 scales for the next forward are refreshed right after each optimizer step.
-        self.optimizers.register_step_post_hook(lambda *_: self.converters.post_optimizer_hook(self.model_parts))
-        # State that follows the weights (MoE expert biases) moves once per applied step: the hook does not run
-        # for a step the scaler or the spike policy skipped. One hook per part, on that part's optimizer.
+        # Right after each applied optimizer step (not one the scaler or the spike policy skipped), each part
+        # refreshes what follows its weights: the float8 scales of the next forward, MoE expert biases. One hook
+        # per part on that part's optimizer, so a rank holding several pipeline stages updates each once.
         for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
+            optimizer.register_step_post_hook(lambda *_, part=part: self.converters.post_optimizer_hook([part]))
             optimizer.register_step_post_hook(lambda *_, part=part: part.post_optimizer_step(self._dp_group()))
         self.grad_scaler = self.precision.grad_scaler(process_group=None)
 

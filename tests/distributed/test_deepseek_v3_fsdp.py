@@ -32,8 +32,10 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _grads(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, ranks: int = 1) -> dict[str, torch.Tensor]:
     """Gradients of the whole batch's mean loss: the project's FSDP sums the ranks' gradients (the trainer
-    normalises the loss by the global token count), so each rank's mean is divided by the rank count."""
+    normalises the loss by the global token count), so each rank's mean is divided by the rank count, and so is
+    the MoE balance loss's weight (as the trainer sets it: its mean over the sequences of every rank)."""
     model.train()
+    model.set_aux_loss_scale(1 / ranks)
     (F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten()) / ranks).backward()
     grads = {}
     for name, param in model.named_parameters():

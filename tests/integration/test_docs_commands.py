@@ -129,7 +129,10 @@ LONG_RUNNING = {
     "sbatch --nodes=256 scripts/slurm_multinode.sh --config llama3_405b_fp8 --parallelism.pp 8 --parallelism.tp 8 "
     "--parallelism.pipeline_schedule Interleaved1F1B --training.local_batch_size 16": "needs a SLURM cluster",
     "NPROC=2 ./run_train.sh --config llama3_debug --parallelism.pp 2 --training.steps 20":
-        "trains on 2 processes",
+        "trains on 2 processes (tests/integration/test_train_pipeline.py compares such runs with one process)",
+    "NGPU=2048 ./run_train.sh --config llama3_405b_fp8 --parallelism.pp 8 --parallelism.tp 8 "
+    "--parallelism.pipeline_schedule Interleaved1F1B --training.local_batch_size 16 --dry-run":
+        "run as written by tests/integration/test_pipeline_planning.py, which also checks every pipeline rank's numbers",
     "python scripts/convert_from_hf.py --hf-dir assets/hf/Llama-3.1-8B --config llama3_8b_fp8 --output seeds/llama3_8b":
         "needs the downloaded 8B weights",
     "python scripts/verify_checkpoint.py outputs/checkpoint":

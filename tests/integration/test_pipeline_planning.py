@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 
 LAYOUT_405B = ["--config", "llama3_405b_fp8", "--parallelism.pp", "8", "--parallelism.tp", "8",
-               "--parallelism.pipeline_schedule", "Interleaved1F1B", "--training.local_batch_size", "16",
-               "--parallelism.pipeline_microbatch_size", "1"]
-"""The README's 405B layout on 2048 GPUs: TP 8 in a node, 8 pipeline stages of nodes, FSDP 32 over the rest;
-16 micro-batches of one 8192-token sequence per local batch, 2 stages per rank."""
+               "--parallelism.pipeline_schedule", "Interleaved1F1B", "--training.local_batch_size", "16"]
+"""The README's 405B layout on 2048 GPUs, its dry-run command exactly (test_docs_commands.py leaves it to this
+test): TP 8 in a node, 8 pipeline stages of nodes, FSDP 32 over the rest; 16 micro-batches of one 8192-token
+sequence (pipeline_microbatch_size 1, the default) per local batch, 2 stages per rank."""
 LAYOUT_671B = ["--config", "deepseek_v3_671b_fp8", "--parallelism.pp", "8", "--parallelism.ep", "32",
                "--parallelism.pipeline_schedule", "1F1B", "--training.local_batch_size", "16",
                "--parallelism.pipeline_microbatch_size", "1"]

@@ -33,7 +33,7 @@ def test_tp2_without_sequence_parallel_trains_with_the_fused_optimizer(cli, tmp_
 def test_wrong_degrees_fail_before_any_process_starts(cli, tmp_path):
     result = cli(["--parallelism.tp", "3", "--job.dump_folder", str(tmp_path)], NPROC="2")
     assert result.returncode == 2
-    assert "world size 2" in result.stderr and "tp = 1 x 3 = 3" in result.stderr
+    assert "world size 2" in result.stderr and "pp x dp_replicate x tp = 1 x 1 x 3 = 3" in result.stderr
     assert "torch.distributed.run" not in result.stderr  # torchrun never started
 
 

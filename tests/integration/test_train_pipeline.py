@@ -32,7 +32,7 @@ sums differs. Measured: bit-identical losses and scales over the 5 steps (3 skip
 FP8_RTOL = 1e-4
 """float8 against float8 on the same micro-batches: the same casts, only the order of sums differs; a last-bit
 change in a weight can still move a tensor's amax and with it the float8 rounding of the whole tensor, so the
-margin is wider than float32's. Measured: bit-identical losses over the 5 steps."""
+margin is wider than float32's. Measured: bit-identical losses over 5 steps (3 in the test)."""
 
 
 def train(folder: Path, args: list[str], nproc: int = 1, config: str = "llama3_debug") -> dict[str, dict[int, float]]:
@@ -104,8 +104,8 @@ def test_two_stages_per_rank_train_as_one_process(seed, reference, tmp_path, sch
 
 @pytest.mark.slow
 def test_tp2_x_pp2_on_4_ranks_trains_as_one_process(seed, reference, tmp_path):
-    run = train(tmp_path, [*seed, "--training.steps", "5", "--parallelism.pp", "2", "--parallelism.tp", "2"], nproc=4)
-    assert set(run["train/loss"]) == {1, 2, 3, 4, 5}
+    run = train(tmp_path, [*seed, "--training.steps", "3", "--parallelism.pp", "2", "--parallelism.tp", "2"], nproc=4)
+    assert set(run["train/loss"]) == {1, 2, 3}
     assert max_rel_diff(run["train/loss"], reference["train/loss"]) <= FP32_RTOL
 
 
@@ -131,7 +131,7 @@ def test_pp2_x_fsdp2_float8_with_the_fp8_all_gather_trains_as_fsdp2(seed, tmp_pa
     micro-batches (2 samples, 2 per step): the same casts, the same documents per rank."""
     fp8 = [*seed, "--model_converters.converters.0.enable_fsdp_float8_all_gather",
            "true", "--model_converters.converters.0.precompute_float8_dynamic_scale_for_fsdp", "true",
-           "--training.steps", "5", "--parallelism.dp_shard", "2"]
+           "--training.steps", "3", "--parallelism.dp_shard", "2"]
     fsdp = train(tmp_path / "fsdp", [*fp8, "--training.local_batch_size", "2", "--training.global_batch_size", "8"],
                  nproc=2, config="llama3_debug_fp8")
     pp = train(tmp_path / "pp", [*fp8, "--parallelism.pp", "2", "--parallelism.pipeline_microbatch_size", "2"], nproc=4,
