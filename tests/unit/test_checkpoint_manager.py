@@ -312,6 +312,16 @@ def test_seed_checkpoint_initialises_another_run(tmp_path):
     assert again.ckpt.load() == 2 and torch.equal(again.model.w1.weight, run.model.w1.weight)
 
 
+def test_initial_load_path_is_read_with_checkpointing_off(tmp_path):
+    seed_run = Run(str(tmp_path / "seed"), seed=11, create_seed_checkpoint=True)
+    seed_run.ckpt.save(0, force=True, model_only=True)
+    seed_run.ckpt.close()
+    run = Run(str(tmp_path / "run"), seed=12, enable=False, initial_load_path=ckpt_dir(tmp_path / "seed", 0))
+    assert run.ckpt.load() == 0
+    assert all(torch.equal(p, q) for p, q in zip(seed_run.model.parameters(), run.model.parameters()))
+    assert not (tmp_path / "run" / "checkpoint").exists()
+
+
 def test_initial_load_with_full_state_returns_its_step(tmp_path):
     a = Run(str(tmp_path / "a"))
     a.train(4)

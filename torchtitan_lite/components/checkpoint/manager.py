@@ -139,7 +139,7 @@ class CheckpointManager(Configurable):
         (last_save_in_hf, and scripts/convert_to_hf.py unless its --dtype says otherwise)."""
         initial_load_path: str | None = None
         """DCP checkpoint folder to initialise from when the run's folder has no complete checkpoint yet
-        (a seed checkpoint, or the output of scripts/convert_from_hf.py)."""
+        (a seed checkpoint, or the output of scripts/convert_from_hf.py); read with checkpoint.enable false too."""
         initial_load_model_only: bool = True
         """Load only the model from initial_load_path (the optimizer, data and step start fresh)."""
         exclude_from_loading: list[str] = field(default_factory=list)
@@ -240,8 +240,11 @@ class CheckpointManager(Configurable):
     def load(self) -> int:
         """Restore the latest complete checkpoint (or ``load_step``); returns its step, 0 when none."""
         cfg = self.config
-        if not cfg.enable or cfg.create_seed_checkpoint:
+        if cfg.create_seed_checkpoint:
             return 0
+        if not cfg.enable:
+            # Initial weights do not need checkpoints of the run's own: a run may start from a seed and save nothing.
+            return self._initial_load(cfg.initial_load_path) if cfg.initial_load_path is not None else 0
         complete, incomplete = self._agreed_scan()
         if incomplete:
             logger.warning("ignoring checkpoint folder(s) without a %s marker (interrupted saves): %s",
