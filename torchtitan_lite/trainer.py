@@ -8,7 +8,6 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +26,6 @@ from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.profiler import Profiler
-from torchtitan_lite.components.quantization import fp8_plan_summary
 from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
@@ -44,13 +42,11 @@ from torchtitan_lite.config.sections import (
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.compile import compile_label, compile_stats, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
-from torchtitan_lite.distributed.pipeline import build_stage_modules
-from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
 from torchtitan_lite.distributed.pipeline.stats import gather_over_stages, read_part_stats
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
+from torchtitan_lite.model_parts import build_model_parts
 from torchtitan_lite.nonfinite import NonFiniteLossError, explain_nonfinite
-from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.shutdown import PreemptionWatcher
@@ -137,9 +133,14 @@ class Trainer(Configurable):
         self.precision = cfg.precision.build(resolved=self.run.precision, device=self.device)
         self.loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss,
                                           backend=cfg.compile.backend)
-        self.pipeline: PipelineRunner | None = None
-        """Runs this rank's pipeline stages under pipeline parallelism (then model_parts are those stages)."""
-        self.model_parts = self._build_model_parts()
+        built = build_model_parts(self.run, mp_policy=self.precision.mp_policy(), device=self.device,
+                                  loss_fn=self.loss_fn, seed=cfg.training.seed, cpu_offload=cfg.parallelism.fsdp_cpu_offload,
+                                  label=f"{cfg.model.name} {cfg.model.flavor}")
+        self.model_parts = built.parts
+        """The whole model, or this rank's pipeline stages."""
+        self.pipeline = built.pipeline
+        """Runs this rank's pipeline stages under pipeline parallelism; None without it."""
+        self.flops_per_token = built.flops_per_token
         self.optimizers = cfg.optimizer.build(model_parts=self.model_parts)
         self.lr_schedulers = cfg.lr_scheduler.build(optimizers=self.optimizers, training_steps=cfg.training.steps)
         # Right after each applied optimizer step (not one the scaler or the spike policy skipped), each part
@@ -227,56 +228,6 @@ class Trainer(Configurable):
             logger.info("%s", note)
         for warning in warnings:
             logger.warning("%s", warning)
-
-    def _build_model_parts(self) -> list[BaseModel]:
-        """The model on meta, converted, then (under a pipeline) cut into this rank's stages; each part
-        parallelized by the family's own function, materialised and initialised."""
-        cfg, spec = self.config, self.run.model_spec
-        with torch.device("meta"):
-            model = spec.model_cls(self.model_args)
-        self.converters.convert(model)
-        plan = fp8_plan_summary(self.converters.converters, model)
-        if plan is not None and dist_utils.is_rank0():
-            logger.info("%s", plan)
-        self.flops_per_token = model.flops_per_token(cfg.training.seq_len)
-        """Training FLOPs per token of the whole model (what MFU counts), whatever part this rank holds."""
-        n_params = model.num_params()
-        start = time.perf_counter()
-        layout = self.run.pipeline
-        stage_ids = layout.stage_ids(self.parallel_dims.pp_rank) if layout is not None else ()
-        parts = build_stage_modules(model, spec.parallel_plan, layout, stage_ids) if layout is not None else [model]
-        context = self.run.parallelize_context(mp_policy=self.precision.mp_policy())
-        init_device = "cpu" if cfg.parallelism.fsdp_cpu_offload else self.device
-        for i, part in enumerate(parts):
-            part = parts[i] = spec.parallelize_fn(part, context)
-            part.to_empty(device=init_device)
-            with torch.no_grad(), self._stage_rng(stage_ids[i] if layout is not None else 0):
-                part.init_weights(buffer_device=self.device if cfg.parallelism.fsdp_cpu_offload else None)
-            part.train()
-        logger.info("model %s %s: %s params, %.3g FLOPs/token, parallelized in %.1fs",
-                    cfg.model.name, cfg.model.flavor, f"{n_params:,}", self.flops_per_token,
-                    time.perf_counter() - start)
-        if layout is not None:
-            pp_mesh = self.parallel_dims.pp_mesh
-            assert pp_mesh is not None  # pp > 1 whenever there is a layout
-            self.pipeline = PipelineRunner(layout, parts, stage_ids, group=pp_mesh.get_group(), device=self.device,
-                                           loss_fn=self.loss_fn)
-            logger.info("%s; this rank runs %s (%s params)", layout.describe(),
-                        ", ".join(layout.stages[i].describe() for i in stage_ids),
-                        f"{sum(p.num_params() for p in parts):,}")
-        return parts
-
-    def _stage_rng(self, stage_id: int) -> contextlib.AbstractContextManager[None]:
-        """The random stream pipeline stage ``stage_id`` initialises its weights from. Every rank is seeded alike,
-        so without this each stage would draw its first parameters from the numbers stage 0's embedding drew:
-        the last stage's output head came out correlated with the embedding (initial loss about 15 instead of
-        8 on llama3_debug). Stage s seeds seed + s inside a forked RNG, so stage 0 keeps the 1-process stream
-        and the run's stream after the build is unchanged. A pipeline's initial weights therefore differ from
-        one process's; runs compared with one process start from one seed checkpoint."""
-        seed = self.config.training.seed
-        if stage_id == 0 or seed is None:
-            return contextlib.nullcontext()
-        return _seeded_fork(seed + stage_id, self.device)
 
     def _build_validator(self) -> Validator | None:
         cfg = self.config
@@ -554,14 +505,6 @@ class Trainer(Configurable):
         self.metrics.close()
         if self.config.training.gc_freq > 0:
             gc.enable()
-
-
-@contextlib.contextmanager
-def _seeded_fork(seed: int, device: torch.device) -> Iterator[None]:
-    """Run the body on the RNG seeded with ``seed`` and give the caller's RNG state back afterwards."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
 
 
 def _describe_converters(converters: list) -> str:
