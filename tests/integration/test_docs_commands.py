@@ -1,9 +1,10 @@
 """Every command in README.md and docs/*.md either runs here, exactly as written, or is listed below as
-long-running with the reason. Quick commands (help, listings, plans, estimates, checks, dry runs) run
-in parallel subprocesses; the test fails on a command that is neither run nor listed, so new docs
-cannot slip in untested commands. They run as a user types them: in a shell whose `python` has no
-torch (the project's interpreter is found by scripts/setup_env.sh, as after README command 1), and every
-script a `python scripts/...` line of README.md, docs/ or BENCHMARKS.md names shows its help there.
+long-running with the reason (or as run, with its arguments, by another test that checks it further). Quick
+commands (help, listings, plans, estimates, checks, dry runs) run in parallel subprocesses; the test fails on
+a command that is neither run nor listed, so new docs cannot slip in untested commands. They run as a user
+types them: in a shell whose `python` has no torch (the project's interpreter is found by
+scripts/setup_env.sh, as after README command 1), and every script a `python scripts/...` line of README.md,
+docs/ or BENCHMARKS.md names shows its help there.
 """
 from __future__ import annotations
 
@@ -130,9 +131,6 @@ LONG_RUNNING = {
     "--parallelism.pipeline_schedule Interleaved1F1B --training.local_batch_size 16": "needs a SLURM cluster",
     "NPROC=2 ./run_train.sh --config llama3_debug --parallelism.pp 2 --training.steps 20":
         "trains on 2 processes (tests/integration/test_train_pipeline.py compares such runs with one process)",
-    "NGPU=2048 ./run_train.sh --config llama3_405b_fp8 --parallelism.pp 8 --parallelism.tp 8 "
-    "--parallelism.pipeline_schedule Interleaved1F1B --training.local_batch_size 16 --dry-run":
-        "run as written by tests/integration/test_pipeline_planning.py, which also checks every pipeline rank's numbers",
     "python scripts/convert_from_hf.py --hf-dir assets/hf/Llama-3.1-8B --config llama3_8b_fp8 --output seeds/llama3_8b":
         "needs the downloaded 8B weights",
     "python scripts/verify_checkpoint.py outputs/checkpoint":
@@ -197,6 +195,19 @@ def _lines(block: str) -> list[str]:
     return commands
 
 
+RUN_ELSEWHERE = {
+    "NGPU=2048 ./run_train.sh --config llama3_405b_fp8 --parallelism.pp 8 --parallelism.tp 8 "
+    "--parallelism.pipeline_schedule Interleaved1F1B --training.local_batch_size 16 --dry-run":
+        "tests/integration/test_pipeline_planning.py",
+    "NGPU=512 ./run_train.sh --config llama3_405b_fp8 --parallelism.tp 8 --parallelism.dp_replicate 4 --dry-run":
+        "tests/integration/test_dry_run.py",
+    "NGPU=256 ./run_train.sh --config deepseek_v3_671b_fp8 --parallelism.ep 8 --dry-run":
+        "tests/integration/test_moe_planning.py",
+}
+"""Quick commands that take tens of seconds (cluster-size dry runs) and that another test runs with the same
+arguments and checks further (every pipeline rank's bytes, the fit in 80 GiB): run there, not twice."""
+
+
 def is_quick(command: str) -> bool:
     words = command.split()
     return any(flag in words for flag in QUICK_FLAGS)
@@ -232,8 +243,21 @@ def test_every_documented_command_is_run_or_listed():
     assert not stale, f"LONG_RUNNING lists commands the docs no longer have: {stale}"
 
 
+def test_commands_run_elsewhere_are_documented_and_run_there_with_their_arguments():
+    documented = {cmd for _, cmd in doc_commands()}
+    for command, test in RUN_ELSEWHERE.items():
+        assert command in documented and is_quick(command), command
+        text = (REPO / test).read_text()
+        env = ENV_PREFIX.match(command)
+        assert env is None or env.group(0).split("=")[1].split()[0] in text, (command, test)  # the world size
+        flags = [w for w in command.split() if w.startswith("--")]
+        values = [w for w in command.split()[1:] if not w.startswith("--") and not w.startswith("./")]
+        missing = [w for w in flags + values if w not in text]
+        assert not missing, f"{test} no longer runs {command!r}: {missing} not in it"
+
+
 def test_quick_documented_commands_run_as_written(bare_python):
-    quick = list(dict.fromkeys(cmd for _, cmd in doc_commands() if is_quick(cmd)))
+    quick = list(dict.fromkeys(cmd for _, cmd in doc_commands() if is_quick(cmd) and cmd not in RUN_ELSEWHERE))
     assert any(cmd.startswith("NGPU=8 ") for cmd in quick)  # environment prefixes are part of the command
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = dict(zip(quick, pool.map(lambda cmd: run(cmd, bare_python), quick)))
