@@ -37,7 +37,8 @@ dequantized operands in the compute dtype with ``torch._grouped_mm``. Every dequ
 value times a power of 2, exact in bfloat16 and float32, so emulation differs from the FP8 tensor cores only
 in the order of the float32 accumulation. Blockwise float32 scales give dequantized values that bfloat16
 cannot hold, so blockwise multiplies in float32 (as the dense blockwise emulation does) and writes the compute
-dtype; torch._grouped_mm's traced form takes bfloat16 only, so that GEMM runs eagerly inside compiled blocks.
+dtype; torch._grouped_mm's traced form takes bfloat16 only, so that GEMM runs eagerly inside compiled blocks. On a
+GPU a float32 torch._grouped_mm is torch's fallback: one mm per expert, after reading the offsets on the host.
 """
 from __future__ import annotations
 
