@@ -27,9 +27,9 @@ exactly as the dense blockwise recipe's (blockwise_fp8.py), e4m3 with float32 or
 Token groups are padded with zero rows to the kernels' alignment (16 rows for FP8 rowwise, 32 for MXFP8, 128
 for blockwise, ``GROUP_ALIGNMENT``) before the GEMMs: the grouped FP8 kernels need each group to start at a
 multiple of it, and the weight-gradient blocks of 32 (MXFP8) or 128 (blockwise) tokens must not straddle two
-experts. torchao 0.18's own padding
-option is unimplemented for FP8 rowwise, so the padding is done here for both recipes, in plain torch ops with
-no host synchronisation (the buffer has the upper bound of rows; rows past the last group are never read).
+experts. torchao 0.18's own padding option is unimplemented for FP8 rowwise, so the padding is done here for
+every recipe, in plain torch ops with no host synchronisation (the buffer has the upper bound of rows; rows
+past the last group are never read).
 
 Emulation quantizes and dequantizes exactly those tiles with torchao's own scale arithmetic (``amax_to_scale``
 with power-of-2 rounding and ``to_fp8_saturated`` for rowwise, ``to_mx`` for MXFP8) and multiplies the

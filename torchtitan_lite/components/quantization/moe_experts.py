@@ -1,11 +1,11 @@
 """FP8 rowwise / MXFP8 / blockwise FP8 routed experts: the ``moe_experts`` converter swaps the grouped GEMM of every
 expert module.
 
-It converts what the float8 and mx converters cannot reach: the experts' 3-D weights, computed as grouped GEMMs
-(torchtitan_lite.protocols.grouped_experts). It swaps no Linear, so it composes with either of them, which
-then take the attention (and dense feed-forward) Linears (float8_blockwise with recipe blockwise: DeepSeek-V3's
-recipe). The router gate stays in float32 under all of them:
-the MoE router declares it (``high_precision_reason``) and every FP8 plan honours that.
+It converts what the Linear converters (float8, mx, float8_blockwise) cannot reach: the experts' 3-D weights,
+computed as grouped GEMMs (torchtitan_lite.protocols.grouped_experts). It swaps no Linear, so it composes with
+any of them, which then takes the attention (and dense feed-forward) Linears; DeepSeek-V3's recipe pairs
+float8_blockwise with recipe blockwise here. The router gate stays in float32 under all of them: the MoE
+router declares it (``high_precision_reason``) and every FP8 plan honours that.
 
 Recipes (numerics in grouped_gemm.py):
 
