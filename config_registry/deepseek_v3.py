@@ -5,6 +5,7 @@ from config_registry import register
 from config_registry.llama3 import _llama3_large, llama3_debug
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8_blockwise import Float8BlockwiseConverter
+from torchtitan_lite.components.quantization.moe_experts import GroupedExpertsConverter
 from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig, ModelConfig
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.trainer import Trainer
@@ -15,10 +16,12 @@ its logits in float32 whatever the recipe, models/common/router.py); --print-fp8
 
 
 def _deepseek_v3_recipe(*, power_of_2_scales: bool) -> ModelConvertersContainer.Config:
-    """DeepSeek-V3's FP8 recipe on our Linears: blockwise E4M3 everywhere but the router gates and the output
-    head (keep_output_hp); the embedding, norms and attention core are not Linears and stay high precision."""
-    return ModelConvertersContainer.Config(converters=[Float8BlockwiseConverter.Config(
-        power_of_2_scales=power_of_2_scales, filter_fqns=[ROUTER_GATES])])
+    """DeepSeek-V3's FP8 recipe: blockwise E4M3 for every Linear but the router gates and the output head
+    (keep_output_hp), and for the routed experts' grouped GEMMs (the moe_experts converter, recipe blockwise,
+    the same scales); the embedding, norms and attention core are not Linears and stay high precision."""
+    return ModelConvertersContainer.Config(converters=[
+        Float8BlockwiseConverter.Config(power_of_2_scales=power_of_2_scales, filter_fqns=[ROUTER_GATES]),
+        GroupedExpertsConverter.Config(recipe_name="blockwise", power_of_2_scales=power_of_2_scales)])
 
 
 @register
@@ -40,8 +43,9 @@ def deepseek_v3_debug_bf16() -> Trainer.Config:
 
 @register
 def deepseek_v3_debug_fp8_blockwise() -> Trainer.Config:
-    """deepseek_v3_debug_bf16 + DeepSeek-V3's precision recipe: blockwise FP8 Linears (1x128 tiles, 128x128 weight
-    blocks, power-of-2 scales; emulated on CPU), router gates and output head in high precision."""
+    """deepseek_v3_debug_bf16 + DeepSeek-V3's precision recipe: blockwise FP8 Linears and routed experts (1x128
+    tiles, 128x128 weight blocks, power-of-2 scales; emulated on CPU), router gates and output head in high
+    precision."""
     cfg = deepseek_v3_debug_bf16()
     cfg.model_converters = _deepseek_v3_recipe(power_of_2_scales=True)
     return cfg
@@ -60,10 +64,10 @@ def deepseek_v3_16b() -> Trainer.Config:
 @register
 def deepseek_v3_671b_fp8() -> Trainer.Config:
     """DeepSeek-V3 671B (37.6B active) + compile + its FP8 recipe: blockwise Linears (torchao's kernels on sm_90,
-    float32 scales as they compute them), router gates and output head high precision; BF16, 4k sequence, peak
-    lr 2.2e-4 as published, full activation checkpointing. Routed experts stay BF16 (the blockwise converter
-    swaps nn.Linear only). Needs expert parallelism to fit 80 GB GPUs: on 256 GPUs run it with
-    --parallelism.ep 8 (README, DeepSeek-V3)."""
+    float32 scales as they compute them) and blockwise routed experts (emulated: no grouped blockwise FP8 GEMM
+    exists in torch / torchao; slower than BF16), router gates and output head high precision; BF16, 4k
+    sequence, peak lr 2.2e-4 as published, full activation checkpointing. Needs expert parallelism to fit 80 GB
+    GPUs: on 256 GPUs run it with --parallelism.ep 8 (README, DeepSeek-V3)."""
     cfg = _llama3_large("671B", lr=2.2e-4)
     cfg.model = ModelConfig(name="deepseek_v3", flavor="671B")
     cfg.training.seq_len = 4096

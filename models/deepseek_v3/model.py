@@ -72,8 +72,9 @@ class DeepSeekV3Model(Decoder[DeepSeekV3ModelArgs]):
                                          "in filter_fqns so that the plan does not count it as converted"),
             ("norms (attention_norm, ffn_norm, attention.q_norm / kv_norm, norm)", "normalisation operators"),
             ("attention core", "softmax(q k^T) v stays in the compute dtype: the report's attention operators"),
-            ("layers.*.moe.experts", "routed experts run grouped GEMMs, which a Linear recipe does not swap: BF16 "
-                                     "here, where the report runs them in FP8"),
+            ("layers.*.moe.experts", "routed experts run grouped GEMMs, which a Linear recipe does not swap: the "
+                                     "moe_experts converter's plan gives their recipe (blockwise in DeepSeek-V3's "
+                                     "recipe, as the report runs them in FP8); BF16 without it"),
         ]
 
     def moe_facts(self) -> MoEFacts:

@@ -1,6 +1,6 @@
 """MoE grouped experts on CUDA: the bf16 grouped GEMM against the per-expert loop, and torchao's FP8 rowwise
 (Hopper) / MXFP8 (Blackwell) grouped GEMM kernels against the emulation the CPU runs, forward and both backward
-GEMMs, with empty and odd-sized token groups."""
+GEMMs, with empty and odd-sized token groups; the blockwise emulation (no kernel exists) on CUDA against the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -78,3 +78,22 @@ def test_converter_picks_the_kernels_this_gpu_has():
     for recipe in ("rowwise", "mxfp8"):
         converter = GroupedExpertsConverter.Config(recipe_name=recipe).build(context=context)
         assert converter.kernel.emulate is (not _has(recipe)), converter.kernel.why
+
+
+@pytest.mark.parametrize("power_of_2", [False, True])
+def test_blockwise_emulation_on_the_gpu_matches_the_cpu(power_of_2):
+    # Blockwise has no kernel: CUDA runs the same emulation, its float32 grouped GEMMs on torch's per-expert fallback.
+    # Same tiles and scales; only the float32 summation order differs before the bf16 rounding of the results,
+    # which moves an element by at most one bf16 step (2^-8 relative): 1e-3 of the norm leaves room for that and
+    # none for a wrong tile, scale or padding.
+    results = []
+    for device in ("cuda", "cpu"):
+        x, w, grad, offsets = (t.to(device) for t in _operands())
+        x, w = x.requires_grad_(), w.requires_grad_()
+        out = quantized_grouped_mm(x, w.transpose(-2, -1), offsets, recipe="blockwise", emulate=True,
+                                   power_of_2=power_of_2)
+        out.backward(grad)
+        results.append((out, x.grad, w.grad))
+    for name, a, b in zip(("output", "input gradient", "weight gradient"), *results):
+        assert a.dtype == b.dtype == torch.bfloat16
+        assert rel_err(a.cpu(), b) < 1e-3, name

@@ -1,6 +1,6 @@
 """The DeepSeek-V3 configs: registered, complete, buildable on meta; the FP8 recipe's plan keeps what DeepSeek-V3
-keeps in high precision and says why; its tensor-parallel plan splits latent attention by heads and keeps the
-down-projections whole; layouts it cannot run are refused before launch."""
+keeps in high precision and says why, and runs the routed experts blockwise too; its tensor-parallel plan splits
+latent attention by heads and keeps the down-projections whole; layouts it cannot run are refused before launch."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +13,7 @@ from config_registry import DEFAULT_REGISTRY
 from models import build_model_args, get_model_spec
 from models.deepseek_v3.parallelize import check_deepseek_v3_run
 from torchtitan_lite.components.quantization.float8_blockwise import Float8BlockwiseConverter
+from torchtitan_lite.components.quantization.moe_experts import GroupedExpertsConverter
 from torchtitan_lite.config import config_to_toml, parse_cli
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.protocols.model_spec import RunFacts
@@ -35,14 +36,17 @@ def test_config_round_trips_and_its_model_builds_on_meta(name, tmp_path):
     assert model.num_params() > model.param_counts().active > 0
 
 
-def _plan(name: str, device_type: str = "cpu") -> tuple[dict[str, str], str]:
+def _plan(name: str, device_type: str = "cpu", experts: bool = False) -> tuple[dict[str, str], str]:
+    """(fqn -> recipe or reason, explain text) of the recipe's Linear converter, or with ``experts`` of its
+    grouped-experts converter."""
     run = resolve_run(config_registry.get(name), world_size=1, device_type=device_type, vocab_size=2048,
                       cuda_available=False)
     spec = get_model_spec("deepseek_v3")
     with torch.device("meta"):
         model = spec.model_cls(run.model_args)
-    (quantizer,) = run.converters.converters
-    assert isinstance(quantizer, Float8BlockwiseConverter)
+    linears, grouped = run.converters.converters
+    assert isinstance(linears, Float8BlockwiseConverter) and isinstance(grouped, GroupedExpertsConverter)
+    quantizer = grouped if experts else linears
     rows = {row.fqn: row.recipe or row.reason for row in quantizer.plan_rows(model)}
     return rows, quantizer.explain(model)
 
@@ -60,6 +64,19 @@ def test_debug_fp8_plan_keeps_what_deepseek_v3_keeps_and_says_why():
                  "normalisation operators", "layers.*.moe.experts: routed experts run grouped GEMMs"):
         assert part in text
     assert "power-of-2 scales" in text
+
+
+@pytest.mark.parametrize("name, scales", [("deepseek_v3_debug_fp8_blockwise", "power-of-2 scales"),
+                                          ("deepseek_v3_671b_fp8", "float32 scales")])
+def test_fp8_recipe_runs_the_routed_experts_blockwise_with_the_linears_scales(name, scales):
+    rows, text = _plan(name, experts=True)
+    moe_blocks = range(1, 4) if "debug" in name else range(3, 61)
+    assert {fqn: recipe for fqn, recipe in rows.items() if ".experts." in fqn} == {
+        f"layers.{i}.moe.experts.{w}": "blockwise" for i in moe_blocks for w in ("w1", "w3", "w2")}
+    assert all(rows[f"layers.{i}.moe.router.gate"].startswith("router gate: float32 in every recipe")
+               for i in moe_blocks)
+    assert f"128x128 blocks of each expert's weight, {scales}), token groups padded to 128 rows" in text
+    assert "grouped GEMMs emulated: torch" in text and "have no grouped blockwise FP8 GEMM" in text
 
 
 def test_671b_fp8_plan_converts_every_block_linear_but_the_gates_and_wkv_a():
@@ -91,12 +108,17 @@ def test_blockwise_fp8_refuses_a_tp_split_that_cuts_its_tiles():
     run = resolve_run(cfg, world_size=2, device_type="cpu", vocab_size=2048, cuda_available=False)
     with torch.device("meta"):
         model = run.model_spec.model_cls(run.model_args)
-    (quantizer,) = run.converters.converters
+    quantizer, experts = run.converters.converters
     # wo reads n_heads x v_head_dim = 128 channels: 64 per TP rank, half a blockwise tile. The replicated
     # wq_a is not split, and wq_b / wkv_b keep 128 output rows per rank.
     with pytest.raises(ValueError, match=r"layers.0.attention.wo \(128 -> 256\) is row-wise \(splits in_features\) "
                                          r"under parallelism.tp=2: in_features=128 / 2 is not a multiple of 128"):
         quantizer.plan_rows(model)
+    # So do the routed experts' hidden 128 under expert tensor parallelism.
+    with pytest.raises(ValueError, match=r"layers.1.moe.experts.w1 \(8 experts, 256 -> 128\) is split along the "
+                                         r"experts' hidden dim under expert tensor parallelism \(parallelism.tp=2\): "
+                                         r"out_features=128 / 2 is not a multiple of 128"):
+        experts.plan_rows(model)
 
 
 def test_dense_blocks_hidden_dim_must_split_over_tp():

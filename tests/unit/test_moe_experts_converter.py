@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 import pytest
 import torch
@@ -11,7 +12,12 @@ import torch.nn as nn
 from _conversion import context
 
 from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel
-from torchtitan_lite.components.quantization import Float8LinearConverter, GroupedExpertsConverter, MXLinearConverter
+from torchtitan_lite.components.quantization import (
+    Float8BlockwiseConverter,
+    Float8LinearConverter,
+    GroupedExpertsConverter,
+    MXLinearConverter,
+)
 from torchtitan_lite.components.quantization import moe_experts as moe_experts_module
 from torchtitan_lite.components.quantization.float8_plan import float8_plan
 from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
@@ -39,7 +45,7 @@ def _tokens(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "blockwise"])
 def test_converted_experts_compute_the_quantized_gemms_not_the_bf16_ones(recipe):
     model = _model()
     experts = model.layers["0"].moe.experts
@@ -117,6 +123,14 @@ def test_filter_and_shape_rules_keep_experts_in_high_precision():
     rows = {r.fqn: r for r in _experts("mxfp8").plan_rows(narrow)}
     assert rows["layers.0.moe.experts.w1"].reason == "dims not divisible by 32 (mxfp8 grouped GEMM alignment)"
     assert rows["layers.0.moe.experts.w1"].recipe is None
+    # Blockwise: 32-aligned but not 128 (hidden 96) keeps the experts in high precision, with the tile as the reason.
+    narrow = _model(moe=dataclasses.replace(QWEN3_MOE_FLAVORS["debug"].moe, hidden_dim=96))
+    rows = {r.fqn: r for r in _experts("blockwise").plan_rows(narrow)}
+    for name in ("w1", "w3", "w2"):
+        row = rows[f"layers.0.moe.experts.{name}"]
+        assert (row.recipe, row.reason) == (None, "dims not multiples of 128 (1x128 tiles, 128x128 weight blocks)")
+    _experts("blockwise").convert(narrow)
+    assert "grouped_mm" not in vars(narrow.layers["0"].moe.experts)
 
 
 def test_the_dense_float8_plan_keeps_the_router_gate_in_float32():
@@ -140,6 +154,10 @@ def test_the_dense_float8_plan_keeps_the_router_gate_in_float32():
     ("mxfp8", "native", "cuda", (10, 0), True, False, "torchao mxfp8 grouped GEMM kernels"),
     ("mxfp8", "auto", "cuda", None, True, None, "decided on the GPU at launch"),
     ("mxfp8", "emulated", "cuda", (10, 0), True, True, "as kernel='emulated' asks"),
+    # No grouped blockwise GEMM exists: auto emulates on any device, with the reason.
+    ("blockwise", "auto", "cpu", None, True, True, "and torchao have no grouped blockwise FP8 GEMM"),
+    ("blockwise", "auto", "cuda", (9, 0), True, True, "and torchao have no grouped blockwise FP8 GEMM"),
+    ("blockwise", "auto", "cuda", None, True, True, "same tiles and scales, GEMM in float32"),
 ])
 def test_kernel_decision(recipe, kernel, device_type, capability, built, emulate, why):
     decision = decide_grouped_kernel(recipe, kernel, device_type, capability, "GPU", built)
@@ -149,9 +167,15 @@ def test_kernel_decision(recipe, kernel, device_type, capability, built, emulate
 @pytest.mark.parametrize("recipe, device_type, capability, message", [
     ("rowwise", "cpu", None, "needs an NVIDIA GPU with compute capability 9.0+ (Hopper), and this run computes on cpu"),
     ("mxfp8", "cuda", (9, 0), "GPU (compute capability 9.0) lacks them (they need compute capability 10.0+"),
+    ("blockwise", "cuda", (9, 0), f"model_converters.converters[moe_experts].kernel='native' with "
+                                  f"recipe_name='blockwise': torch {torch.__version__.split('+')[0]} and torchao have no "
+                                  f"grouped blockwise FP8 GEMM (torchao's blockwise kernels are dense Linears only). "
+                                  f"Use kernel='auto' or kernel='emulated' (both emulate: same tiles and scales, GEMM in "
+                                  f"float32; slower than BF16), or recipe_name='rowwise' for torchao's FP8 grouped GEMM "
+                                  f"kernels (Hopper)"),
 ])
 def test_native_without_the_kernels_is_an_error(recipe, device_type, capability, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         decide_grouped_kernel(recipe, "native", device_type, capability, "GPU")
 
 
@@ -168,14 +192,40 @@ def test_choice_is_logged_once_and_precision_rules(monkeypatch, caplog):
         GroupedExpertsConverter.Config().build(context=context("float32", device_type="cuda"))
     with pytest.raises(ValueError, match="precision.param_dtype=float16"):
         GroupedExpertsConverter.Config().build(context=context("float16"))
-    with pytest.raises(ValueError, match=r"recipe_name='blockwise' is not one of: rowwise, mxfp8"):
-        GroupedExpertsConverter.Config(recipe_name="blockwise")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"recipe_name='tensorwise' is not one of: rowwise, mxfp8, blockwise"):
+        GroupedExpertsConverter.Config(recipe_name="tensorwise")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape(
+            "model_converters.converters[moe_experts].power_of_2_scales=true applies to recipe_name='blockwise' only: "
+            "mxfp8's scales are powers of two already. Remove power_of_2_scales or use recipe_name='blockwise'")):
+        GroupedExpertsConverter.Config(recipe_name="mxfp8", power_of_2_scales=True)
+    # Blockwise emulates in float32 as well (CPU tests and float32 runs).
+    assert GroupedExpertsConverter.Config(recipe_name="blockwise").build(context=context("float32")).kernel.emulate
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_blockwise_refuses_an_expert_tensor_parallel_split_that_cuts_its_tiles():
+    # Expert TP splits the hidden dim (w1 / w3 dim 1, w2 dim 2: the families' expert_shard_dims); qwen3_moe debug's
+    # hidden 128 leaves 64 per rank at tp=2.
+    dims = {"w1": 1, "w3": 1, "w2": 2}
+    ctx = dataclasses.replace(context(tp=True), tp=2, tp_shard_dim=lambda fqn: dims.get(fqn.rsplit(".", 1)[-1]))
+    converter = GroupedExpertsConverter.Config(recipe_name="blockwise").build(context=ctx)
+    model = _model()
+    with pytest.raises(ValueError, match=re.escape(
+            "model_converters.converters[moe_experts]: layers.0.moe.experts.w1 (8 experts, 128 -> 128) is split along "
+            "the experts' hidden dim under expert tensor parallelism (parallelism.tp=2): out_features=128 / 2 is not a "
+            "multiple of 128, so a TP shard would cut its 1x128 tiles and 128x128 weight blocks. Use parallelism.tp in "
+            "[1], or keep the experts in high precision (add 'moe.experts' to filter_fqns)")):
+        converter.convert(model)
+    # Filtered out, the experts are not checked; rowwise has no such rule.
+    GroupedExpertsConverter.Config(recipe_name="blockwise", filter_fqns=["moe.experts"]).build(context=ctx).convert(
+        model)
+    GroupedExpertsConverter.Config(recipe_name="rowwise").build(context=ctx).convert(model)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "blockwise"])
 def test_fp8_stats_measure_every_expert_gemm(recipe):
     model = _model()
-    dense = MXLinearConverter.Config() if recipe == "mxfp8" else Float8LinearConverter.Config(recipe_name="rowwise")
+    dense = {"mxfp8": MXLinearConverter.Config(), "rowwise": Float8LinearConverter.Config(recipe_name="rowwise"),
+             "blockwise": Float8BlockwiseConverter.Config()}[recipe]
     ModelConvertersContainer.Config(converters=[dense, GroupedExpertsConverter.Config(recipe_name=recipe)]).build(
         context=context()).convert(model)
     collector = Fp8StatsCollector([model], freq=1)
@@ -185,7 +235,9 @@ def test_fp8_stats_measure_every_expert_gemm(recipe):
     for fqn in EXPERT_GEMMS:
         h = health[fqn]
         assert set(h.amax) == {"input", "weight", "grad_output"}
-        assert set(h.underflow) == {"input", "weight", "grad_output", "weight_gi", "input_gw", "grad_output_gw"}
+        # Blockwise reads the same 128x128 weight blocks in both GEMMs: no separate input-gradient weight cast.
+        extra = set() if recipe == "blockwise" else {"weight_gi"}
+        assert set(h.underflow) == {"input", "weight", "grad_output", "input_gw", "grad_output_gw"} | extra
         # Measured, not defaulted: the weight's amax is the parameter's.
         weight = dict(model.named_parameters())[fqn]
         assert h.amax["weight"] == pytest.approx(float(weight.detach().bfloat16().abs().max()), rel=0)
@@ -212,9 +264,11 @@ def test_print_fp8_plan_shows_the_expert_table(config, first_table, capsys):
     assert f"layers.{layers - 1}.moe.experts.w2" in out
 
 
-def test_compiled_converted_experts_match_eager_bit_for_bit():
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_compiled_converted_experts_match_eager_bit_for_bit(recipe):
+    # Blockwise's float32 grouped GEMMs run eagerly inside the compiled graph (torch._grouped_mm traces bf16 only).
     model = _model()
-    _experts("mxfp8").convert(model)
+    _experts(recipe).convert(model)
     experts = model.layers["0"].moe.experts
     x = torch.randn(40, 128, dtype=torch.bfloat16)
     counts = torch.tensor([0, 9, 3, 7, 1, 16, 4, 0])

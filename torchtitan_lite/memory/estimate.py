@@ -375,7 +375,9 @@ def _activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
     moe = None if facts is None else RoutedSetup(
         num_experts=facts.num_experts, top_k=facts.top_k, hidden=facts.expert_hidden_dim,
         shared_hidden=facts.shared_hidden_dim, layers=frozenset(facts.layers), ep=dims.ep,
-        float8_experts=any(c.config.low_precision_experts for c in run.converters.converters))
+        float8_experts=any(c.config.low_precision_experts for c in run.converters.converters),
+        blockwise_experts=any(c.config.low_precision_experts and getattr(c.config, "recipe_name", "") == "blockwise"
+                              for c in run.converters.converters))
     return ActivationSetup(
         # Under a pipeline, activations are those of one pipeline micro-batch.
         tokens=run.pipeline.microbatch_size * run.training.seq_len if run.pipeline else run.tokens_per_microbatch,

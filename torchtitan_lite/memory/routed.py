@@ -30,6 +30,13 @@ save their own copy of the routed rows (one more Tr x D x a), and one GEMM at a 
 operands (Tr x max(D, H) + E x H x D bytes, scales under 4%). The padding (< 16 rows per expert) is not
 modelled.
 
+Blockwise experts (DeepSeek-V3's recipe, emulated: grouped_gemm.py) save the same padded inputs, padded to 128
+rows per expert: the buffers hold Tr + E x 127 rows, which the estimate adds to the two padded inputs of w1 / w3
+and the padded input of w2. Their GEMMs run in float32 on dequantized operands, 4 bytes per element instead of
+FP8's 1: one GEMM at a time holds its token operands ((Tr + E x 127) x (D + H) x 4 at most) and two float32
+expert-weight-sized tensors (2 x E x H x D x 4: the dequantized weight and the temporary it is divided from, or
+the float32 weight gradient and its cast).
+
 Not modelled: the sequence-level aux loss keeps the scores' row sums (T x 4, under 1/E of the scores) and
 two [batch, E] tensors.
 
@@ -45,6 +52,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+BLOCKWISE_GROUP_ALIGNMENT = 128
+"""Rows a blockwise expert GEMM pads each token group to (grouped_gemm.GROUP_ALIGNMENT['blockwise'])."""
 EP_RECEIVE_HEADROOM = 1.25
 """Rows the busiest EP rank receives, relative to a perfectly balanced router (assumed)."""
 
@@ -62,6 +71,14 @@ class RoutedSetup:
     ep: int = 1
     float8_experts: bool = False
     """The expert GEMMs run in FP8 / MX: set from the run's converters (``low_precision_experts``)."""
+    blockwise_experts: bool = False
+    """... in emulated blockwise FP8 (the moe_experts converter's recipe blockwise): 128-row padding, float32
+    GEMMs."""
+
+    @property
+    def padding_rows(self) -> int:
+        """Rows the blockwise padding adds to each padded GEMM input (E x 127, the buffer's size)."""
+        return self.local_experts * (BLOCKWISE_GROUP_ALIGNMENT - 1) if self.blockwise_experts else 0
 
     @property
     def local_experts(self) -> int:
@@ -83,6 +100,7 @@ def moe_saved_bytes(r: RoutedSetup, *, tokens: int, dim: int, compute_bytes: int
     rows = (2 if autocast else 1) * received * dim * a
     weight_casts = 3 * e * r.hidden * dim * a if autocast else 0
     float8 = received * dim * a if r.float8_experts else 0  # w1 and w3 save separate input copies
+    float8 += r.padding_rows * (2 * dim + r.hidden) * a  # blockwise: zero rows in the padded inputs of w1, w3, w2
     # The gate saves a float32 copy of its input; the shared experts read the input itself (their own cast
     # copies under autocast), which is the gate's saved tensor when it is already float32.
     shared_input = (2 * t * dim * a if autocast else 0 if a == 4 else t * dim * a) if r.shared_hidden else 0
@@ -109,5 +127,7 @@ def moe_backward_working_bytes(r: RoutedSetup, *, tokens: int, dim: int, compute
     and one exchange's all-to-all buffers."""
     received = r.received_rows(tokens)
     float8 = received * max(dim, r.hidden) + r.local_experts * r.hidden * dim if r.float8_experts else 0
+    if r.blockwise_experts:  # float32 dequantized operands of the weight-gradient GEMM and its float32 result
+        float8 = 4 * ((received + r.padding_rows) * (dim + r.hidden) + 2 * r.local_experts * r.hidden * dim)
     return (received * (3 * r.hidden + dim) * compute_bytes + float8
             + all_to_all_bytes(r, tokens=tokens, dim=dim, compute_bytes=compute_bytes))

@@ -128,7 +128,12 @@ def blockwise_casts(module: nn.Module) -> list[Cast]:
     tiles along its features and the weight in 128x128 blocks; the input-gradient GEMM the output gradient in
     1x128 tiles along its features and the same weight blocks (no second weight cast); the weight-gradient GEMM
     both the output gradient and the input in 1x128 tiles along the tokens (down the columns)."""
-    e4m3, p2 = torch.float8_e4m3fn, bool(module.power_of_2)
+    return blockwise_cast_list(bool(module.power_of_2))
+
+
+def blockwise_cast_list(power_of_2: bool) -> list[Cast]:
+    """The blockwise casts (``blockwise_casts``), also those of a blockwise expert weight's grouped GEMMs."""
+    e4m3, p2 = torch.float8_e4m3fn, power_of_2
     return [Cast("input", "input", e4m3, "tile", -1, power_of_2=p2),
             Cast("weight", "weight", e4m3, "block", -1, power_of_2=p2),
             Cast("grad_output", "grad_output", e4m3, "tile", -1, power_of_2=p2),

@@ -2,12 +2,15 @@
 
 An expert weight ``w_t`` [E, K, N] and its grouped GEMMs cast (grouped_gemm.py):
 
-- ``input`` x [M, K] and ``grad_output`` g [M, N]: per token (rowwise) or in blocks of 32 along the row (MX);
-- ``weight``: per expert output column along K, i.e. the rows of [E*N, K];
+- ``input`` x [M, K] and ``grad_output`` g [M, N]: per token (rowwise), in blocks of 32 along the row (MX) or in
+  1x128 tiles along it (blockwise);
+- ``weight``: per expert output column along K, i.e. the rows of [E*N, K] (blockwise: 128x128 blocks of it, which
+  the input-gradient GEMM reads too);
 - ``weight_gi`` (input-gradient GEMM): per expert input column along N, i.e. the rows of [E*K, N];
 - ``input_gw`` / ``grad_output_gw`` (weight-gradient GEMM): per token group and column (rowwise) or blocks of 32
   tokens down each column of a group (MX; a group is padded with zero rows to 32, and those padding elements are
-  taken off the element count: a zero is never saturated or flushed).
+  taken off the element count: a zero is never saturated or flushed); blockwise: tiles of 128 tokens down each
+  column of a group (the group's last tile scaled over its real tokens, as the zero padding leaves its amax).
 """
 from __future__ import annotations
 
@@ -16,15 +19,17 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from torchtitan_lite.components.quantization.cast_health import MX_BLOCK, Cast, measure_cast
+from torchtitan_lite.components.quantization.cast_health import MX_BLOCK, Cast, blockwise_cast_list, measure_cast
 from torchtitan_lite.components.quantization.grouped_gemm import QuantizedGroupedMM
 from torchtitan_lite.protocols.grouped_experts import grouped_gemm_experts
 
 
-def expert_casts(recipe: str) -> list[Cast]:
-    """Every cast of one expert weight's three grouped GEMMs in ``recipe``."""
+def expert_casts(recipe: str, power_of_2: bool = False) -> list[Cast]:
+    """Every cast of one expert weight's three grouped GEMMs in ``recipe`` (``power_of_2``: blockwise scales)."""
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
 
+    if recipe == "blockwise":
+        return blockwise_cast_list(power_of_2)
     e4m3 = torch.float8_e4m3fn
     names = [("input", "input", -1), ("weight", "weight", -1), ("grad_output", "grad_output", -1),
              ("weight_gi", "weight", -1), ("input_gw", "input", 0), ("grad_output_gw", "grad_output", 0)]

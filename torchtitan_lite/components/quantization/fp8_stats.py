@@ -104,7 +104,8 @@ class Fp8StatsCollector:
                 self.layers.append(layer)
                 offset += layer.width
             for fqn, experts, name, mm in converted_expert_gemms(part):
-                layer = _Layer(len(self.layers), _clean_fqn(f"{fqn}.{name}"), experts, expert_casts(mm.recipe), offset,
+                casts = expert_casts(mm.recipe, mm.power_of_2)
+                layer = _Layer(len(self.layers), _clean_fqn(f"{fqn}.{name}"), experts, casts, offset,
                                expert_weight=name)
                 self.layers.append(layer)
                 offset += layer.width

@@ -1,4 +1,5 @@
-"""FP8 rowwise and MXFP8 grouped GEMMs of routed experts: torchao 0.18's moe_training kernels, or their emulation.
+"""FP8 rowwise, MXFP8 and blockwise FP8 grouped GEMMs of routed experts: torchao 0.18's moe_training kernels, or
+their emulation.
 
 A grouped GEMM computes ``x [M, K] @ w_t [E, K, N]`` per token group (rows ``offsets[e-1]:offsets[e]`` use
 expert e). Training runs three of them per expert weight, and each recipe quantizes the operands of each
@@ -16,17 +17,28 @@ MXFP8 (``_to_mxfp8_then_scaled_grouped_mm``, RCEIL e8m0 scales): e4m3 elements i
 elements along each GEMM's contraction dim: K for the output, N for the input gradient, and the tokens for
 the weight gradient.
 
-Token groups are padded with zero rows to the kernels' alignment (16 rows for FP8 rowwise, 32 for MXFP8,
-``GROUP_ALIGNMENT``) before the GEMMs: the grouped FP8 kernels need each group to start at a multiple of it,
-and MXFP8's weight-gradient blocks of 32 tokens must not straddle two experts. torchao 0.18's own padding
-option is unimplemented for FP8 rowwise, so the padding is done here for both recipes, in plain torch ops with
-no host synchronisation (the buffer has the upper bound of rows; rows past the last group are never read).
+Blockwise FP8 (DeepSeek-V3; emulated only: torch and torchao have no grouped blockwise GEMM): each expert's GEMMs
+exactly as the dense blockwise recipe's (blockwise_fp8.py), e4m3 with float32 or power-of-2 scales 448 / amax:
+
+- output ``x @ w_t[e]``: x in 1x128 tiles along K, each expert's weight in 128x128 blocks;
+- input gradient ``g @ w_t[e]^T``: g in 1x128 tiles along N, the same weight blocks;
+- weight gradient ``g^T @ x`` per expert: g and x in tiles of 128 tokens along the token dim.
+
+Token groups are padded with zero rows to the kernels' alignment (16 rows for FP8 rowwise, 32 for MXFP8, 128
+for blockwise, ``GROUP_ALIGNMENT``) before the GEMMs: the grouped FP8 kernels need each group to start at a
+multiple of it, and the weight-gradient blocks of 32 (MXFP8) or 128 (blockwise) tokens must not straddle two
+experts. torchao 0.18's own padding option is unimplemented for FP8 rowwise, so the padding is done here for
+every recipe, in plain torch ops with no host synchronisation (the buffer has the upper bound of rows; rows
+past the last group are never read).
 
 Emulation quantizes and dequantizes exactly those tiles with torchao's own scale arithmetic (``amax_to_scale``
 with power-of-2 rounding and ``to_fp8_saturated`` for rowwise, ``to_mx`` for MXFP8) and multiplies the
 dequantized operands in the compute dtype with ``torch._grouped_mm``. Every dequantized element is an e4m3
 value times a power of 2, exact in bfloat16 and float32, so emulation differs from the FP8 tensor cores only
-in the order of the float32 accumulation.
+in the order of the float32 accumulation. Blockwise float32 scales give dequantized values that bfloat16
+cannot hold, so blockwise multiplies in float32 (as the dense blockwise emulation does) and writes the compute
+dtype; torch._grouped_mm's traced form takes bfloat16 only, so that GEMM runs eagerly inside compiled blocks. On a
+GPU a float32 torch._grouped_mm is torch's fallback: one mm per expert, after reading the offsets on the host.
 """
 from __future__ import annotations
 
@@ -36,11 +48,13 @@ from typing import Any, Literal
 
 import torch
 
-GroupedRecipe = Literal["rowwise", "mxfp8"]
-GROUPED_RECIPES: tuple[str, ...] = ("rowwise", "mxfp8")
-GROUP_ALIGNMENT = {"rowwise": 16, "mxfp8": 32}
-"""Rows each token group is padded to a multiple of: torch._scaled_grouped_mm's FP8 row alignment (16) and the
-MX block (32)."""
+from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK, fake_1x128, fake_128x128
+
+GroupedRecipe = Literal["rowwise", "mxfp8", "blockwise"]
+GROUPED_RECIPES: tuple[str, ...] = ("rowwise", "mxfp8", "blockwise")
+GROUP_ALIGNMENT = {"rowwise": 16, "mxfp8": 32, "blockwise": BLOCK}
+"""Rows each token group is padded to a multiple of: torch._scaled_grouped_mm's FP8 row alignment (16), the
+MX block (32) and the blockwise weight gradient's token tile (128)."""
 MX_BLOCK = 32
 E4M3 = torch.float8_e4m3fn
 
@@ -142,6 +156,8 @@ class GroupedTiles:
     """w_t [E, K, N] of the input-gradient GEMM (returned as w_t: the caller transposes)."""
     weight_grad_operand: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
     """g [M, N] or x [M, K] of the weight-gradient GEMM, with each row's group and the number of groups."""
+    float32_gemm: bool = False
+    """Multiply the dequantized operands in float32 (they are not all exact in the compute dtype)."""
 
 
 TILES: dict[str, GroupedTiles] = {
@@ -163,37 +179,70 @@ TILES: dict[str, GroupedTiles] = {
 }
 
 
+def blockwise_tiles(power_of_2: bool) -> GroupedTiles:
+    """DeepSeek-V3's blockwise tiles per expert (blockwise_fp8.py), ``power_of_2`` rounding the scales down."""
+
+    def weight_blocks(w_t: torch.Tensor) -> torch.Tensor:
+        # Every expert's K is a multiple of 128, so the 128x128 blocks of the stacked [E * K, N] never straddle
+        # two experts; a square block is the same block transposed, so [K, N] gives the blocks of [N, K].
+        e, k, n = w_t.shape
+        return fake_128x128(w_t.reshape(e * k, n), power_of_2=power_of_2).reshape(e, k, n)
+
+    def token_tiles(t: torch.Tensor, _group: torch.Tensor, _num_groups: int) -> torch.Tensor:
+        # Groups are padded to 128 rows, so no tile of 128 tokens straddles two experts.
+        return fake_1x128(t.t(), power_of_2=power_of_2).t()
+
+    return GroupedTiles(forward_input=lambda x: fake_1x128(x, power_of_2=power_of_2), forward_weight=weight_blocks,
+                        grad_output=lambda g: fake_1x128(g, power_of_2=power_of_2), grad_input_weight=weight_blocks,
+                        weight_grad_operand=token_tiles, float32_gemm=True)
+
+
+def grouped_tiles(recipe: str, power_of_2: bool = False) -> GroupedTiles:
+    """The tiles of ``recipe``; ``power_of_2`` applies to blockwise (the others' scales are powers of 2 anyway)."""
+    return blockwise_tiles(power_of_2) if recipe == "blockwise" else TILES[recipe]
+
+
 # --------------------------------------------------------------------------------------------------
 # The GEMMs
 
 
 class EmulatedGroupedMM(torch.autograd.Function):
-    """The three grouped GEMMs on quantized-then-dequantized tiles, multiplied in ``x``'s dtype. ``x`` is in
-    the padded layout (every group a multiple of the recipe's alignment)."""
+    """The three grouped GEMMs on quantized-then-dequantized tiles, multiplied in ``x``'s dtype (in float32 where
+    the tiles ask, ``float32_gemm``) and written in it. ``x`` is in the padded layout (every group a multiple of
+    the recipe's alignment)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor, recipe: str) -> torch.Tensor:
-        tiles = TILES[recipe]
+    def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor, recipe: str,
+                power_of_2: bool = False) -> torch.Tensor:
+        tiles = grouped_tiles(recipe, power_of_2)
         ctx.save_for_backward(x, w_t, offsets)
-        ctx.recipe = recipe
-        dtype = x.dtype
-        return torch._grouped_mm(tiles.forward_input(x).to(dtype), tiles.forward_weight(w_t).to(dtype),
-                                 offs=offsets)
+        ctx.recipe, ctx.power_of_2 = recipe, power_of_2
+        gemm = torch.float32 if tiles.float32_gemm else x.dtype
+        out = torch._grouped_mm(tiles.forward_input(x).to(gemm), tiles.forward_weight(w_t).to(gemm), offs=offsets)
+        return out.to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
         x, w_t, offsets = ctx.saved_tensors
-        tiles = TILES[ctx.recipe]
-        dtype = x.dtype
+        tiles = grouped_tiles(ctx.recipe, ctx.power_of_2)
+        gemm = torch.float32 if tiles.float32_gemm else x.dtype
         grad = grad.contiguous()
-        grad_x = torch._grouped_mm(tiles.grad_output(grad).to(dtype),
-                                   tiles.grad_input_weight(w_t).to(dtype).transpose(-2, -1), offs=offsets)
+        grad_x = torch._grouped_mm(tiles.grad_output(grad).to(gemm),
+                                   tiles.grad_input_weight(w_t).to(gemm).transpose(-2, -1), offs=offsets)
         group = group_of_rows(offsets, x.shape[0])
         num_groups = offsets.numel()
-        g_w = tiles.weight_grad_operand(grad, group, num_groups).to(dtype)
-        x_w = tiles.weight_grad_operand(x, group, num_groups).to(dtype)
+        g_w = tiles.weight_grad_operand(grad, group, num_groups).to(gemm)
+        x_w = tiles.weight_grad_operand(x, group, num_groups).to(gemm)
         grad_w = torch._grouped_mm(g_w.t(), x_w, offs=offsets)  # [E, N, K]
-        return grad_x, grad_w.transpose(-2, -1).to(w_t.dtype), None, None
+        return grad_x.to(x.dtype), grad_w.transpose(-2, -1).to(w_t.dtype), None, None, None
+
+
+@torch.compiler.disable
+def _eager_emulated_grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor, recipe: str,
+                               power_of_2: bool) -> torch.Tensor:
+    """``EmulatedGroupedMM`` kept out of compiled graphs: torch._grouped_mm's traced form takes bfloat16 only,
+    so its float32 GEMMs (``float32_gemm``) would fail inside the compiler."""
+    return EmulatedGroupedMM.apply(x, w_t, offsets, recipe, power_of_2)
 
 
 def native_grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor, recipe: str) -> torch.Tensor:
@@ -214,12 +263,15 @@ def native_grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor,
 
 
 def quantized_grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor, *, recipe: str,
-                         emulate: bool) -> torch.Tensor:
+                         emulate: bool, power_of_2: bool = False) -> torch.Tensor:
     """x [M, K] @ w_t [E, K, N] per token group in ``recipe``, with the groups padded to its alignment and the
-    padding removed from the result. Operands are taken in the compute dtype (the caller casts)."""
+    padding removed from the result. Operands are taken in the compute dtype (the caller casts). ``power_of_2``:
+    blockwise scales rounded down to powers of 2."""
     layout = pad_groups(offsets, x.shape[0], GROUP_ALIGNMENT[recipe])
     padded = pad_rows(x, layout)
-    if emulate:
+    if emulate and grouped_tiles(recipe).float32_gemm:
+        out = _eager_emulated_grouped_mm(padded, w_t, layout.offsets, recipe, power_of_2)
+    elif emulate:
         out = EmulatedGroupedMM.apply(padded, w_t, layout.offsets, recipe)
     else:
         out = native_grouped_mm(padded, w_t, layout.offsets, recipe)
@@ -237,6 +289,8 @@ class QuantizedGroupedMM:
     observer: list[Callable[..., None]]
     """Called as ``observe(w, x, w_t, offsets, out)``: the weight as passed in, then the GEMM's operands in the
     compute dtype and its output."""
+    power_of_2: bool = False
+    """Blockwise scales rounded down to powers of 2."""
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # Autocast does not cover these GEMMs: cast as the high-precision grouped_mm does (FSDP's mixed
@@ -244,7 +298,8 @@ class QuantizedGroupedMM:
         device_type = x.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         x_c, w_c = x.to(dtype), w.to(dtype)
-        out = quantized_grouped_mm(x_c, w_c, offsets, recipe=self.recipe, emulate=self.emulate)
+        out = quantized_grouped_mm(x_c, w_c, offsets, recipe=self.recipe, emulate=self.emulate,
+                                   power_of_2=self.power_of_2)
         for observe in self.observer:
             observe(w, x_c, w_c, offsets, out)
         return out

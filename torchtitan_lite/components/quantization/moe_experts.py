@@ -1,20 +1,28 @@
-"""FP8 rowwise / MXFP8 routed experts: the ``moe_experts`` converter swaps the grouped GEMM of every expert module.
+"""FP8 rowwise / MXFP8 / blockwise FP8 routed experts: the ``moe_experts`` converter swaps the grouped GEMM of every
+expert module.
 
-It converts what the float8 and mx converters cannot reach: the experts' 3-D weights, computed as grouped GEMMs
-(torchtitan_lite.protocols.grouped_experts). It swaps no Linear, so it composes with either of them, which
-then take the attention (and dense feed-forward) Linears. The router gate stays in float32 under all of them:
-the MoE router declares it (``high_precision_reason``) and every FP8 plan honours that.
+It converts what the Linear converters (float8, mx, float8_blockwise) cannot reach: the experts' 3-D weights,
+computed as grouped GEMMs (torchtitan_lite.protocols.grouped_experts). It swaps no Linear, so it composes with
+any of them, which then takes the attention (and dense feed-forward) Linears; DeepSeek-V3's recipe pairs
+float8_blockwise with recipe blockwise here. The router gate stays in float32 under all of them: the MoE
+router declares it (``high_precision_reason``) and every FP8 plan honours that.
 
 Recipes (numerics in grouped_gemm.py):
 
 - rowwise: e4m3 with power-of-2 scales per token and per expert output column (torchao's FP8 rowwise grouped
   GEMM, Hopper sm_90+); token groups padded to 16 rows;
 - mxfp8: e4m3 in blocks of 32 along each GEMM's contraction dim with e8m0 scales (torchao's MXFP8 grouped GEMM,
-  Blackwell sm_100+); token groups padded to 32 rows.
+  Blackwell sm_100+); token groups padded to 32 rows;
+- blockwise: DeepSeek-V3's e4m3 in 1x128 activation / gradient tiles and 128x128 blocks of each expert's weight
+  (float8_blockwise's numerics per expert, ``power_of_2_scales`` as there); token groups padded to 128 rows so
+  that the weight gradient's tiles of 128 tokens never straddle two experts. Every expert weight's dims must be
+  multiples of 128, and so must their expert-tensor-parallel shards.
 
 Kernels (``kernel``): ``auto`` runs torchao's kernels where the GPU and this torchao build have them and
 emulates everywhere else (CPU, older GPUs, a build without the kernels), logging why once; ``native`` makes
 their absence an error; ``emulated`` always emulates (same tiles and scales, GEMM in the compute dtype).
+torch and torchao have no grouped blockwise FP8 GEMM, so blockwise always emulates (``auto``) and ``native`` is an
+error.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK
 from torchtitan_lite.components.quantization.float8_plan import filter_reason
 from torchtitan_lite.components.quantization.grouped_gemm import (
     GROUP_ALIGNMENT,
@@ -41,7 +50,11 @@ GROUPED_KERNELS = ("auto", "native", "emulated")
 MIN_CAPABILITY = {"rowwise": (9, 0), "mxfp8": (10, 0)}
 """FP8 grouped GEMMs (torch._scaled_grouped_mm) need Hopper; MX block-scaled ones Blackwell."""
 _RECIPE_TEXT = {"rowwise": "FP8 rowwise (e4m3, power-of-2 scales per token and per expert column)",
-                "mxfp8": "MXFP8 (e4m3, 32-element blocks with e8m0 scales)"}
+                "mxfp8": "MXFP8 (e4m3, 32-element blocks with e8m0 scales)",
+                "blockwise": f"blockwise FP8 (e4m3, 1x{BLOCK} activation / gradient tiles, {BLOCK}x{BLOCK} blocks of "
+                             f"each expert's weight"}
+NO_BLOCKWISE_KERNEL = (f"torch {torch.__version__.split('+')[0]} and torchao have no grouped blockwise FP8 GEMM "
+                       f"(torchao's blockwise kernels are dense Linears only)")
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,13 @@ def decide_grouped_kernel(recipe: str, kernel: str, device_type: str, capability
     honoured. ``kernels_built``: this torchao / triton build has the recipe's kernels."""
     if kernel == "emulated":
         return GroupedKernelDecision(True, "grouped GEMMs emulated, as kernel='emulated' asks")
+    if recipe == "blockwise":
+        emulated_in_float32 = "same tiles and scales, GEMM in float32; slower than BF16"
+        if kernel == "native":
+            raise ValueError(f"{_FIELD}.kernel='native' with recipe_name='blockwise': {NO_BLOCKWISE_KERNEL}. Use "
+                             f"kernel='auto' or kernel='emulated' (both emulate: {emulated_in_float32}), or "
+                             f"recipe_name='rowwise' for torchao's FP8 grouped GEMM kernels (Hopper)")
+        return GroupedKernelDecision(True, f"grouped GEMMs emulated: {NO_BLOCKWISE_KERNEL}; {emulated_in_float32}")
     need = MIN_CAPABILITY[recipe]
     need_text = f"compute capability {need[0]}.{need[1]}+ ({'Hopper' if recipe == 'rowwise' else 'Blackwell'})"
     emulated = "same tiles and scales, GEMM in the compute dtype; slower than BF16"
@@ -107,19 +127,25 @@ def native_kernels_built(recipe: str) -> bool:
 
 
 class GroupedExpertsConverter(ModelConverter):
-    """Runs the routed experts' grouped GEMMs in FP8 rowwise or MXFP8 (torchao kernels or their emulation)."""
+    """Runs the routed experts' grouped GEMMs in FP8 rowwise, MXFP8 (torchao kernels or their emulation) or
+    blockwise FP8 (emulated)."""
 
     @dataclass(kw_only=True)
     class Config(ModelConverter.Config):
-        """FP8 rowwise / MXFP8 routed experts (grouped GEMMs); combine with float8 or mx for the Linears."""
+        """FP8 rowwise / MXFP8 / blockwise FP8 routed experts (grouped GEMMs); combine with float8, mx or
+        float8_blockwise for the Linears."""
 
         kind: ClassVar[str] = "moe_experts"
         swaps: ClassVar[str | None] = "grouped experts"
         low_precision_experts: ClassVar[bool] = True
 
-        recipe_name: Literal["rowwise", "mxfp8"] = "rowwise"
+        recipe_name: Literal["rowwise", "mxfp8", "blockwise"] = "rowwise"
         """rowwise: FP8 e4m3 with power-of-2 scales per token and per expert output column (Hopper kernels);
-        mxfp8: e4m3 in 32-element blocks with e8m0 scales (Blackwell kernels)."""
+        mxfp8: e4m3 in 32-element blocks with e8m0 scales (Blackwell kernels); blockwise: DeepSeek-V3's e4m3 in
+        1x128 tiles and 128x128 weight blocks (emulated everywhere)."""
+        power_of_2_scales: bool = False
+        """Round each tile's scale 448/amax down to a power of two (DeepSeek-V3's choice: scaling is exact).
+        recipe_name='blockwise' only: rowwise and mxfp8 scales are powers of two already."""
         kernel: Literal["auto", "native", "emulated"] = "auto"
         """auto: torchao's grouped GEMM kernels where the GPU has them, emulated elsewhere with the reason logged;
         native: the kernels or an error; emulated: always emulate (exact numerics, slower than BF16)."""
@@ -131,6 +157,10 @@ class GroupedExpertsConverter(ModelConverter):
             if self.recipe_name not in GROUPED_RECIPES:
                 raise ValueError(f"{_FIELD}.recipe_name={self.recipe_name!r} is not one of: "
                                  f"{', '.join(GROUPED_RECIPES)}")
+            if self.power_of_2_scales and self.recipe_name != "blockwise":
+                raise ValueError(f"{_FIELD}.power_of_2_scales=true applies to recipe_name='blockwise' only: "
+                                 f"{self.recipe_name}'s scales are powers of two already. Remove power_of_2_scales "
+                                 f"or use recipe_name='blockwise'")
             if self.kernel not in GROUPED_KERNELS:
                 raise ValueError(f"{_FIELD}.kernel={self.kernel!r} is not one of: {', '.join(GROUPED_KERNELS)}")
             for entry in self.filter_fqns:
@@ -144,7 +174,7 @@ class GroupedExpertsConverter(ModelConverter):
         super().__init__(config, context=context)
         recipe = config.recipe_name
         capability, name = _cuda_device(context.device_type)
-        built = native_kernels_built(recipe) if capability is not None else True
+        built = native_kernels_built(recipe) if capability is not None and recipe != "blockwise" else True
         self.kernel = decide_grouped_kernel(recipe, config.kernel, context.device_type, capability, name, built)
         self._check_precision()
         self.plan: list[ExpertPlanRow] | None = None
@@ -154,8 +184,11 @@ class GroupedExpertsConverter(ModelConverter):
     def _check_precision(self) -> None:
         dtype = self.context.param_dtype
         if dtype == torch.float16:
-            raise ValueError(f"{_FIELD} cannot be combined with precision.param_dtype=float16: torchao's FP8 and MXFP8 "
-                             f"grouped GEMMs write bfloat16 only. Use precision.param_dtype=bfloat16")
+            why = ("the blockwise recipe computes in bfloat16 (DeepSeek-V3's choice) and needs no loss scaling"
+                   if self.config.recipe_name == "blockwise" else "torchao's FP8 and MXFP8 grouped GEMMs write "
+                                                                  "bfloat16 only")
+            raise ValueError(f"{_FIELD} cannot be combined with precision.param_dtype=float16: {why}. Use "
+                             f"precision.param_dtype=bfloat16")
         if dtype == torch.float32 and (self.config.kernel == "native" or self.kernel.emulate is False):
             raise ValueError(f"{_FIELD}: torchao's grouped GEMM kernels run here and write bfloat16 only, which "
                              f"precision.param_dtype=float32 cannot take. Use precision.param_dtype=bfloat16, or "
@@ -182,6 +215,8 @@ class GroupedExpertsConverter(ModelConverter):
                           or self._shape_reason(in_features, out_features))
                 rows.append(ExpertPlanRow(weight_fqn, experts, in_features, out_features,
                                           None if reason else self.config.recipe_name, reason))
+                if not reason and self.config.recipe_name == "blockwise" and self.context.tp > 1:
+                    self._check_tp_alignment(rows[-1])
         for fqn, module in model.named_modules():
             reason = high_precision_reason(module)
             if reason:
@@ -192,9 +227,30 @@ class GroupedExpertsConverter(ModelConverter):
 
     def _shape_reason(self, in_features: int, out_features: int) -> str:
         align = self.alignment
+        if self.config.recipe_name == "blockwise" and (in_features % BLOCK or out_features % BLOCK):
+            return f"dims not multiples of {BLOCK} (1x{BLOCK} tiles, {BLOCK}x{BLOCK} weight blocks)"
         if in_features % align or out_features % align:
             return f"dims not divisible by {align} ({self.config.recipe_name} grouped GEMM alignment)"
         return ""
+
+    def _check_tp_alignment(self, row: ExpertPlanRow) -> None:
+        """Expert tensor parallelism splits every expert's hidden dim (the family's shard dim of the weight, 1: out
+        or 2: in): each rank's slice must hold whole 1x128 tiles and 128x128 blocks."""
+        dim = self.context.tp_shard_dim(row.fqn)
+        if dim is None:
+            return
+        tp = self.context.tp
+        split, name = (row.out_features, "out_features") if dim == 1 else (row.in_features, "in_features")
+        if split % tp == 0 and (split // tp) % BLOCK == 0:
+            return
+        fits = [t for t in range(1, split // BLOCK + 1) if split % t == 0 and (split // t) % BLOCK == 0]
+        module = row.fqn.rsplit(".", 1)[0]
+        raise ValueError(
+            f"{_FIELD}: {row.fqn} ({row.experts} experts, {row.in_features} -> {row.out_features}) is split along "
+            f"the experts' hidden dim under expert tensor parallelism (parallelism.tp={tp}): {name}={split} / {tp} "
+            f"is not a multiple of {BLOCK}, so a TP shard would cut its 1x{BLOCK} tiles and {BLOCK}x{BLOCK} weight "
+            f"blocks. Use parallelism.tp in {fits}, or keep the experts in high precision (add "
+            f"{module.split('.', 2)[-1]!r} to filter_fqns)")
 
     # ----------------------------------------------------------------------------------------------
     # Converter protocol
@@ -215,14 +271,17 @@ class GroupedExpertsConverter(ModelConverter):
                                  f"recipe. Filter the whole module ('{fqn}') or none of its weights")
             # An instance attribute shadows the class's grouped_mm: the module keeps its type, parameters and
             # state-dict keys.
-            vars(module)["grouped_mm"] = QuantizedGroupedMM(self.config.recipe_name, emulate, [])
+            vars(module)["grouped_mm"] = QuantizedGroupedMM(self.config.recipe_name, emulate, [],
+                                                            power_of_2=self.config.power_of_2_scales)
 
     def post_optimizer_hook(self, model_parts: object) -> None:
         """Scales are dynamic: nothing to refresh."""
 
     def settings(self) -> str:
-        return (f"recipe {self.config.recipe_name}: {_RECIPE_TEXT[self.config.recipe_name]}, token groups padded "
-                f"to {self.alignment} rows; {self.kernel.why}")
+        text = _RECIPE_TEXT[self.config.recipe_name]
+        if self.config.recipe_name == "blockwise":
+            text += ", power-of-2 scales)" if self.config.power_of_2_scales else ", float32 scales)"
+        return f"recipe {self.config.recipe_name}: {text}, token groups padded to {self.alignment} rows; {self.kernel.why}"
 
     def explain(self, model: nn.Module) -> str:
         return f"{self.kind} converter ({self.settings()})\n" + format_expert_plan(self.plan_rows(model))
