@@ -17,11 +17,15 @@ its logits in float32 whatever the recipe, models/common/router.py); --print-fp8
 
 def _deepseek_v3_recipe(*, power_of_2_scales: bool) -> ModelConvertersContainer.Config:
     """DeepSeek-V3's FP8 recipe: blockwise E4M3 for every Linear but the router gates and the output head
-    (keep_output_hp), and for the routed experts' grouped GEMMs (the moe_experts converter, recipe blockwise,
-    the same scales); the embedding, norms and attention core are not Linears and stay high precision."""
+    (keep_output_hp), and for the routed experts' grouped GEMMs (the moe_experts converter, recipe blockwise);
+    the embedding, norms and attention core are not Linears and stay high precision. ``power_of_2_scales`` is
+    the Linears' choice. The experts always take power-of-2 scales (DeepSeek-V3's choice): no grouped blockwise
+    kernel exists, and power-of-2 scales make the emulated tiles exact in bfloat16, so their grouped GEMMs stay
+    bfloat16 GEMMs that compile with the block; float32 scales would need float32 GEMMs run outside the
+    compiled graph (on a GPU, one per expert)."""
     return ModelConvertersContainer.Config(converters=[
         Float8BlockwiseConverter.Config(power_of_2_scales=power_of_2_scales, filter_fqns=[ROUTER_GATES]),
-        GroupedExpertsConverter.Config(recipe_name="blockwise", power_of_2_scales=power_of_2_scales)])
+        GroupedExpertsConverter.Config(recipe_name="blockwise", power_of_2_scales=True)])
 
 
 @register
@@ -64,9 +68,10 @@ def deepseek_v3_16b() -> Trainer.Config:
 @register
 def deepseek_v3_671b_fp8() -> Trainer.Config:
     """DeepSeek-V3 671B (37.6B active) + compile + its FP8 recipe: blockwise Linears (torchao's kernels on sm_90,
-    float32 scales as they compute them) and blockwise routed experts (emulated: no grouped blockwise FP8 GEMM
-    exists in torch / torchao; slower than BF16), router gates and output head high precision; BF16, 4k
-    sequence, peak lr 2.2e-4 as published, full activation checkpointing. Needs expert parallelism to fit 80 GB
+    float32 scales as they compute them) and blockwise routed experts (power-of-2 scales, emulated: no grouped
+    blockwise FP8 GEMM exists in torch / torchao, so they cost BF16 grouped GEMMs plus the tiles' casts), router
+    gates and output head high precision; BF16, 4k sequence, peak lr 2.2e-4 as published, full activation
+    checkpointing. Needs expert parallelism to fit 80 GB
     GPUs: on 256 GPUs run it with --parallelism.ep 8 (README, DeepSeek-V3)."""
     cfg = _llama3_large("671B", lr=2.2e-4)
     cfg.model = ModelConfig(name="deepseek_v3", flavor="671B")

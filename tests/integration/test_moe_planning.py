@@ -103,8 +103,8 @@ def test_235b_dry_run_on_64_gpus_with_fsdp_64_and_ep_8_fits_80_gib(cli, config):
 
 def test_deepseek_v3_671b_dry_run_on_256_gpus_with_fsdp_256_and_ep_8_fits_80_gib(cli):
     """DeepSeek-V3 671B's recommended 256-GPU layout: FSDP over all 256 ranks, EP 8 (each EP group's all-to-all
-    within one 8-GPU node). The estimate: 147.0 GiB per rank with FSDP alone, 57.6 GiB with EP 8; EP 16 / 32 / 64
-    save only 4.5 / 6.7 / 7.4 GiB more while their all-to-all crosses nodes."""
+    within one 8-GPU node). The estimate: 147.0 GiB per rank with FSDP alone, 55.2 GiB with EP 8; EP 16 / 32 / 64
+    save only 3.7 / 5.4 / 6.0 GiB more while their all-to-all crosses nodes."""
     result = cli(["--config", "deepseek_v3_671b_fp8", "--parallelism.ep", "8", "--dry-run"], NGPU="256")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout

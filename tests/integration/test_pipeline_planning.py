@@ -15,7 +15,7 @@ LAYOUT_671B = ["--config", "deepseek_v3_671b_fp8", "--parallelism.pp", "8", "--p
                "--parallelism.pipeline_schedule", "1F1B", "--training.local_batch_size", "16",
                "--parallelism.pipeline_microbatch_size", "1"]
 """DeepSeek-V3 on 1024 GPUs: EP 32 keeps the experts that each pipeline rank accumulates unsharded gradients of
-down to 8 per MoE layer (EP 8: 32, and 97.6 GiB for rank 2 of PP 8 x EP 8 on 2048 GPUs by the estimate)."""
+down to 8 per MoE layer (EP 8: 32, and 95.6 GiB for rank 1 of PP 8 x EP 8 on 2048 GPUs by the estimate)."""
 
 
 def _pipeline_ranks(out: str, pp: int) -> dict[int, float]:

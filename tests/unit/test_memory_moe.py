@@ -222,10 +222,10 @@ def test_low_precision_experts_add_an_input_copy_and_one_gemms_float8_operands()
 
 def test_blockwise_experts_add_their_128_row_padding_and_float32_operands():
     """Blockwise experts (emulated) pad every token group to 128 rows (the buffers hold E x 127 rows more) in the
-    inputs of w1, w3 and w2, and multiply float32 dequantized operands: the token operands of one GEMM and two
-    float32 tensors of the local experts' weight size."""
+    inputs of w1, w3 and w2, and with float32 scales multiply float32 dequantized operands: the token operands of
+    one GEMM and two float32 tensors of the local experts' weight size (power-of-2 scales: compute-dtype ones)."""
     base = dict(num_experts=128, top_k=8, hidden=1536, shared_hidden=0, layers=frozenset({0}), ep=8, float8_experts=True)
-    fp8, blockwise = RoutedSetup(**base), RoutedSetup(**base, blockwise_experts=True)
+    fp8, blockwise = RoutedSetup(**base), RoutedSetup(**base, blockwise_experts=True, float32_expert_gemms=True)
     kw = dict(tokens=4096, dim=4096, compute_bytes=2)
     assert blockwise.padding_rows == 16 * 127 and fp8.padding_rows == 0
     saved = {name: sum(moe_saved_bytes(r, **kw, autocast=False).values()) for name, r in (("fp8", fp8),
@@ -233,4 +233,8 @@ def test_blockwise_experts_add_their_128_row_padding_and_float32_operands():
     assert saved["blockwise"] - saved["fp8"] == 16 * 127 * (2 * 4096 + 1536) * 2
     working = moe_backward_working_bytes(blockwise, **kw) - moe_backward_working_bytes(fp8, **kw)
     assert working == (4 * ((40960 + 16 * 127) * (4096 + 1536) + 2 * 16 * 1536 * 4096)
+                       - (40960 * 4096 + 16 * 1536 * 4096))
+    power_of_2 = RoutedSetup(**base, blockwise_experts=True)
+    working = moe_backward_working_bytes(power_of_2, **kw) - moe_backward_working_bytes(fp8, **kw)
+    assert working == (2 * ((40960 + 16 * 127) * (4096 + 1536) + 2 * 16 * 1536 * 4096)
                        - (40960 * 4096 + 16 * 1536 * 4096))

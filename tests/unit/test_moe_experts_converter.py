@@ -157,7 +157,7 @@ def test_the_dense_float8_plan_keeps_the_router_gate_in_float32():
     # No grouped blockwise GEMM exists: auto emulates on any device, with the reason.
     ("blockwise", "auto", "cpu", None, True, True, "and torchao have no grouped blockwise FP8 GEMM"),
     ("blockwise", "auto", "cuda", (9, 0), True, True, "and torchao have no grouped blockwise FP8 GEMM"),
-    ("blockwise", "auto", "cuda", None, True, True, "same tiles and scales, GEMM in float32"),
+    ("blockwise", "auto", "cuda", None, True, True, "same tiles and scales, GEMM in float32 (float32 scales)"),
 ])
 def test_kernel_decision(recipe, kernel, device_type, capability, built, emulate, why):
     decision = decide_grouped_kernel(recipe, kernel, device_type, capability, "GPU", built)
@@ -171,8 +171,8 @@ def test_kernel_decision(recipe, kernel, device_type, capability, built, emulate
                                   f"recipe_name='blockwise': torch {torch.__version__.split('+')[0]} and torchao have no "
                                   f"grouped blockwise FP8 GEMM (torchao's blockwise kernels are dense Linears only). "
                                   f"Use kernel='auto' or kernel='emulated' (both emulate: same tiles and scales, GEMM in "
-                                  f"float32; slower than BF16), or recipe_name='rowwise' for torchao's FP8 grouped GEMM "
-                                  f"kernels (Hopper)"),
+                                  f"float32 (float32 scales); slower than BF16), or recipe_name='rowwise' for torchao's "
+                                  f"FP8 grouped GEMM kernels (Hopper)"),
 ])
 def test_native_without_the_kernels_is_an_error(recipe, device_type, capability, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -264,11 +264,17 @@ def test_print_fp8_plan_shows_the_expert_table(config, first_table, capsys):
     assert f"layers.{layers - 1}.moe.experts.w2" in out
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
-def test_compiled_converted_experts_match_eager_bit_for_bit(recipe):
-    # Blockwise's float32 grouped GEMMs run eagerly inside the compiled graph (torch._grouped_mm traces bf16 only).
+def test_power_of_2_blockwise_experts_are_emulated_in_the_compute_dtype():
+    decision = decide_grouped_kernel("blockwise", "auto", "cpu", None, power_of_2=True)
+    assert decision.emulate and "GEMM in the compute dtype (power-of-2 scales are exact in it)" in decision.why
+
+
+@pytest.mark.parametrize("recipe, power_of_2", [("mxfp8", False), ("blockwise", False), ("blockwise", True)])
+def test_compiled_converted_experts_match_eager_bit_for_bit(recipe, power_of_2):
+    # Blockwise's float32 grouped GEMMs (float32 scales) run eagerly inside the compiled graph (torch._grouped_mm
+    # traces bf16 only); with power-of-2 scales its bf16 grouped GEMMs are traced with the rest.
     model = _model()
-    _experts(recipe).convert(model)
+    _experts(recipe, **({"power_of_2_scales": True} if power_of_2 else {})).convert(model)
     experts = model.layers["0"].moe.experts
     x = torch.randn(40, 128, dtype=torch.bfloat16)
     counts = torch.tensor([0, 9, 3, 7, 1, 16, 4, 0])

@@ -254,3 +254,34 @@ def test_blockwise_experts_compute_the_dense_blockwise_recipe_on_each_group_alon
         return fake_1x128(t.t(), power_of_2=power_of_2)[:, 155:283]
 
     assert not torch.equal(straddling(grad) @ straddling(loud).t(), straddling(grad) @ straddling(x).t())
+
+
+def test_power_of_2_blockwise_runs_its_grouped_gemms_in_bf16_on_the_same_tiles_as_float32(monkeypatch):
+    """Power-of-2 scales make every dequantized element an e4m3 value times a power of 2, exact in bfloat16: the
+    bf16 grouped GEMMs see exactly the operands the float32 path multiplies (float32 scales would not: the control
+    runs float32 GEMMs). Results then differ only by float32 summation order and the final bf16 rounding: within
+    one bf16 unit in the last place (2^-8 relative) of the float32 path's result, plus 2^-23 x length x sum |a||b|
+    for the order of sums."""
+    x, w_t, grad, offsets = _operands(seed=4, shape=(BLOCKWISE_COUNTS, BLOCKWISE_K, BLOCKWISE_N))
+    x, w_t, grad = x.bfloat16(), w_t.bfloat16(), grad.bfloat16()
+    dtypes: list[torch.dtype] = []
+    grouped_mm = torch._grouped_mm
+
+    def recording(a, b, offs=None):
+        dtypes.append(a.dtype)
+        return grouped_mm(a, b, offs=offs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", recording)
+    got = _emulated("blockwise", x, w_t, grad, offsets, power_of_2=True)
+    assert dtypes == [torch.bfloat16] * 3
+    dtypes.clear()
+    float32 = _emulated("blockwise", x.float(), w_t.float(), grad.float(), offsets, power_of_2=True)
+    assert dtypes == [torch.float32] * 3
+    dtypes.clear()
+    _emulated("blockwise", x, w_t, grad, offsets, power_of_2=False)
+    assert dtypes == [torch.float32] * 3  # the control: float32 scales multiply in float32
+    _, magnitudes = _reference("blockwise", x.float(), w_t.float(), grad.float(), offsets, True)
+    for name, value, ref, mag, length in zip(("output", "input gradient", "weight gradient"), got, float32,
+                                             magnitudes, (BLOCKWISE_K, BLOCKWISE_N, max(BLOCKWISE_COUNTS))):
+        bound = 2.0 ** -8 * ref.double().abs() + length * 2.0 ** -23 * mag
+        assert ((value.double() - ref.double()).abs() <= bound).all(), name

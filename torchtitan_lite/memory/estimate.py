@@ -372,12 +372,14 @@ def _held_loss_bytes(s: ActivationSetup) -> int:
 def _activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
     args, dims, precision, facts = layout.args, layout.dims, run.precision, layout.moe
     param_bytes = precision.param_bytes
+    blockwise = [c for c in run.converters.converters
+                 if c.config.low_precision_experts and getattr(c.config, "recipe_name", "") == "blockwise"]
     moe = None if facts is None else RoutedSetup(
         num_experts=facts.num_experts, top_k=facts.top_k, hidden=facts.expert_hidden_dim,
         shared_hidden=facts.shared_hidden_dim, layers=frozenset(facts.layers), ep=dims.ep,
         float8_experts=any(c.config.low_precision_experts for c in run.converters.converters),
-        blockwise_experts=any(c.config.low_precision_experts and getattr(c.config, "recipe_name", "") == "blockwise"
-                              for c in run.converters.converters))
+        blockwise_experts=bool(blockwise),
+        float32_expert_gemms=any(not getattr(c.config, "power_of_2_scales", False) for c in blockwise))
     return ActivationSetup(
         # Under a pipeline, activations are those of one pipeline micro-batch.
         tokens=run.pipeline.microbatch_size * run.training.seq_len if run.pipeline else run.tokens_per_microbatch,

@@ -32,10 +32,10 @@ modelled.
 
 Blockwise experts (DeepSeek-V3's recipe, emulated: grouped_gemm.py) save the same padded inputs, padded to 128
 rows per expert: the buffers hold Tr + E x 127 rows, which the estimate adds to the two padded inputs of w1 / w3
-and the padded input of w2. Their GEMMs run in float32 on dequantized operands, 4 bytes per element instead of
-FP8's 1: one GEMM at a time holds its token operands ((Tr + E x 127) x (D + H) x 4 at most) and two float32
-expert-weight-sized tensors (2 x E x H x D x 4: the dequantized weight and the temporary it is divided from, or
-the float32 weight gradient and its cast).
+and the padded input of w2. Their GEMMs run on dequantized operands, in the compute dtype with power-of-2 scales and in
+float32 with float32 scales (a bytes per element, or 4, instead of FP8's 1): one GEMM at a time holds its token
+operands ((Tr + E x 127) x (D + H) x a or 4 at most) and two expert-weight-sized tensors (2 x E x H x D x a or
+4: the dequantized weight and the temporary it is divided from, or the weight gradient and its cast).
 
 Not modelled: the sequence-level aux loss keeps the scores' row sums (T x 4, under 1/E of the scores) and
 two [batch, E] tensors.
@@ -72,8 +72,10 @@ class RoutedSetup:
     float8_experts: bool = False
     """The expert GEMMs run in FP8 / MX: set from the run's converters (``low_precision_experts``)."""
     blockwise_experts: bool = False
-    """... in emulated blockwise FP8 (the moe_experts converter's recipe blockwise): 128-row padding, float32
-    GEMMs."""
+    """... in emulated blockwise FP8 (the moe_experts converter's recipe blockwise): 128-row padding."""
+    float32_expert_gemms: bool = False
+    """Blockwise with float32 scales: the dequantized operands are float32 (power-of-2 scales keep the compute
+    dtype)."""
 
     @property
     def padding_rows(self) -> int:
@@ -127,7 +129,8 @@ def moe_backward_working_bytes(r: RoutedSetup, *, tokens: int, dim: int, compute
     and one exchange's all-to-all buffers."""
     received = r.received_rows(tokens)
     float8 = received * max(dim, r.hidden) + r.local_experts * r.hidden * dim if r.float8_experts else 0
-    if r.blockwise_experts:  # float32 dequantized operands of the weight-gradient GEMM and its float32 result
-        float8 = 4 * ((received + r.padding_rows) * (dim + r.hidden) + 2 * r.local_experts * r.hidden * dim)
+    if r.blockwise_experts:  # dequantized operands of the weight-gradient GEMM and its result
+        operand = 4 if r.float32_expert_gemms else compute_bytes
+        float8 = operand * ((received + r.padding_rows) * (dim + r.hidden) + 2 * r.local_experts * r.hidden * dim)
     return (received * (3 * r.hidden + dim) * compute_bytes + float8
             + all_to_all_bytes(r, tokens=tokens, dim=dim, compute_bytes=compute_bytes))

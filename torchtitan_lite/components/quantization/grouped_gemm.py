@@ -35,10 +35,12 @@ Emulation quantizes and dequantizes exactly those tiles with torchao's own scale
 with power-of-2 rounding and ``to_fp8_saturated`` for rowwise, ``to_mx`` for MXFP8) and multiplies the
 dequantized operands in the compute dtype with ``torch._grouped_mm``. Every dequantized element is an e4m3
 value times a power of 2, exact in bfloat16 and float32, so emulation differs from the FP8 tensor cores only
-in the order of the float32 accumulation. Blockwise float32 scales give dequantized values that bfloat16
-cannot hold, so blockwise multiplies in float32 (as the dense blockwise emulation does) and writes the compute
-dtype; torch._grouped_mm's traced form takes bfloat16 only, so that GEMM runs eagerly inside compiled blocks. On a
-GPU a float32 torch._grouped_mm is torch's fallback: one mm per expert, after reading the offsets on the host.
+in the order of the float32 accumulation. Blockwise with power-of-2 scales is exact in bfloat16 the same way and
+multiplies in the compute dtype (a bfloat16 grouped GEMM: compiled with its block, no host synchronisation).
+Blockwise float32 scales give dequantized values that bfloat16 cannot hold, so then it multiplies in float32
+(as the dense blockwise emulation does) and writes the compute dtype; torch._grouped_mm's traced form takes
+bfloat16 only, so that GEMM runs eagerly inside compiled blocks, and on a GPU a float32 torch._grouped_mm is
+torch's fallback: one mm per expert, after reading the offsets on the host.
 """
 from __future__ import annotations
 
@@ -194,7 +196,7 @@ def blockwise_tiles(power_of_2: bool) -> GroupedTiles:
 
     return GroupedTiles(forward_input=lambda x: fake_1x128(x, power_of_2=power_of_2), forward_weight=weight_blocks,
                         grad_output=lambda g: fake_1x128(g, power_of_2=power_of_2), grad_input_weight=weight_blocks,
-                        weight_grad_operand=token_tiles, float32_gemm=True)
+                        weight_grad_operand=token_tiles, float32_gemm=not power_of_2)
 
 
 def grouped_tiles(recipe: str, power_of_2: bool = False) -> GroupedTiles:
@@ -269,10 +271,10 @@ def quantized_grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tens
     blockwise scales rounded down to powers of 2."""
     layout = pad_groups(offsets, x.shape[0], GROUP_ALIGNMENT[recipe])
     padded = pad_rows(x, layout)
-    if emulate and grouped_tiles(recipe).float32_gemm:
+    if emulate and grouped_tiles(recipe, power_of_2).float32_gemm:
         out = _eager_emulated_grouped_mm(padded, w_t, layout.offsets, recipe, power_of_2)
     elif emulate:
-        out = EmulatedGroupedMM.apply(padded, w_t, layout.offsets, recipe)
+        out = EmulatedGroupedMM.apply(padded, w_t, layout.offsets, recipe, power_of_2)
     else:
         out = native_grouped_mm(padded, w_t, layout.offsets, recipe)
     return unpad_rows(out, layout)

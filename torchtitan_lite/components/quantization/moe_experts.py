@@ -78,18 +78,22 @@ class GroupedKernelDecision:
 
 
 def decide_grouped_kernel(recipe: str, kernel: str, device_type: str, capability: tuple[int, int] | None,
-                          device_name: str = "the GPU", kernels_built: bool = True) -> GroupedKernelDecision:
+                          device_name: str = "the GPU", kernels_built: bool = True,
+                          power_of_2: bool = False) -> GroupedKernelDecision:
     """Emulate or not for ``recipe`` / ``kernel`` on this device; ValueError when ``kernel='native'`` cannot be
-    honoured. ``kernels_built``: this torchao / triton build has the recipe's kernels."""
+    honoured. ``kernels_built``: this torchao / triton build has the recipe's kernels; ``power_of_2``: blockwise
+    scales rounded to powers of 2 (its emulated GEMM then runs in the compute dtype)."""
     if kernel == "emulated":
         return GroupedKernelDecision(True, "grouped GEMMs emulated, as kernel='emulated' asks")
     if recipe == "blockwise":
-        emulated_in_float32 = "same tiles and scales, GEMM in float32; slower than BF16"
+        emulated_how = ("same tiles and scales, GEMM in the compute dtype (power-of-2 scales are exact in it)"
+                               if power_of_2 else "same tiles and scales, GEMM in float32 (float32 scales); slower "
+                                                  "than BF16")
         if kernel == "native":
             raise ValueError(f"{_FIELD}.kernel='native' with recipe_name='blockwise': {NO_BLOCKWISE_KERNEL}. Use "
-                             f"kernel='auto' or kernel='emulated' (both emulate: {emulated_in_float32}), or "
+                             f"kernel='auto' or kernel='emulated' (both emulate: {emulated_how}), or "
                              f"recipe_name='rowwise' for torchao's FP8 grouped GEMM kernels (Hopper)")
-        return GroupedKernelDecision(True, f"grouped GEMMs emulated: {NO_BLOCKWISE_KERNEL}; {emulated_in_float32}")
+        return GroupedKernelDecision(True, f"grouped GEMMs emulated: {NO_BLOCKWISE_KERNEL}; {emulated_how}")
     need = MIN_CAPABILITY[recipe]
     need_text = f"compute capability {need[0]}.{need[1]}+ ({'Hopper' if recipe == 'rowwise' else 'Blackwell'})"
     emulated = "same tiles and scales, GEMM in the compute dtype; slower than BF16"
@@ -175,7 +179,8 @@ class GroupedExpertsConverter(ModelConverter):
         recipe = config.recipe_name
         capability, name = _cuda_device(context.device_type)
         built = native_kernels_built(recipe) if capability is not None and recipe != "blockwise" else True
-        self.kernel = decide_grouped_kernel(recipe, config.kernel, context.device_type, capability, name, built)
+        self.kernel = decide_grouped_kernel(recipe, config.kernel, context.device_type, capability, name, built,
+                                            power_of_2=config.power_of_2_scales)
         self._check_precision()
         self.plan: list[ExpertPlanRow] | None = None
         """The rows of the last ``convert``."""
