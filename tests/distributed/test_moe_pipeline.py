@@ -1,5 +1,5 @@
 """Pipeline parallelism trains a tiny Qwen3-MoE (4 blocks, both balancing schemes) as one process does: PP 2 with
-1F1B, Interleaved1F1B and ZBVZeroBubble, 1F1B with full activation checkpointing, and PP 2 x FSDP 2 x EP 2 on 4
+1F1B, Interleaved1F1B, ZBVZeroBubble and DualPipeV, 1F1B with full activation checkpointing, and PP 2 x FSDP 2 x EP 2 on 4
 ranks (1F1B without and with checkpointing, Interleaved1F1B with it, ZBVZeroBubble without).
 tests/distributed/_moe_pp_steps.py runs the stages as the trainer does.
 
@@ -31,6 +31,7 @@ TWO_RANKS = {
     "1F1B": PPRun(pp=2),
     "Interleaved1F1B": PPRun(pp=2, schedule="Interleaved1F1B"),
     "ZBVZeroBubble": PPRun(pp=2, schedule="ZBVZeroBubble"),
+    "DualPipeV": PPRun(pp=2, schedule="DualPipeV"),
     "1F1B_full_ac": PPRun(pp=2, ac_mode="full"),
     "1F1B_balance_loss_x4": PPRun(pp=2, aux_weight=4.0, steps=1),
 }
@@ -67,7 +68,7 @@ def _merged(results: list[dict], key: str) -> dict:
 
 
 @pytest.mark.parametrize("world_size, name", [(2, "1F1B"), (2, "Interleaved1F1B"), (2, "ZBVZeroBubble"),
-                                              (2, "1F1B_full_ac"), (4, "1F1B_ep2"), (4, "1F1B_ep2_full_ac"),
+                                              (2, "DualPipeV"), (2, "1F1B_full_ac"), (4, "1F1B_ep2"), (4, "1F1B_ep2_full_ac"),
                                               (4, "Interleaved1F1B_ep2_full_ac"), (4, "ZBVZeroBubble_ep2")])
 def test_pipeline_moe_float32_matches_one_process(world_size, name):
     results, ref = _launch(world_size)[name], _reference()

@@ -1,4 +1,4 @@
-"""A qwen3_moe_debug run through ./run_train.sh: TensorBoard carries the router's health per layer and the
+"""A qwen3_moe_debug run (train.py, one process): TensorBoard carries the router's health per layer and the
 console line its summary, with the same numbers."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def test_router_health_reaches_tensorboard_and_the_console(cli, tmp_path):
     result = cli(["--config", "qwen3_moe_debug", *TINY, "--training.steps", "3", "--checkpoint.enable", "false",
                   "--metrics.enable_tensorboard", "true", "--metrics.cpu_peak_tflops", "1",
-                  "--job.dump_folder", str(tmp_path)])
+                  "--job.dump_folder", str(tmp_path)], launcher="train.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     scalars = read_scalars(tmp_path / "tb")
     # The debug flavor balances with the auxiliary loss (Qwen3-MoE's 1e-3) and has no expert bias to range over.

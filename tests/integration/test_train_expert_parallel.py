@@ -16,8 +16,9 @@ FP32_RTOL = 1e-6
 
 
 def test_ep2_trains_through_run_train_sh_like_fsdp2_from_the_same_seed(cli, tmp_path):
+    # The seed is one process: train.py itself, without run_train.sh's preflight and torchrun start-up.
     seed = cli([*RUN, "--checkpoint.enable", "true", "--checkpoint.create_seed_checkpoint", "true",
-                "--job.dump_folder", str(tmp_path / "seed")])
+                "--job.dump_folder", str(tmp_path / "seed")], launcher="train.py")
     assert seed.returncode == 0, seed.stdout[-3000:] + seed.stderr[-3000:]
     from_seed = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000",
                  "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0")]

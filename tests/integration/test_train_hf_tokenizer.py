@@ -1,5 +1,5 @@
-"""A tokenizer.json made with the `tokenizers` library trains llama3_debug through run_train.sh, and the model's
-vocabulary is the tokenizer's."""
+"""A tokenizer.json made with the `tokenizers` library trains llama3_debug (train.py, one process), and the
+model's vocabulary is the tokenizer's."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ def test_hf_tokenizer_folder_trains_llama3_debug(cli, tmp_path):
     library = llama3_style_tokenizer(2300)
     folder = write_model_folder(tmp_path / "tok", library)
     result = cli(["--config", "llama3_debug", "--tokenizer.path", str(folder), "--training.steps", "3", *TINY,
-                  "--job.dump_folder", str(tmp_path / "out")])
+                  "--job.dump_folder", str(tmp_path / "out")], launcher="train.py")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     vocab = library.get_vocab_size(with_added_tokens=True)

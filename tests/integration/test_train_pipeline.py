@@ -37,8 +37,10 @@ margin is wider than float32's. Measured: bit-identical losses over 5 steps (3 i
 
 def train(folder: Path, args: list[str], nproc: int = 1, config: str = "llama3_debug") -> dict[str, dict[int, float]]:
     # One thread per process: the ranks share the cores, and spinning OpenMP threads would stall each other.
+    # One process runs train.py itself, without run_train.sh's preflight check and torchrun start-up (the seed
+    # fixture runs the documented run_train.sh command).
     result = run_cli(["--config", config, *COMMON, *args, "--job.dump_folder", str(folder)], NPROC=str(nproc),
-                     OMP_NUM_THREADS="1")
+                     OMP_NUM_THREADS="1", launcher="run_train.sh" if nproc > 1 else "train.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     scalars = read_scalars(folder / "tb")
     scalars["log"] = result.stdout + result.stderr  # type: ignore[assignment]
@@ -93,11 +95,12 @@ def test_zbv_trains_and_validates_as_one_process(seed, reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "DualPipeV"])
-def test_two_stages_per_rank_train_as_one_process(seed, reference, tmp_path, schedule):
+def test_interleaved_1f1b_trains_as_one_process(seed, reference, tmp_path):
+    """Two stages per rank in loop placement. (DualPipeV, V placement as ZBVZeroBubble above, trains as one
+    process in tests/distributed/test_moe_pipeline.py, through the same PipelineRunner.)"""
     run = train(tmp_path, [*seed, "--training.steps", str(STEPS), "--parallelism.pp", "2",
-                           "--parallelism.pipeline_schedule", schedule], nproc=2)
-    assert f"PP 2 ({schedule}, 4 stages, 2 per rank, 4 micro-batches of 1)" in run["log"]
+                           "--parallelism.pipeline_schedule", "Interleaved1F1B"], nproc=2)
+    assert "PP 2 (Interleaved1F1B, 4 stages, 2 per rank, 4 micro-batches of 1)" in run["log"]
     assert set(run["train/loss"]) == set(range(1, STEPS + 1))
     assert max_rel_diff(run["train/loss"], reference["train/loss"]) <= FP32_RTOL
 
@@ -141,9 +144,11 @@ def test_pp2_x_fsdp2_float8_with_the_fp8_all_gather_trains_as_fsdp2(seed, tmp_pa
 
 
 @pytest.mark.slow
-def test_pp2_with_compile_and_full_ac_trains_as_one_process_with_them(seed, tmp_path):
-    compiled = [*seed, "--compile.enable", "true", "--activation_checkpoint.mode", "full", "--training.steps", "3"]
-    one = train(tmp_path / "one", compiled)
-    pp = train(tmp_path / "pp", [*compiled, "--parallelism.pp", "2"], nproc=2)
+def test_pp2_with_compile_and_full_ac_trains_as_one_process(seed, reference, tmp_path):
+    """Compiled, fully checkpointed stages against the eager one-process reference: in float32 inductor's
+    fusions, like the order of sums, move only last bits (measured 6.1e-8 relative over the 3 steps, within
+    FP32_RTOL)."""
+    pp = train(tmp_path, [*seed, "--compile.enable", "true", "--activation_checkpoint.mode", "full",
+                          "--training.steps", "3", "--parallelism.pp", "2"], nproc=2)
     assert set(pp["train/loss"]) == {1, 2, 3}
-    assert max_rel_diff(pp["train/loss"], one["train/loss"]) <= FP32_RTOL
+    assert max_rel_diff(pp["train/loss"], reference["train/loss"]) <= FP32_RTOL

@@ -54,11 +54,13 @@ def test_blockwise_trains_close_to_bf16_but_not_as_bf16(tmp_path, bf16):
 
 
 def test_control_high_precision_linears_give_bf16_exactly(tmp_path, bf16):
-    """The floor's control: the same converter keeping every block Linear in high precision."""
+    """The floor's control: the same converter keeping every block Linear in high precision. Three steps (the
+    third loss follows two updates, both in warmup, whose learning rates do not depend on the step count) are
+    the bf16 run's first three to the bit."""
     losses, linears = _losses(tmp_path, "none", "llama3_debug_fp8_blockwise",
-                              "--model_converters.converters.0.filter_fqns", "layers")
-    assert linears == [] and torch.equal(losses, bf16)
-    assert not _gap(losses, bf16) > FLOOR
+                              "--model_converters.converters.0.filter_fqns", "layers", "--training.steps", "3")
+    assert linears == [] and torch.equal(losses, bf16[:3])
+    assert not _gap(losses, bf16[:3]) > FLOOR
 
 
 def test_control_unscaled_tiles_leave_the_band(tmp_path, bf16, monkeypatch):

@@ -82,6 +82,8 @@ def test_microbatches_and_describe():
     result = layout(schedule="Interleaved1F1B", microbatch_size=2, local_batch_size=8)
     assert result.n_microbatches == 4
     assert result.describe() == "PP 2 (Interleaved1F1B, 4 stages, 2 per rank, 4 micro-batches of 2)"
+    assert layout(schedule="DualPipeV", local_batch_size=4).describe() == (
+        "PP 2 (DualPipeV, 4 stages, 2 per rank, 4 micro-batches of 1)")
 
 
 def test_zbv_takes_any_microbatch_count():
