@@ -110,6 +110,8 @@ LONG_RUNNING = {
     "--last 20 --tolerance 0.05 --dump-root /tmp/lc_dsv3/runs --out /tmp/lc_dsv3/loss.png --progress-every 120 -- "
     "--validation.enable false":
         "trains 2 x 200 steps (20 minutes on 2 cores)",
+    "python scripts/loss_compare.py --runs /tmp/lc_dsv3x/deepseek_v3_debug_bf16 /tmp/lc_dsv3x/deepseek_v3_debug_fp8_blockwise "
+    "--last 20 --tolerance 0.05 --out /tmp/lc_dsv3x/loss.png": "needs the finished 200-step runs",
     "OMP_NUM_THREADS=1 python train.py --config llama3_debug --training.steps 200 --checkpoint.enable false "
     "--validation.enable false --metrics.log_freq 1 --job.dump_folder <dir>": "a template (<dir>); trains 200 steps",
     "python scripts/fp8_sqnr.py --config llama3_debug_fp8 --min-fwd-sqnr 20":
