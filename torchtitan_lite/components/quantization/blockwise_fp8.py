@@ -30,6 +30,15 @@ EPS = 1e-12
 """Smallest amax a scale is computed from: an all-zero tile gets a finite scale (and stays zero)."""
 
 
+def tp_degrees_keeping_blocks(split: int, tp: int) -> list[int] | None:
+    """None when ``tp`` shards of a dim of ``split`` each hold whole 128-wide tiles and blocks; else the
+    tensor-parallel degrees that would (for the error that names them)."""
+    def fits(t: int) -> bool:
+        return split % t == 0 and (split // t) % BLOCK == 0
+
+    return None if fits(tp) else [t for t in range(1, split // BLOCK + 1) if fits(t)]
+
+
 def tile_scales(amax: torch.Tensor, *, power_of_2: bool) -> torch.Tensor:
     """float32 scales ``448 / amax`` (amax at least EPS), rounded down to a power of two when asked (so the
     scaled tile's largest magnitude stays at or below 448 and the multiplication by the scale is exact)."""

@@ -40,7 +40,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn as nn
 
-from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK
+from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK, tp_degrees_keeping_blocks
 from torchtitan_lite.components.quantization.blockwise_weight import (
     FP8_ALL_GATHER_BYTES_PER_ELEMENT,
     fp8_all_gather_obstacle,
@@ -203,10 +203,10 @@ class Float8BlockwiseConverter(LinearQuantizer):
             return
         tp = self.context.tp
         split, name = (row.out_features, "out_features") if dim == 0 else (row.in_features, "in_features")
-        if split % tp == 0 and (split // tp) % BLOCK == 0:
+        fits = tp_degrees_keeping_blocks(split, tp)
+        if fits is None:
             return
         style = "column-wise (splits out_features)" if dim == 0 else "row-wise (splits in_features)"
-        fits = [t for t in range(1, split // BLOCK + 1) if split % t == 0 and (split // t) % BLOCK == 0]
         raise ValueError(
             f"{_FIELD}: {row.fqn} ({row.in_features} -> {row.out_features}) is {style} under parallelism.tp={tp}: "
             f"{name}={split} / {tp} is not a multiple of {BLOCK}, so a TP shard would cut its 1x{BLOCK} tiles and "

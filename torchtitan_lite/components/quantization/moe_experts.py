@@ -33,7 +33,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK
+from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK, tp_degrees_keeping_blocks
 from torchtitan_lite.components.quantization.float8_plan import filter_reason
 from torchtitan_lite.components.quantization.grouped_gemm import (
     GROUP_ALIGNMENT,
@@ -87,8 +87,7 @@ def decide_grouped_kernel(recipe: str, kernel: str, device_type: str, capability
         return GroupedKernelDecision(True, "grouped GEMMs emulated, as kernel='emulated' asks")
     if recipe == "blockwise":
         emulated_how = ("same tiles and scales, GEMM in the compute dtype (power-of-2 scales are exact in it)"
-                               if power_of_2 else "same tiles and scales, GEMM in float32 (float32 scales); slower "
-                                                  "than BF16")
+                        if power_of_2 else "same tiles and scales, GEMM in float32 (float32 scales); slower than BF16")
         if kernel == "native":
             raise ValueError(f"{_FIELD}.kernel='native' with recipe_name='blockwise': {NO_BLOCKWISE_KERNEL}. Use "
                              f"kernel='auto' or kernel='emulated' (both emulate: {emulated_how}), or "
@@ -246,9 +245,9 @@ class GroupedExpertsConverter(ModelConverter):
             return
         tp = self.context.tp
         split, name = (row.out_features, "out_features") if dim == 1 else (row.in_features, "in_features")
-        if split % tp == 0 and (split // tp) % BLOCK == 0:
+        fits = tp_degrees_keeping_blocks(split, tp)
+        if fits is None:
             return
-        fits = [t for t in range(1, split // BLOCK + 1) if split % t == 0 and (split // t) % BLOCK == 0]
         module = row.fqn.rsplit(".", 1)[0]
         raise ValueError(
             f"{_FIELD}: {row.fqn} ({row.experts} experts, {row.in_features} -> {row.out_features}) is split along "
