@@ -199,9 +199,13 @@ def blockwise_tiles(power_of_2: bool) -> GroupedTiles:
                         weight_grad_operand=token_tiles, float32_gemm=not power_of_2)
 
 
+BLOCKWISE_TILES = {power_of_2: blockwise_tiles(power_of_2) for power_of_2 in (False, True)}
+"""Built once: every grouped GEMM call looks its tiles up."""
+
+
 def grouped_tiles(recipe: str, power_of_2: bool = False) -> GroupedTiles:
     """The tiles of ``recipe``; ``power_of_2`` applies to blockwise (the others' scales are powers of 2 anyway)."""
-    return blockwise_tiles(power_of_2) if recipe == "blockwise" else TILES[recipe]
+    return BLOCKWISE_TILES[power_of_2] if recipe == "blockwise" else TILES[recipe]
 
 
 # --------------------------------------------------------------------------------------------------
