@@ -63,7 +63,9 @@ def test_stage_c_overrides_resolve_for_every_benchmarked_config():
     args, overrides = benchmark.parse_args(command[2:])
     configs = benchmark._resolve(args.configs, overrides, DEFAULT_REGISTRY)
     for cfg in configs.values():
-        assert (cfg.model.n_layers, cfg.training.seq_len, cfg.compile.enable) == (4, 8192, True)
+        # No network on a GPU machine: the embedded corpus and byte tokens, not the hub corpus and tokenizer.
+        assert (cfg.model.n_layers, cfg.training.seq_len, cfg.compile.enable, cfg.data.dataset, cfg.tokenizer.path) == (
+            4, 8192, True, "embedded", None)
 
 
 def test_stage_e_benchmarks_the_moe_family_at_30b_width_on_one_gpu():
