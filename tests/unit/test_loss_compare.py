@@ -229,6 +229,57 @@ def test_seeds_train_each_config_per_seed_into_its_own_folder(tmp_path, monkeypa
     assert out.err.strip() == "error: loss gap to bf16 beyond its seed-to-seed noise for: fp8"
 
 
+def test_parallel_trains_p_runs_at_once_with_a_share_of_the_cores_each(tmp_path, monkeypatch, capsys):
+    import threading
+    import time
+
+    lock, running, peak, calls = threading.Lock(), [0], [0], []
+
+    def fake_run(config, dump, *, seed, label, cpu_threads, **kwargs):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            calls.append((label, cpu_threads))
+        time.sleep(0.2)   # long enough for the pool to start every run it may
+        with lock:
+            running[0] -= 1
+
+    monkeypatch.setattr(lc, "run_config", fake_run)
+    monkeypatch.setattr(lc.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(lc, "read_losses", lambda dump, tag: {s: 3.0 + 0.1 * int(dump.name.removeprefix("seed-"))
+                                                         for s in range(1, 6)})
+    rc = _main(["--configs", "bf16", "fp8", "--seeds", "3", "--parallel", "3", "--dump-root", tmp_path,
+                "--out", tmp_path / "l.png"])
+    assert rc == 0   # identical curves per seed: gap 0, within noise
+    assert peak[0] == 3
+    assert sorted(calls) == sorted((f"run {n}/6 {c} seed {s}", 16 // 3) for n, (c, s) in
+                                   enumerate([(c, s) for s in range(3) for c in ("bf16", "fp8")], start=1))
+
+
+def test_after_a_failed_run_no_further_run_starts(tmp_path, monkeypatch, capsys):
+    started = []
+
+    def fake_run(config, dump, *, seed, label, **kwargs):
+        started.append(label)
+        if label.startswith("run 2/"):
+            raise lc.CompareError("training fp8 failed (exit 1)")
+
+    monkeypatch.setattr(lc, "run_config", fake_run)
+    rc = _main(["--configs", "bf16", "fp8", "--seeds", "3", "--dump-root", tmp_path, "--out", tmp_path / "l.png"])
+    assert rc == 2
+    assert started == ["run 1/6 bf16 seed 0", "run 2/6 fp8 seed 0"]
+    assert "training fp8 failed (exit 1)" in capsys.readouterr().err
+
+
+def test_parallel_is_refused_where_it_cannot_apply(runs, capsys):
+    for args, text in ((["--configs", "a", "b", "--parallel", "0"], "--parallel must be >= 1, got 0"),
+                       (["--configs", "a", "b", "--parallel", "2", "--nproc", "2"], "use one or the other"),
+                       (["--runs", runs["base"], runs["near"], "--parallel", "2"], "--runs reads finished runs")):
+        with pytest.raises(SystemExit):
+            _main(args)
+        assert text in capsys.readouterr().err
+
+
 @pytest.fixture
 def seed_runs(tmp_path):
     # Seed s draws its own batches: a per-seed wobble shared by every config of that seed, summing to 0 over

@@ -11,7 +11,8 @@ run_train.sh with ``--nproc`` > 1) with every step logged and checkpointing off 
 set ``--checkpoint.enable``); a progress line per run shows its step and time left. Arguments after
 ``--`` are config overrides passed to every run. With ``--seeds N`` (N > 1) every config trains once per
 ``training.seed`` 0..N-1 (the seed draws the initial weights and the batch order) into
-``<dump-root>/<config>/seed-<s>``. With ``--runs`` the TensorBoard scalars of finished runs are read
+``<dump-root>/<config>/seed-<s>``. ``--parallel P`` trains up to P runs at once (a debug model uses a
+sliver of a GPU or a few CPU cores). With ``--runs`` the TensorBoard scalars of finished runs are read
 (``<run>/tb`` or the TensorBoard folder itself; a run folder holding ``seed-<s>`` folders is one config
 over those seeds). The first config / run is the baseline.
 
@@ -25,10 +26,12 @@ is within noise, 1 when one is beyond it. Exit 2 when a run fails or the input i
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,15 +308,19 @@ def prepare_run_folder(dump: Path) -> None:
 
 
 def run_config(config: str, dump: Path, *, steps: int | None, overrides: list[str], nproc: int,
-               seed: int | None = None, label: str | None = None, progress_every: float = 30.0) -> None:
+               seed: int | None = None, label: str | None = None, progress_every: float = 30.0,
+               cpu_threads: int | None = None) -> None:
     """Train ``config`` into ``dump``; its console output goes to ``dump/train.log`` while progress lines
-    (``label``: step k/N, ETA) are printed at most every ``progress_every`` seconds."""
+    (``label``: step k/N, ETA) are printed at most every ``progress_every`` seconds. ``cpu_threads`` sets the
+    run's OMP_NUM_THREADS unless the environment already does."""
     label = label or config
     prepare_run_folder(dump)
     cmd = train_command(config, dump, steps=steps, overrides=overrides, nproc=nproc, seed=seed)
     # run_train.sh would otherwise look for (or build) its own environment; unbuffered, the progress is live.
     env = dict(os.environ, NPROC=str(nproc), PYTHONUNBUFFERED="1")
     env.setdefault("TTL_PYTHON", sys.executable)
+    if cpu_threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
     log_path = dump / "train.log"
     print(f"[loss_compare] {label}: {' '.join(cmd)} (log: {log_path})", flush=True)
     progress = ProgressReporter(label, steps, interval_s=progress_every,
@@ -369,6 +376,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--dump-root", type=Path, default=Path("outputs/loss_compare"),
                         help="runs go to <dump-root>/<config> (with --configs; <config>/seed-<s> with --seeds)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run; > 1 launches run_train.sh (torchrun)")
+    parser.add_argument("--parallel", type=int, default=1, metavar="P",
+                        help="train up to P runs at once, each with cores / P CPU threads (default 1: one after another)")
     parser.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
                         help="at most one progress line per run this often (besides its first and last step)")
     args = parser.parse_args(argv)
@@ -393,6 +402,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.parallel < 1:
+        parser.error(f"--parallel must be >= 1, got {args.parallel}")
+    if args.parallel > 1 and args.nproc > 1:
+        parser.error("--parallel > 1 with --nproc > 1 would start several multi-process runs on the same devices; "
+                     "use one or the other")
+    if args.runs and args.parallel != 1:
+        parser.error("--parallel trains configs; --runs reads finished runs")
     if not args.progress_every >= 0:
         parser.error(f"--progress-every must be >= 0, got {args.progress_every}")
     if args.table is None:
@@ -407,16 +423,36 @@ def collect_runs(args: argparse.Namespace, overrides: list[str]) -> dict[str, Se
         return {str(run): read_run(run, args.tag) for run in args.runs}
     check_passthrough(overrides, steps=args.steps, seeds=args.seeds)
     seeds: list[int | None] = list(range(args.seeds)) if args.seeds > 1 else [None]
-    total = len(seeds) * len(args.configs)
-    runs: dict[str, SeedCurves] = {config: {} for config in args.configs}
-    for seed in seeds:
-        for config in args.configs:
-            dump = args.dump_root / config if seed is None else args.dump_root / config / f"{SEED_PREFIX}{seed}"
-            number = sum(len(done) for done in runs.values()) + 1
-            label = f"run {number}/{total} {config}" + ("" if seed is None else f" seed {seed}")
+    jobs = [(config, seed) for seed in seeds for config in args.configs]
+    # Side by side, each run gets its share of the cores instead of all of them (oversubscribed threads
+    # slow every run down); one at a time, the environment decides.
+    threads = max(1, (os.cpu_count() or 1) // args.parallel) if args.parallel > 1 else None
+
+    failed = threading.Event()
+
+    def train(number: int, config: str, seed: int | None) -> Path | None:
+        if failed.is_set():
+            return None   # after a failure no further run starts; those already running finish
+        dump = args.dump_root / config if seed is None else args.dump_root / config / f"{SEED_PREFIX}{seed}"
+        label = f"run {number}/{len(jobs)} {config}" + ("" if seed is None else f" seed {seed}")
+        try:
             run_config(config, dump, steps=args.steps, overrides=overrides, nproc=args.nproc, seed=seed, label=label,
-                       progress_every=args.progress_every)
-            runs[config]["" if seed is None else str(seed)] = read_losses(dump, args.tag)
+                       progress_every=args.progress_every, cpu_threads=threads)
+        except BaseException:
+            failed.set()
+            raise
+        return dump
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = [pool.submit(train, number, config, seed) for number, (config, seed) in enumerate(jobs, start=1)]
+    failures = [error for future in futures if (error := future.exception()) is not None]
+    if failures:
+        raise failures[0]
+    runs: dict[str, SeedCurves] = {config: {} for config in args.configs}
+    for (config, seed), future in zip(jobs, futures):
+        dump = future.result()
+        assert dump is not None   # no run failed, so every run trained
+        runs[config]["" if seed is None else str(seed)] = read_losses(dump, args.tag)
     return runs
 
 
