@@ -55,7 +55,10 @@ def _forward_backward(module: torch.nn.Module, x: torch.Tensor, grad_out: torch.
     return out, x.grad, module.weight.grad
 
 
-@pytest.mark.parametrize("tokens,k,n", [(1024, 512, 768), (2048, 4096, 1024)])
+# One shape: torchao's first call per shape autotunes six Triton kernels, ~100 s on an H200 (2026-11-27), which
+# a second shape would double. 512 inputs are 4 tiles along K and 768 outputs 6 weight blocks: enough for a
+# wrong tile order or transpose to show. This shape passed on an H200 (torch 2.11, torchao 0.18).
+@pytest.mark.parametrize("tokens,k,n", [(1024, 512, 768)])
 def test_native_blockwise_gemms_match_the_emulation(tokens, k, n):
     native, emulated = _pair(k, n)
     _, pow2 = _pair(k, n, power_of_2=True)

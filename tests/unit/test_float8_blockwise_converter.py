@@ -28,6 +28,8 @@ from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
     ("emulated", "cuda", (9, 0), {}, True, "blockwise GEMMs emulated, as kernel='emulated' asks"),
     ("auto", "cuda", (9, 0), {}, False, "torchao's blockwise FP8 kernels on H100 (compute capability 9.0, Hopper)"),
     ("native", "cuda", (9, 0), {}, False, "torchao's blockwise FP8 kernels on H100"),
+    ("auto", "cuda", (9, 0), {}, False, "the first step autotunes their Triton quantization kernels for every Linear "
+                                        "shape (about 100 s per shape measured on an H200)"),
     ("auto", "cuda", (10, 0), {}, True, "H100 (compute capability 10.0) is not the sm_90 GPU"),
     ("auto", "cuda", (8, 9), {}, True, "(compute capability 8.9) is not the sm_90 GPU"),
     ("auto", "cuda", (9, 0), {"power_of_2": True}, True, "power_of_2_scales=true needs the emulation"),

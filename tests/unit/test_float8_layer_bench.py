@@ -10,11 +10,11 @@ from torchtitan_lite.tools import float8_layer_bench as bench
 
 def test_llama3_8b_preset_has_the_published_linear_shapes():
     shapes = bench.parse_shapes(["llama3_8b"], 8192)
-    # Llama 3.1 8B: dim 4096, 8 KV heads of 128, FFN 14336, vocabulary 128256.
-    assert [(s.name, s.m, s.k, s.n) for s in shapes] == [
-        ("wq", 8192, 4096, 4096), ("wk", 8192, 4096, 1024), ("wv", 8192, 4096, 1024), ("wo", 8192, 4096, 4096),
-        ("w1", 8192, 4096, 14336), ("w2", 8192, 14336, 4096), ("w3", 8192, 4096, 14336),
-        ("output", 8192, 4096, 128256),
+    # Llama 3.1 8B: dim 4096, 8 KV heads of 128, FFN 14336, vocabulary 128256. Linears of one shape are timed
+    # once (each costs a compile per recipe, and blockwise an autotuning round) and counted twice in the sum.
+    assert [(s.name, s.m, s.k, s.n, s.count) for s in shapes] == [
+        ("wq, wo", 8192, 4096, 4096, 2), ("wk, wv", 8192, 4096, 1024, 2), ("w1, w3", 8192, 4096, 14336, 2),
+        ("w2", 8192, 14336, 4096, 1), ("output", 8192, 4096, 128256, 1),
     ]
     assert shapes[0].train_flops == 6 * 8192 * 4096 * 4096
 
@@ -45,6 +45,11 @@ def test_table_speedup_is_hp_time_over_fp8_time():
     assert lines[0] == "| layer | M | K | N | bfloat16 ms | bfloat16 TFLOP/s | tensorwise ms | tensorwise speedup |"
     assert lines[2].endswith("| 2.000 | 7.2e-08 | 1.000 | 2.00x |")
     assert lines[-1] == "| all (sum) |  |  |  | 6.000 |  | 5.000 | 1.20x |"
+    # A shape standing for two Linears counts twice in the sum.
+    twice = bench.Shape("wq, wo", 2, 3, 4, count=2)
+    total = bench.format_table([(twice, {"hp": 0.002, "tensorwise": 0.001}), (shape, {"hp": 0.004, "tensorwise": 0.004})],
+                               ["tensorwise"], "bfloat16").splitlines()[-1]
+    assert total == "| all (sum) |  |  |  | 8.000 |  | 6.000 | 1.33x |"
 
 
 def test_cli_on_a_tiny_eager_shape(capsys):
@@ -56,6 +61,11 @@ def test_cli_on_a_tiny_eager_shape(capsys):
     assert cells[:4] == ["32x64x48", "32", "64", "48"]
     assert len(cells) == 6 + 2 * 3  # baseline ms + TFLOP/s, then ms + speedup per recipe
     assert all(float(c) > 0 for c in cells[4::2]) and all(c.endswith("x") for c in cells[7::2])
+    # Each shape's line is printed as soon as it is measured (a run cut short keeps it), before the table.
+    (progress,) = [line for line in out.splitlines() if line.startswith("measured ")]
+    assert progress.startswith("measured 32x64x48: float32 ") and out.index(progress) < out.index("| layer |")
+    assert [part.split(" ")[0] for part in progress.removeprefix("measured 32x64x48: ").split("; ")] == [
+        "float32", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
 
 def test_cli_rejects_bad_shapes(capsys):

@@ -40,13 +40,25 @@ def test_plan_lists_stages_a_to_g_and_their_commands_within_the_budget(tmp_path)
     assert ("scripts/benchmark.py --configs llama3_8b llama3_8b_fp8 llama3_8b_fp8_rowwise --baseline llama3_8b"
             in commands[3])
     assert "--model.n_layers 4 --training.seq_len 8192" in commands[3] and "--compile.enable true" in commands[3]
-    assert "scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 --steps 200" in commands[4]
+    assert ("scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 --steps 200 --seeds 3 --parallel 6"
+            in commands[4])
     assert commands[6].startswith("env NGPU=2 ") and "run_train.sh --config llama3_debug --parallelism.pp 2" in commands[6]
     assert "scripts/pipeline_bubble.py --device cuda --pp 2 " in commands[7]
     assert f"output under {tmp_path / 'out'}" in lines[0]
-    assert "one-GPU stage limits add up to 540 s (budget 540 s), stages needing 2+ GPUs add 240 s" in lines[0]
-    single_gpu = [s for s in gpu_check.build_stages("python", tmp_path) if s.gpus == 1]
-    assert sum(s.timeout_s for s in single_gpu) <= gpu_check.BUDGET_S
+    assert ("one-GPU stage limits add up to 1060 s, stages needing 2+ GPUs add 240 s where they run; one device "
+            "command of 540 s fits --stages ade (520 s), --stages bc (540 s) (the same --out merges them)") in lines[0]
+
+
+def test_the_command_groups_cover_every_one_gpu_stage_once_each_within_the_budget():
+    single_gpu = [s.key for s in gpu_check.build_stages("python", Path("/out")) if s.gpus == 1]
+    assert sorted("".join(gpu_check.COMMAND_GROUPS)) == sorted(single_gpu)
+    assert all(gpu_check.group_limit(g) <= gpu_check.BUDGET_S for g in gpu_check.COMMAND_GROUPS)
+    # A group below the budget shares out the rest; all five keep their measured limits (never cut).
+    stages = gpu_check.build_stages("python", Path("/out"))
+    ade = {s.key: s.timeout_s for s in gpu_check.select_stages(stages, "ade")}
+    assert sum(ade.values()) <= gpu_check.BUDGET_S and all(ade[s.key] >= s.timeout_s for s in stages if s.key in ade)
+    assert {s.key: s.timeout_s for s in gpu_check.select_stages(stages, "abcde")} == {
+        s.key: s.timeout_s for s in stages if s.gpus == 1}
 
 
 def test_stage_b_recipes_are_the_benchmarks_own():
@@ -119,6 +131,15 @@ def test_figures_from_stage_outputs(tmp_path):
                 "  llama3_debug_fp8: mean |gap| 0.0123, mean gap +0.0100, final gap +0.0090 -> ok\n")
     ok, figure = gpu_check._loss_figure(tmp_path, loss_log)
     assert ok and "llama3_debug_fp8 mean |loss gap| 0.0123 nats (ok)" in figure
+    seeds_log = ("baseline llama3_debug_bf16 over 3 seeds; window: the last 20 common steps (181..200); noise band "
+                 "(its seed-to-seed std. dev.) 0.3616:\n"
+                 "  llama3_debug_fp8: mean gap -0.0663 ± 0.0757 (seeds 0 -0.2175, 1 +0.0052, 2 +0.0135) -> within noise\n")
+    assert gpu_check._loss_figure(tmp_path, seeds_log) == (
+        True, "llama3_debug_fp8 mean loss gap -0.0663 ± 0.0757 nats over seeds (0 -0.2175, 1 +0.0052, 2 +0.0135), "
+              "within noise (seed-to-seed spread 0.3616)")
+    cut_short = "float8 Linear forward+backward on H200\nmeasured wq, wo: bfloat16 1.0 ms\nmeasured wk, wv: bfloat16 0.5 ms\n"
+    assert gpu_check._layer_bench_figure(tmp_path, cut_short) == (
+        False, "no result table in the log; 2 'measured ...' line(s) in it from before it stopped")
 
 
 def test_a_failing_stage_does_not_stop_the_next_and_lands_in_the_markdown(tmp_path):

@@ -51,6 +51,9 @@ class Shape:
     m: int
     k: int
     n: int
+    count: int = 1
+    """Linears of this shape in the model part the shapes describe (a preset times each distinct shape
+    once; the sum row counts it this often)."""
 
     @property
     def train_flops(self) -> int:
@@ -63,8 +66,9 @@ class Shape:
 
 
 def preset_shapes(preset: str, tokens: int) -> list[Shape]:
-    """The distinct Linears of block 0 plus the output head of the llama3 flavor named by ``preset``
-    (the llama3 family must be registered: the script imports ``models``)."""
+    """The distinct Linear shapes of block 0 plus the output head of the llama3 flavor named by ``preset``
+    (the llama3 family must be registered: the script imports ``models``). Linears of one shape (wq and wo,
+    wk and wv, w1 and w3) are timed once under their joined names, counted as often as they occur."""
     from torchtitan_lite.protocols.model_spec import build_model_args, get_model_spec
 
     spec = get_model_spec("llama3")
@@ -75,12 +79,11 @@ def preset_shapes(preset: str, tokens: int) -> list[Shape]:
     args = build_model_args(spec, flavors[preset], n_layers=1)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    shapes = []
+    names: dict[tuple[int, int], list[str]] = {}
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear) and (fqn.startswith("layers.0.") or "layers." not in fqn):
-            shapes.append(Shape(fqn.removeprefix("layers.0.").split(".")[-1], tokens, module.in_features,
-                                module.out_features))
-    return shapes
+            names.setdefault((module.in_features, module.out_features), []).append(fqn.split(".")[-1])
+    return [Shape(", ".join(group), tokens, k, n, count=len(group)) for (k, n), group in names.items()]
 
 
 def parse_shapes(specs: list[str], tokens: int) -> list[Shape]:
@@ -180,20 +183,35 @@ def _wall_timer(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def bench_shape(shape: Shape, recipes: list[str], dtype: torch.dtype, device: torch.device, *, compile: bool,
-                warmup: int, iters: int) -> dict[str, float]:
-    """Seconds per forward+backward: key 'hp' for the ``dtype`` Linear, then one key per recipe."""
+def time_variants(shape: Shape, recipes: list[str | None], dtype: torch.dtype, device: torch.device, *,
+                  compile: bool, warmup: int, iters: int) -> dict[str, tuple[float, float]]:
+    """Per variant (key 'hp' for the ``dtype`` Linear, else the recipe): (median seconds per forward+backward,
+    seconds of its warm-up, which holds compilation and kernel autotuning)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape.m, shape.k, generator=gen).to(device, dtype).requires_grad_()
     grad_out = torch.randn(shape.m, shape.n, generator=gen).to(device, dtype)
     times = {}
-    for recipe in [None, *recipes]:
+    for recipe in recipes:
         module = make_variant(recipe, shape.k, shape.n, dtype, device, compile=compile, tokens=shape.m)
-        times[recipe or "hp"] = time_fwd_bwd(module, x, grad_out, warmup=warmup, iters=iters)
+        start = time.perf_counter()
+        median = time_fwd_bwd(module, x, grad_out, warmup=warmup, iters=iters)
+        times[recipe or "hp"] = (median, time.perf_counter() - start - median * iters)
         del module
         if compile:
             torch._dynamo.reset()  # each variant compiles afresh; no recompile-limit surprises across shapes
     return times
+
+
+def progress_line(shape: Shape, times: dict[str, tuple[float, float]], dtype_name: str, hp: float) -> str:
+    """One measured shape (speedups over ``hp``, the high-precision median), printed as soon as it is done, so
+    that a run cut short keeps what it measured."""
+    parts = []
+    for key, (median, warm) in times.items():
+        label = dtype_name if key == "hp" else key
+        speedup = "" if key == "hp" else f", {hp / median:.2f}x"
+        parts.append(f"{label} {median * 1e3:.3f} ms{speedup} (warm-up {warm:.1f} s)")
+    dims = f"{shape.m}x{shape.k}x{shape.n}"
+    return f"measured {shape.name if shape.name == dims else f'{shape.name} ({dims})'}: " + "; ".join(parts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,7 +219,8 @@ def bench_shape(shape: Shape, recipes: list[str], dtype: torch.dtype, device: to
 
 
 def format_table(rows: list[tuple[Shape, dict[str, float]]], recipes: list[str], dtype_name: str) -> str:
-    """Markdown table: milliseconds and speedup over the high-precision Linear per recipe, plus a sum row."""
+    """Markdown table: milliseconds and speedup over the high-precision Linear per recipe, plus a sum row over
+    every Linear (a shape counted ``count`` times)."""
     header = ["layer", "M", "K", "N", f"{dtype_name} ms", f"{dtype_name} TFLOP/s"]
     for recipe in recipes:
         header += [f"{recipe} ms", f"{recipe} speedup"]
@@ -213,11 +232,11 @@ def format_table(rows: list[tuple[Shape, dict[str, float]]], recipes: list[str],
         for recipe in recipes:
             cells += [f"{times[recipe] * 1e3:.3f}", f"{hp / times[recipe]:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
-    if len(rows) > 1:
-        total_hp = sum(t["hp"] for _, t in rows)
+    if len(rows) > 1 or rows[0][0].count > 1:
+        total_hp = sum(t["hp"] * shape.count for shape, t in rows)
         cells = ["all (sum)", "", "", "", f"{total_hp * 1e3:.3f}", ""]
         for recipe in recipes:
-            total = sum(t[recipe] for _, t in rows)
+            total = sum(t[recipe] * shape.count for shape, t in rows)
             cells += [f"{total * 1e3:.3f}", f"{total_hp / total:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -291,13 +310,23 @@ def main(argv: list[str]) -> int:
           f"warm-up iterations", flush=True)
     if BLOCKWISE in args.recipes:
         decision = blockwise_kernel(device, dtype, shapes[0].m)
-        times = "eager" if decision.emulate is False else "eager; NOT the kernels' speed"
-        print(f"{BLOCKWISE}: {decision.why} ({times})", flush=True)
+        how = "eager" if decision.emulate is False else "eager; NOT the kernels' speed"
+        print(f"{BLOCKWISE}: {decision.why} ({how})", flush=True)
     print(flush=True)
-    rows = []
-    for shape in shapes:
-        rows.append((shape, bench_shape(shape, args.recipes, dtype, device, compile=not args.no_compile,
-                                        warmup=args.warmup, iters=args.iters)))
+    measured: list[dict[str, tuple[float, float]]] = [{} for _ in shapes]
+    # torchao's recipes for every shape first, blockwise last: its first call per shape autotunes torchao's
+    # Triton quantization kernels (~100 s for one shape, measured on an H200), and a run cut short should
+    # still hold the other recipes' rows.
+    phases: list[list[str | None]] = [[None, *(r for r in args.recipes if r != BLOCKWISE)],
+                                      [BLOCKWISE] if BLOCKWISE in args.recipes else []]
+    for recipes in filter(None, phases):
+        for shape, times in zip(shapes, measured):
+            timed = time_variants(shape, recipes, dtype, device, compile=not args.no_compile, warmup=args.warmup,
+                                  iters=args.iters)
+            times.update(timed)
+            print(progress_line(shape, timed, args.dtype, times["hp"][0]), flush=True)
+    print()
+    rows = [(shape, {key: median for key, (median, _) in times.items()}) for shape, times in zip(shapes, measured)]
     print(format_table(rows, args.recipes, args.dtype))
     return 0
 

@@ -110,7 +110,11 @@ def decide_blockwise_kernel(kernel: str, *, device_type: str, capability: tuple[
         obstacle = (f"training.seq_len={seq_len} is not a multiple of {BLOCK}: torchao's weight-gradient kernels take "
                     f"the tokens in whole 1x{BLOCK} tiles (the emulation pads the last one)")
     else:
-        return BlockwiseKernelDecision(False, f"torchao's blockwise FP8 kernels on {device_name} ({hopper})")
+        # Said up front because it looks like a hang: on an H200 the first forward + backward of one shape
+        # spent ~100 s autotuning six Triton kernels (2026-11-27, torch 2.11, torchao 0.18); later calls 0.02 s.
+        return BlockwiseKernelDecision(False, f"torchao's blockwise FP8 kernels on {device_name} ({hopper}); the "
+                                              f"first step autotunes their Triton quantization kernels for every "
+                                              f"Linear shape (about 100 s per shape measured on an H200)")
     if kernel == "native":
         raise ValueError(f"{_FIELD}.kernel='native' cannot run here: {obstacle}. Use kernel='auto' (emulates "
                          f"here: {emulated}) or kernel='emulated'")
