@@ -3,6 +3,7 @@
 # + transformers / tokenizers / sentencepiece / tensorboard / safetensors lacks for scripts/gpu_check.sh,
 # so that DIR can be carried to a machine without network and installed offline there:
 #   scripts/fetch_gpu_wheels.sh gpu_wheels            # here, with the package registry reachable
+#   scripts/fetch_gpu_wheels.sh gpu_wheels torchao datasets dill multiprocess   # only these (pinned as below)
 #   TTL_PYTHON=python3 scripts/gpu_check.sh --wheels gpu_wheels   # there (pip install --no-index --no-deps)
 # The wheels total ~94 MiB (pyarrow alone is 55 MiB), so they are split into DIR/part1, DIR/part2, ...
 # of at most 60 MiB each, for transports that cap one transfer: carry and install part1 first
@@ -10,10 +11,12 @@
 # The versions are the ones the suite runs with on CPU. Dependencies the GPU machine already has through
 # torch or transformers (numpy, packaging, pyyaml, tqdm, filelock, fsspec, huggingface-hub) are not
 # carried: --no-deps would otherwise replace them. gpu_check imports every needed module before stage a
-# and names any that is still missing or broken.
+# and names any that is still missing or broken. Names after DIR fetch only those packages: the H200 image
+# run on 2026-11-27 (BENCHMARKS.md) had everything but torchao, datasets, dill and multiprocess (4.2 MiB).
 # PYTHON_VERSION / PLATFORMS override the target (default 3.12 on x86_64 Linux).
 set -euo pipefail
-dir="${1:?usage: $0 DIR   (folder to download the wheels into)}"
+dir="${1:?usage: $0 DIR [PACKAGE ...]   (folder to download the wheels into; only these packages)}"
+shift
 python_version="${PYTHON_VERSION:-3.12}"
 read -r -a platforms <<< "${PLATFORMS:-manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 any}"
 packages=(
@@ -24,6 +27,19 @@ packages=(
   matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 pyparsing==3.3.3
   pillow==13.0.0
 )
+if [ $# -gt 0 ]; then
+  chosen=()
+  for name in "$@"; do
+    match=""
+    for p in "${packages[@]}"; do [ "${p%%==*}" = "$name" ] && match="$p"; done
+    if [ -z "$match" ]; then
+      echo "error: $name is not one of the packages this script pins: ${packages[*]%%==*}" >&2
+      exit 2
+    fi
+    chosen+=("$match")
+  done
+  packages=("${chosen[@]}")
+fi
 mkdir -p "$dir/download"
 platform_args=()
 for p in "${platforms[@]}"; do platform_args+=(--platform "$p"); done

@@ -245,3 +245,11 @@ def test_figures_of_the_pipeline_stages(tmp_path):
         "| 2 | ZBVZeroBubble | 2 | 8 | 290 | 3.0%, 4.0% | 3.5% | 0.0% | 5.0 / - / 5.0 / 5.0 | 1.00 |\n")
     assert gpu_check._bubble_figure(tmp_path, "") == (
         True, "1F1B idle 11.5% (theory 11.1%), step 310 ms; ZBVZeroBubble idle 3.5% (theory 0.0%), step 290 ms")
+
+
+def test_fetch_gpu_wheels_refuses_a_package_it_does_not_pin_before_writing_anything(tmp_path):
+    result = subprocess.run(["bash", str(REPO / "scripts" / "fetch_gpu_wheels.sh"), str(tmp_path / "w"), "torchao",
+                             "numpy"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: numpy is not one of the packages this script pins: torchao datasets ")
+    assert not (tmp_path / "w").exists()
