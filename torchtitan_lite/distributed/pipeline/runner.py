@@ -87,11 +87,21 @@ class PipelineRunner:
         That pass must leave no trace: its loss is not counted, every buffer (e.g. MoE load counters) gets back
         its value, and the model knows it is a placeholder forward (torchtitan_lite/protocols/placeholder_forward.py).
         torch offers no hook for this: the schedule's own stage-initialisation method, which runs the pass, is
-        wrapped (``_stage_initialisation_method`` names it for each torch release)."""
+        wrapped (``_stage_initialisation_method`` names it for each torch release).
+
+        torch 2.11 also builds the stages' receive buffers only once, needing gradients or not as the first call
+        did (evaluation before the first training step leaves them without: the backward then fails); like torch
+        2.13, the wrapper has them rebuilt after a switch between training and evaluation."""
         name = _stage_initialisation_method(self.schedule)
         infer = getattr(self.schedule, name)
+        forward_built_flag = _TORCH_2_11_FORWARD_BUILT.get(name)
+        built_for_backward: list[bool] = []  # the mode of the last call, once there was one
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            has_backward = self.schedule._has_backward
+            if forward_built_flag is not None and built_for_backward and built_for_backward[0] != has_backward:
+                setattr(self.schedule, forward_built_flag, False)
+            built_for_backward[:] = [has_backward]
             with torch.no_grad():
                 buffers = [(b, b.clone()) for module in modules for b in module.buffers()]
             with placeholder_forward():
@@ -118,6 +128,9 @@ class PipelineRunner:
 # torch 2.13 shares one for every schedule; torch 2.11 has one for single-stage schedules (1F1B) and another for
 # multi-stage ones (Interleaved1F1B, ZBVZeroBubble, DualPipeV), both calling each stage's _prepare_forward_infra.
 _STAGE_INITIALISATION_METHODS = ("_initialize_pp_stages", "_initialize_stages", "_initialize_stage")
+# torch 2.11's flag, per method, saying that the stages' forward side (receive buffers included) is built.
+_TORCH_2_11_FORWARD_BUILT = {"_initialize_stages": "_stages_forward_initialized",
+                             "_initialize_stage": "_stage_forward_initialized"}
 
 
 def _stage_initialisation_method(schedule: object) -> str:
