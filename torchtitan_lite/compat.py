@@ -13,6 +13,12 @@
   tensor whose gradient is a partial sum means an all-reduce the caller did not want. Where the keyword
   is missing, an autograd step with torch 2.13's backward (redistribute the gradient to
   ``grad_placements``, return its local tensor) wraps the plain ``from_local``.
+- Compiling MX casts for CPU: torchao's MX cast reinterprets its uint8 block scales as float8_e8m0fnu and back.
+  torch 2.13's inductor materialises the scales first, so the reinterpretation is a view of a buffer; torch
+  2.11's fuses it into the consumer's kernel as a bitcast, which its C++ code generator cannot write (no C++
+  type for float8_e8m0fnu: "missing from DTYPE_TO_CPP"). ``inductor_cpu_mx_cast_error`` compiles one cast
+  once (a few seconds, only asked when MX is compiled for CPU) so that the converter refuses the combination
+  before training instead of failing inside the first compiled step.
 """
 from __future__ import annotations
 
@@ -68,6 +74,24 @@ class _FromLocalWithGradPlacements(torch.autograd.Function):
             return grad.to_local(), None, None, None
         target = DTensorSpec(ctx.device_mesh, ctx.grad_placements, tensor_meta=grad._spec.tensor_meta)
         return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None, None, None
+
+
+@functools.cache
+def inductor_cpu_mx_cast_error() -> str | None:
+    """Why inductor cannot compile torchao's MX cast (to MXFP8 and back) for CPU with this torch, or None."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        scale, data = to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+        return data.to(torch.bfloat16).reshape(-1, 32) * get_fp_scale(scale).reshape(-1, 1).to(torch.bfloat16)
+
+    x = torch.randn(4, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    try:
+        torch.compile(cast, backend="inductor", fullgraph=True)(x)
+    except Exception as error:  # noqa: BLE001 - any failure means the cast cannot be compiled here
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+    return None
 
 
 @functools.cache
