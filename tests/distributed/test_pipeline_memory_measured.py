@@ -65,7 +65,8 @@ def _measure(rank: int, world_size: int, schedule: str, ac: str) -> tuple[int, i
         optimizer.zero_grad()
 
     step()  # creates the optimizer state and the schedule's receive buffers
-    recv = _nbytes(info.buffer for stage in runner.stages
+    # A first stage's inputs come from the batch: torch 2.11 lists them as placeholders without a buffer.
+    recv = _nbytes(getattr(info, "buffer", None) for stage in runner.stages
                    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()) for info in infos)
     resident = (_nbytes(t for part in parts for t in (*part.parameters(), *part.buffers()))
                 + optimizer.state_nbytes() + recv)

@@ -227,7 +227,7 @@ def test_fp8_stats_measure_every_expert_gemm(recipe):
     dense = {"mxfp8": MXLinearConverter.Config(), "rowwise": Float8LinearConverter.Config(recipe_name="rowwise"),
              "blockwise": Float8BlockwiseConverter.Config()}[recipe]
     ModelConvertersContainer.Config(converters=[dense, GroupedExpertsConverter.Config(recipe_name=recipe)]).build(
-        context=context()).convert(model)
+        context=context(compile_model=False)).convert(model)  # eager: MX compiled for CPU is checked on build
     collector = Fp8StatsCollector([model], freq=1)
     with collector.capture(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(_tokens()).float().square().mean().backward()

@@ -31,6 +31,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
+from torchtitan_lite.compat import dtensor_from_local
+
 
 class GatheredRegion(ParallelStyle):
     """A module every TP rank runs on the whole sequence and whose output is a partial sum over the ranks:
@@ -71,7 +73,7 @@ class ColwiseInPartialRegion(ColwiseParallel):
         x = inputs[0]
         if isinstance(x, DTensor):
             raise TypeError(f"{type(mod).__name__} inside a gathered TP region expects a plain tensor input")
-        return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False, grad_placements=(Partial(),))
+        return dtensor_from_local(x, device_mesh, (Replicate(),), grad_placements=(Partial(),))
 
 
 class ExpertTensorParallel(ParallelStyle):

@@ -164,8 +164,10 @@ class ParallelDims:
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
         if self.ep_enabled:
             # The same ranks as the world mesh, dp_shard seen as (efsdp, ep): the meshes sliced from it share
-            # the world's root, which FSDP needs to shard the EP-sharded expert weights further.
-            self._expert_mesh = mesh._unflatten("dp_shard", (self.expert_fsdp_degree, self.ep), ("efsdp", "ep"))
+            # the world's root, which FSDP needs to shard the EP-sharded expert weights further. The dimension
+            # goes by index: torch 2.11's _unflatten refuses a name that IS one of the mesh's (inverted check).
+            self._expert_mesh = mesh._unflatten(MESH_DIM_NAMES.index("dp_shard"), (self.expert_fsdp_degree, self.ep),
+                                                ("efsdp", "ep"))
         self.world_mesh = mesh
         experts = f" (ep={self.ep} x efsdp={self.expert_fsdp_degree})" if self.ep_enabled else ""
         logger.info("device mesh %s: pp=%d dp_replicate=%d dp_shard=%d tp=%d%s", device_type, self.pp,

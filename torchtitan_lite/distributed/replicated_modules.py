@@ -28,6 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from torchtitan_lite.compat import dtensor_from_local
+
 
 class ReplicatedInRegion(ParallelStyle):
     """Parameters replicated over the TP ranks; tensor inputs as replicated DTensors, the output as a plain
@@ -50,7 +52,7 @@ def _as_replicated(x: torch.Tensor, device_mesh: DeviceMesh) -> DTensor:
         if not all(p.is_replicate() for p in x.placements):
             raise ValueError(f"a replicated TP module reads whole activations; got a DTensor placed {x.placements}")
         return x
-    return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False, grad_placements=(Partial(),))
+    return dtensor_from_local(x, device_mesh, (Replicate(),), grad_placements=(Partial(),))
 
 
 def _local_output(output: Any) -> Any:

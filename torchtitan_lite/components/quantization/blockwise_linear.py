@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from torchtitan_lite.compat import dtensor_from_local
 from torchtitan_lite.components.quantization.autocast_operands import autocast_operands
 from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK, emulated_blockwise_linear
 
@@ -62,7 +63,7 @@ class BlockwiseFP8Linear(nn.Linear):
             # input's and the weight's.
             share = (Partial(),)
             local = self._gemm(input.to_local(grad_placements=share), weight.to_local(grad_placements=share))
-            return DTensor.from_local(local, weight.device_mesh, (Replicate(),), run_check=False, grad_placements=share)
+            return dtensor_from_local(local, weight.device_mesh, (Replicate(),), grad_placements=share)
         if w_place == Shard(0) and x_place.is_replicate():
             out_place: Shard | Partial = Shard(last)  # column-wise: each rank has its output features
         elif w_place == Shard(1) and (x_place == Shard(-1) or x_place == Shard(last)):

@@ -29,6 +29,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn as nn
 
+from torchtitan_lite.compat import inductor_cpu_mx_cast_error
 from torchtitan_lite.components.quantization.float8_plan import check_edge_fields, check_filter_fqns
 from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer, replace_linears
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
@@ -134,6 +135,7 @@ class MXLinearConverter(LinearQuantizer):
         self.kernel = decide_mx_kernel(config.kernel, context.device_type, capability, name)
         self._check_precision()
         self._check_sequence()
+        self._check_compile()
         if self.kernel.emulate:
             logger.info("%s: %s", _FIELD, self.kernel.why)
         elif self.kernel.emulate is False and not context.compile_model:
@@ -149,6 +151,15 @@ class MXLinearConverter(LinearQuantizer):
             raise ValueError(f"{_FIELD}.kernel='{self.config.kernel}' runs the real MX kernels here, and with "
                              f"precision.param_dtype=float32 that cannot work: the MX GEMM writes bfloat16 only. Use "
                              f"precision.param_dtype=bfloat16, or kernel='emulated' for float32 numerics")
+
+    def _check_compile(self) -> None:
+        if not (self.context.compile_model and self.context.device_type == "cpu"):
+            return
+        error = inductor_cpu_mx_cast_error()
+        if error is not None:
+            raise ValueError(f"{_FIELD} with compile.enable=true on CPU needs torch 2.13: torch {torch.__version__}'s "
+                             f"inductor cannot compile the MX casts for CPU ({error}). Set compile.enable=false (or "
+                             f"leave 'model' out of compile.components), or run on a GPU")
 
     def _check_sequence(self) -> None:
         # The weight-gradient GEMM reduces over the tokens, so MX blocks run along them too.

@@ -80,15 +80,28 @@ class PipelineRunner:
                                f"{self.layout.n_microbatches} micro-batches")
 
     def _guard_shape_inference(self, modules: list[BaseModel]) -> None:
-        """The schedule learns the stages' input and output shapes by running each stage's forward, its loss and
-        its backward to the inputs once on placeholder tensors (the first micro-batch detached, uninitialised
-        tensors for the other stages), at the first step and after every switch between training and evaluation.
+        """The schedule learns the stages' input and output shapes by running each stage's forward once on
+        placeholder tensors before the first real micro-batch: torch 2.13 also runs the loss and the backward to the
+        inputs (the first micro-batch detached, uninitialised tensors for the other stages) at the first step and
+        after every switch between training and evaluation; torch 2.11 runs only a no-grad forward on zeros, once.
         That pass must leave no trace: its loss is not counted, every buffer (e.g. MoE load counters) gets back
         its value, and the model knows it is a placeholder forward (torchtitan_lite/protocols/placeholder_forward.py).
-        torch offers no hook for this: the schedule's own method is wrapped."""
-        infer = self.schedule._initialize_pp_stages
+        torch offers no hook for this: the schedule's own stage-initialisation method, which runs the pass, is
+        wrapped (``_stage_initialisation_method`` names it for each torch release).
+
+        torch 2.11 also builds the stages' receive buffers only once, needing gradients or not as the first call
+        did (evaluation before the first training step leaves them without: the backward then fails); like torch
+        2.13, the wrapper has them rebuilt after a switch between training and evaluation."""
+        name = _stage_initialisation_method(self.schedule)
+        infer = getattr(self.schedule, name)
+        forward_built_flag = _TORCH_2_11_FORWARD_BUILT.get(name)
+        built_for_backward: list[bool] = []  # the mode of the last call, once there was one
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            has_backward = self.schedule._has_backward
+            if forward_built_flag is not None and built_for_backward and built_for_backward[0] != has_backward:
+                setattr(self.schedule, forward_built_flag, False)
+            built_for_backward[:] = [has_backward]
             with torch.no_grad():
                 buffers = [(b, b.clone()) for module in modules for b in module.buffers()]
             with placeholder_forward():
@@ -98,7 +111,7 @@ class PipelineRunner:
                     buffer.copy_(value)
             return result
 
-        self.schedule._initialize_pp_stages = guarded
+        setattr(self.schedule, name, guarded)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss_sum, n_tokens = self.loss_fn(output, target)
@@ -111,11 +124,38 @@ class PipelineRunner:
         return self._objective(loss_sum / self._global_tokens)
 
 
+# The private schedule method that runs the shape-inference pass before the first micro-batch, newest torch first:
+# torch 2.13 shares one for every schedule; torch 2.11 has one for single-stage schedules (1F1B) and another for
+# multi-stage ones (Interleaved1F1B, ZBVZeroBubble, DualPipeV), both calling each stage's _prepare_forward_infra.
+_STAGE_INITIALISATION_METHODS = ("_initialize_pp_stages", "_initialize_stages", "_initialize_stage")
+# torch 2.11's flag, per method, saying that the stages' forward side (receive buffers included) is built.
+_TORCH_2_11_FORWARD_BUILT = {"_initialize_stages": "_stages_forward_initialized",
+                             "_initialize_stage": "_stage_forward_initialized"}
+
+
+def _stage_initialisation_method(schedule: object) -> str:
+    for name in _STAGE_INITIALISATION_METHODS:
+        if callable(getattr(schedule, name, None)):
+            return name
+    raise RuntimeError(f"torch {torch.__version__}'s {type(schedule).__name__} has none of the stage-initialisation "
+                       f"methods {_STAGE_INITIALISATION_METHODS} that the pipeline's shape-inference guard wraps; "
+                       f"torch 2.11 to 2.14 is supported")
+
+
 class _Stage(pipelining.PipelineStage):
     """A PipelineStage that V schedules can also evaluate: torch's runtime hands the input gradient from a
     rank's stage to its other, adjacent stage even in ``eval``, where no stage has a backward (torch 2.13
     raises "can't steal_bwd_input if this stage doesn't have backward"). Without a backward there is nothing
-    to hand over."""
+    to hand over.
+
+    And one whose communication warm-up skips its neighbours on the same rank: torch 2.11 warms the pipeline's
+    links up by sending a dummy tensor to every neighbouring stage, the rank itself included when a V schedule
+    puts two adjacent stages on it, and gloo has no link from a rank to itself ("Pair is not connected").
+    Adjacent stages on one rank hand their tensors over directly, so there is no link to warm up (torch 2.13
+    warms up through a vote that leaves them out and does not call this)."""
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
     def get_local_bwd_output(self, mb_index: int) -> tuple[torch.Tensor | None, ...]:
         return super().get_local_bwd_output(mb_index) if self.has_backward else ()
