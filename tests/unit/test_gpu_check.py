@@ -12,6 +12,7 @@ import torch
 
 from config_registry import DEFAULT_REGISTRY
 from torchtitan_lite.tools import gpu_check
+from torchtitan_lite.tools import gpu_check_figures as figures
 from torchtitan_lite.tools.benchmark import runner as benchmark
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,16 +104,16 @@ def test_without_cuda_it_refuses_and_points_to_plan(tmp_path):
 def test_figures_from_stage_outputs(tmp_path):
     (tmp_path / "a_pytest.xml").write_text(
         '<testsuites><testsuite name="pytest" errors="0" failures="0" skipped="2" tests="13"></testsuite></testsuites>')
-    assert gpu_check._pytest_figure(tmp_path, "") == (True, "11 passed, 0 failed, 0 errors, 2 skipped")
+    assert figures.pytest_figure(tmp_path, "") == (True, "11 passed, 0 failed, 0 errors, 2 skipped")
     (tmp_path / "a_pytest.xml").write_text('<testsuite errors="0" failures="0" skipped="3" tests="3"></testsuite>')
-    assert gpu_check._pytest_figure(tmp_path, "")[0] is False  # nothing ran on a GPU machine: a failure
+    assert figures.pytest_figure(tmp_path, "")[0] is False  # nothing ran on a GPU machine: a failure
 
     bench_log = ("| layer | M | K | N | bfloat16 ms | bfloat16 TFLOP/s | tensorwise ms | tensorwise speedup | "
                  "rowwise ms | rowwise speedup |\n|---|---:|\n| all (sum) | | | | 10.0 | | 7.0 | 1.43x | 8.0 | 1.25x |\n")
-    assert gpu_check._layer_bench_figure(tmp_path, bench_log) == (
+    assert figures.layer_bench_figure(tmp_path, bench_log) == (
         True, "sum of the 8B Linears, FP8 over BF16: tensorwise 1.43x, rowwise 1.25x")
     emulated = "blockwise: blockwise GEMMs emulated: NVIDIA L40S (compute capability 8.9) is not ...\n" + bench_log
-    assert gpu_check._layer_bench_figure(tmp_path, emulated)[1].endswith(
+    assert figures.layer_bench_figure(tmp_path, emulated)[1].endswith(
         "rowwise 1.25x (blockwise emulated on this GPU: not the kernels' speed)")
 
     row = dict(tokens_per_s_device=10000.0, tflops_device=400.0, mfu_percent=40.4, peak_memory_gib=30.0,
@@ -121,7 +122,7 @@ def test_figures_from_stage_outputs(tmp_path):
             dict(row, config="llama3_8b_fp8", speedup=1.2, mfu_percent=48.0),
             dict(row, config="llama3_8b_fp8_rowwise", speedup=1.1, mfu_percent=None, compile_s=None)]
     (tmp_path / "c_benchmark.json").write_text(json.dumps({"rows": rows}))
-    ok, figure = gpu_check._benchmark_figure("c_benchmark.json")(tmp_path, "")
+    ok, figure = figures.benchmark_figure("c_benchmark.json")(tmp_path, "")
     assert ok and figure.startswith("llama3_8b: 10,000 tok/s, 400 TFLOP/s, MFU 40.4%, 30.0 GiB, compile 50 s, 1.00x; ")
     assert "llama3_8b_fp8_rowwise: 10,000 tok/s, 400 TFLOP/s, MFU n/a, 30.0 GiB, 1.10x" in figure
     assert figure.endswith("target FP8 tensorwise >= 1.25x: MISSED, target BF16 MFU >= 40%: met")
@@ -129,16 +130,16 @@ def test_figures_from_stage_outputs(tmp_path):
     loss_log = ("baseline llama3_debug_bf16; mean over the last 20 common steps (181..200):\n"
                 "  llama3_debug_bf16: mean |gap| 0.0000, mean gap +0.0000, final gap +0.0000 -> ok\n"
                 "  llama3_debug_fp8: mean |gap| 0.0123, mean gap +0.0100, final gap +0.0090 -> ok\n")
-    ok, figure = gpu_check._loss_figure(tmp_path, loss_log)
+    ok, figure = figures.loss_figure(tmp_path, loss_log)
     assert ok and "llama3_debug_fp8 mean |loss gap| 0.0123 nats (ok)" in figure
     seeds_log = ("baseline llama3_debug_bf16 over 3 seeds; window: the last 20 common steps (181..200); noise band "
                  "(its seed-to-seed std. dev.) 0.3616:\n"
                  "  llama3_debug_fp8: mean gap -0.0663 ± 0.0757 (seeds 0 -0.2175, 1 +0.0052, 2 +0.0135) -> within noise\n")
-    assert gpu_check._loss_figure(tmp_path, seeds_log) == (
+    assert figures.loss_figure(tmp_path, seeds_log) == (
         True, "llama3_debug_fp8 mean loss gap -0.0663 ± 0.0757 nats over seeds (0 -0.2175, 1 +0.0052, 2 +0.0135), "
               "within noise (seed-to-seed spread 0.3616)")
     cut_short = "float8 Linear forward+backward on H200\nmeasured wq, wo: bfloat16 1.0 ms\nmeasured wk, wv: bfloat16 0.5 ms\n"
-    assert gpu_check._layer_bench_figure(tmp_path, cut_short) == (
+    assert figures.layer_bench_figure(tmp_path, cut_short) == (
         False, "no result table in the log; 2 'measured ...' line(s) in it from before it stopped")
 
 
@@ -232,18 +233,18 @@ def test_figures_of_the_pipeline_stages(tmp_path):
     log = ("[rank0]:00:01:24 INFO torchtitan_lite: step      0  validation loss  15.2529\n"
            "[rank0]:00:01:25 INFO torchtitan_lite: step      1  loss  15.7380  grad_norm  2.2481  lr 1.200e-03\n"
            "[rank0]:00:01:30 INFO torchtitan_lite: step      4  loss   9.8918  grad_norm  6.8270  lr 3.000e-03\n")
-    assert gpu_check._pp_train_figure(tmp_path, log) == (True, "PP 2 x 1F1B: loss 15.7380 at step 1 -> 9.8918 at step 4")
-    assert gpu_check._pp_train_figure(tmp_path, log.replace("9.8918", "nan"))[0] is False
-    assert gpu_check._pp_train_figure(tmp_path, "") == (False, "no training loss in the log")
+    assert figures.pp_train_figure(tmp_path, log) == (True, "PP 2 x 1F1B: loss 15.7380 at step 1 -> 9.8918 at step 4")
+    assert figures.pp_train_figure(tmp_path, log.replace("9.8918", "nan"))[0] is False
+    assert figures.pp_train_figure(tmp_path, "") == (False, "no training loss in the log")
 
-    assert gpu_check._bubble_figure(tmp_path, "") == (False, "no bubble table (see g_pipeline_bubble.log)")
+    assert figures.bubble_figure(tmp_path, "") == (False, "no bubble table (see g_pipeline_bubble.log)")
     (tmp_path / "g_pipeline_bubble.md").write_text(
         "Pipeline bubble, ...\n\n- GPUs: NVIDIA H100 80GB HBM3, one per rank (NCCL)\n\n"
         "| ranks | schedule | stages/rank | micro-batches | step ms | idle share per rank | mean | theory | "
         "chunk ms F / B / I / W | compute CPU share |\n|---:|---|\n"
         "| 2 | 1F1B | 1 | 8 | 310 | 12.0%, 11.0% | 11.5% | 11.1% | 10.0 / 20.0 / - / - | 1.00 |\n"
         "| 2 | ZBVZeroBubble | 2 | 8 | 290 | 3.0%, 4.0% | 3.5% | 0.0% | 5.0 / - / 5.0 / 5.0 | 1.00 |\n")
-    assert gpu_check._bubble_figure(tmp_path, "") == (
+    assert figures.bubble_figure(tmp_path, "") == (
         True, "1F1B idle 11.5% (theory 11.1%), step 310 ms; ZBVZeroBubble idle 3.5% (theory 0.0%), step 290 ms")
 
 

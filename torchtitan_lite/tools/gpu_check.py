@@ -47,7 +47,6 @@ import dataclasses
 import datetime as dt
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -58,6 +57,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from torchtitan_lite.tools.gpu_check_figures import (
+    BENCH_CONFIGS,
+    PP_GPUS,
+    benchmark_figure,
+    bubble_figure,
+    layer_bench_figure,
+    loss_figure,
+    pp_train_figure,
+    pytest_figure,
+)
+
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 9 * 60
 """One device command's share of a 10-minute limit (the rest: installing wheels, probing the interpreter).
@@ -66,13 +76,10 @@ as the groups in ``COMMAND_GROUPS``, each within this budget."""
 COMMAND_GROUPS = ("ade", "bc")
 """One-GPU stages that fit one device command together: the tests, the loss check and the MoE throughput;
 then the layer bench (blockwise autotunes torchao's Triton kernels per shape) and the dense throughput."""
-BENCH_CONFIGS = ("llama3_8b", "llama3_8b_fp8", "llama3_8b_fp8_rowwise")
 BENCH_LAYERS = 4
 MOE_BENCH_CONFIGS = ("qwen3_moe_30b_a3b", "qwen3_moe_30b_a3b_fp8")
 MOE_BENCH_LAYERS = 2
 STAGE_KEYS = "abcdefg"
-PP_GPUS = 2
-"""GPUs the pipeline stages (f, g) need: one per pipeline rank."""
 PP_BUBBLE_ARGS = ("--flavor", "8B", "--n-layers", "8", "--seq-len", "1024", "--microbatch-size", "1",
                   "--n-microbatches", "8")
 """Stage g's model: 8B-width blocks (a ~9 ms forward per block at 1024 tokens in float32 on an H100), so
@@ -83,8 +90,6 @@ LOSS_SEEDS = 3
 """Stage d trains each config once per seed: one seed's gap at the debug scale is mostly trajectory noise
 (docs/mixed_precision.md, "Over three seeds"; on an H200, seed 0 alone gave -0.22 nats, three seeds
 -0.07 +- 0.08 against a seed-to-seed spread of 0.36)."""
-TARGET_FP8_SPEEDUP = 1.25
-TARGET_BF16_MFU = 40.0
 REQUIRED_MODULES = ("torch", "torchao", "datasets", "sentencepiece", "tensorboard", "safetensors", "pytest",
                     "matplotlib", "numpy")
 
@@ -127,10 +132,10 @@ def build_stages(python: str, out: Path) -> list[Stage]:
     return [
         Stage("a", "pytest", "pytest -m gpu (CUDA-only tests)",
               [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "-rs",
-               f"--junitxml={out / 'a_pytest.xml'}"], 270, _pytest_figure),
+               f"--junitxml={out / 'a_pytest.xml'}"], 270, pytest_figure),
         Stage("b", "float8_layer_bench", "float8 Linear bench, llama3_8b shapes, compiled",
               [python, str(scripts / "float8_layer_bench.py"), "--shapes", "llama3_8b", "--recipes", *LAYER_RECIPES],
-              390, _layer_bench_figure),
+              390, layer_bench_figure),
         Stage("c", "benchmark", f"training throughput, 8B width x {BENCH_LAYERS} layers, seq 8192, compiled",
               [python, str(scripts / "benchmark.py"), "--configs", *BENCH_CONFIGS, "--baseline", BENCH_CONFIGS[0],
                "--warmup", "3", "--steps", "10", "--model.n_layers", str(BENCH_LAYERS), "--training.seq_len", "8192",
@@ -141,12 +146,12 @@ def build_stages(python: str, out: Path) -> list[Stage]:
                "--metrics.enable_tensorboard", "false", "--title", f"llama3_8b width, {BENCH_LAYERS} layers, seq 8192",
                "--out-md", str(out / "c_benchmark.md"), "--json-out", str(out / "c_benchmark.json"),
                "--png", str(out / "c_benchmark.png"), "--logs", str(out / "c_logs")], 150,
-              _benchmark_figure("c_benchmark.json")),
+              benchmark_figure("c_benchmark.json")),
         Stage("d", "loss_compare", f"loss curves, llama3_debug_bf16 vs llama3_debug_fp8, 200 steps x {LOSS_SEEDS} seeds",
               [python, str(scripts / "loss_compare.py"), "--configs", "llama3_debug_bf16", "llama3_debug_fp8",
                "--steps", "200", "--seeds", str(LOSS_SEEDS), "--parallel", str(2 * LOSS_SEEDS),
                "--out", str(out / "d_loss_compare.png"), "--table", str(out / "d_loss_compare.md"),
-               "--dump-root", str(out / "d_runs")], 120, _loss_figure),
+               "--dump-root", str(out / "d_runs")], 120, loss_figure),
         Stage("e", "moe_benchmark", f"MoE training throughput, Qwen3-30B-A3B width x {MOE_BENCH_LAYERS} blocks, "
                                     "seq 4096, eager",
               [python, str(scripts / "benchmark.py"), "--configs", *MOE_BENCH_CONFIGS, "--baseline",
@@ -155,17 +160,17 @@ def build_stages(python: str, out: Path) -> list[Stage]:
                "--data.dataset", "embedded", "--tokenizer.path", "none", "--metrics.enable_tensorboard", "false",
                "--title", f"qwen3_moe 30B-A3B width, {MOE_BENCH_LAYERS} blocks, seq 4096",
                "--out-md", str(out / "e_benchmark.md"), "--json-out", str(out / "e_benchmark.json"),
-               "--logs", str(out / "e_logs")], 130, _benchmark_figure("e_benchmark.json")),
+               "--logs", str(out / "e_logs")], 130, benchmark_figure("e_benchmark.json")),
         Stage("f", "pp_train", f"pipeline parallelism, llama3_debug, PP {PP_GPUS} x 1F1B, 20 steps",
               ["env", f"NGPU={PP_GPUS}", str(REPO / "run_train.sh"), "--config", "llama3_debug", "--parallelism.pp",
                str(PP_GPUS), "--parallelism.pipeline_schedule", "1F1B", "--training.steps", "20",
                "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
-               "--validation.freq", "20", "--job.dump_folder", str(out / "f_run")], 90, _pp_train_figure,
+               "--validation.freq", "20", "--job.dump_folder", str(out / "f_run")], 90, pp_train_figure,
               gpus=PP_GPUS),
         Stage("g", "pipeline_bubble", f"pipeline bubble per schedule on {PP_GPUS} GPUs, 8B width x 8 blocks",
               [python, str(scripts / "pipeline_bubble.py"), "--device", "cuda", "--pp", str(PP_GPUS), *PP_BUBBLE_ARGS,
                "--out-md", str(out / "g_pipeline_bubble.md"), "--json-out", str(out / "g_pipeline_bubble.json")], 150,
-              _bubble_figure, gpus=PP_GPUS),
+              bubble_figure, gpus=PP_GPUS),
     ]
 
 
@@ -208,108 +213,6 @@ def merge_results(out: Path, results: list[StageResult]) -> list[StageResult]:
 def wheel_install_command(python: str, wheels: Path) -> list[str]:
     return [python, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
             *sorted(str(p) for p in wheels.rglob("*.whl"))]
-
-
-def _pytest_figure(out: Path, log: str) -> tuple[bool, str]:
-    xml = out / "a_pytest.xml"
-    if not xml.exists():
-        return False, "no junit report (pytest did not run)"
-    suites = ET.parse(xml).getroot()
-    suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
-    if suite is None:
-        return False, "junit report without a test suite"
-    total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
-    passed = total - failed - errors - skipped
-    text = f"{passed} passed, {failed} failed, {errors} errors, {skipped} skipped"
-    # On a CUDA machine every test either runs or names why not (more GPUs); none passing means nothing ran.
-    return passed > 0 and failed == 0 and errors == 0, text
-
-
-def _layer_bench_figure(out: Path, log: str) -> tuple[bool, str]:
-    header = next((line for line in log.splitlines() if line.startswith("| layer |")), None)
-    total = next((line for line in log.splitlines() if line.startswith("| all (sum) |")), None)
-    if header is None or total is None:
-        measured = sum(line.startswith("measured ") for line in log.splitlines())
-        return False, "no result table in the log" + (
-            f"; {measured} 'measured ...' line(s) in it from before it stopped" if measured else "")
-    names, cells = _cells(header), _cells(total)
-    speedups = [f"{n.removesuffix(' speedup')} {c}" for n, c in zip(names, cells) if n.endswith(" speedup")]
-    figure = "sum of the 8B Linears, FP8 over BF16: " + ", ".join(speedups)
-    if "blockwise: blockwise GEMMs emulated" in log:   # float8_layer_bench's header: not torchao's kernels here
-        figure += " (blockwise emulated on this GPU: not the kernels' speed)"
-    return True, figure
-
-
-def _benchmark_figure(json_name: str) -> Callable[[Path, str], tuple[bool, str]]:
-    """The figure of a scripts/benchmark.py stage, from the rows it wrote to ``json_name``."""
-    return lambda out, log: _benchmark_rows_figure(out / json_name)
-
-
-def _benchmark_rows_figure(path: Path) -> tuple[bool, str]:
-    if not path.exists():
-        return False, f"no benchmark rows (see {path.name.replace('.json', '.log')})"
-    rows = {r["config"]: r for r in json.loads(path.read_text())["rows"]}
-    parts = []
-    for name, r in rows.items():
-        mfu = "MFU n/a" if r["mfu_percent"] is None else f"MFU {r['mfu_percent']:.1f}%"
-        compile_s = "" if r["compile_s"] is None else f", compile {r['compile_s']:.0f} s"
-        parts.append(f"{name}: {r['tokens_per_s_device']:,.0f} tok/s, {r['tflops_device']:.0f} TFLOP/s, {mfu}, "
-                     f"{r['peak_memory_gib']:.1f} GiB{compile_s}, {r['speedup']:.2f}x")
-    return True, "; ".join(parts) + "; " + _targets(rows)
-
-
-def _targets(rows: dict[str, dict]) -> str:
-    """The issue's targets, reported as met or missed (benchmarks are never pass/fail on speed)."""
-    notes = []
-    fp8 = rows.get("llama3_8b_fp8")
-    if fp8 is not None:
-        met = "met" if fp8["speedup"] >= TARGET_FP8_SPEEDUP else "MISSED"
-        notes.append(f"target FP8 tensorwise >= {TARGET_FP8_SPEEDUP}x: {met}")
-    bf16_mfu = rows.get(BENCH_CONFIGS[0], {}).get("mfu_percent")
-    if bf16_mfu is not None:
-        notes.append(f"target BF16 MFU >= {TARGET_BF16_MFU:.0f}%: {'met' if bf16_mfu >= TARGET_BF16_MFU else 'MISSED'}")
-    return ", ".join(notes) or "targets not evaluable"
-
-
-def _loss_figure(out: Path, log: str) -> tuple[bool, str]:
-    """loss_compare's verdict lines: one seed (mean |gap| against the tolerance) or several (mean gap ± standard
-    error against the baseline's seed-to-seed spread)."""
-    band = re.search(r"noise band \(its seed-to-seed std\. dev\.\) ([0-9.]+)", log)
-    seeds = re.findall(r"^\s+(\S+): mean gap ([-+0-9.]+ ± [0-9.]+) \(seeds ([^)]*)\) -> (.*)$", log, flags=re.M)
-    if seeds and band:
-        return True, "; ".join(f"{name} mean loss gap {gap} nats over seeds ({per_seed}), {verdict} "
-                               f"(seed-to-seed spread {band.group(1)})" for name, gap, per_seed, verdict in seeds)
-    gaps = re.findall(r"^\s+(\S+): mean \|gap\| ([0-9.]+).*-> (.*)$", log, flags=re.M)
-    if not gaps:
-        return False, "no loss gap in the log"
-    return True, "; ".join(f"{name} mean |loss gap| {gap} nats ({verdict})" for name, gap, verdict in gaps)
-
-
-def _pp_train_figure(out: Path, log: str) -> tuple[bool, str]:
-    losses = [(int(step), float(loss)) for step, loss in
-              re.findall(r"step\s+(\d+)\s+loss\s+([-+0-9.naif]+)", re.sub(r"\x1b\[[0-9;]*m", "", log))]
-    if not losses:
-        return False, "no training loss in the log"
-    (first_step, first), (last_step, last) = losses[0], losses[-1]
-    # A pipeline that trains: 20 steps at lr 3e-3 leave the first loss well behind (a NaN fails the comparison).
-    sound = last < first
-    return sound, f"PP {PP_GPUS} x 1F1B: loss {first:.4f} at step {first_step} -> {last:.4f} at step {last_step}"
-
-
-def _bubble_figure(out: Path, log: str) -> tuple[bool, str]:
-    path = out / "g_pipeline_bubble.md"
-    if not path.exists():
-        return False, "no bubble table (see g_pipeline_bubble.log)"
-    header, *rows = [_cells(line) for line in path.read_text().splitlines() if line.startswith("| ") and "---" not in line]
-    parts = []
-    for row in rows:
-        cell = dict(zip(header, row, strict=True))
-        parts.append(f"{cell['schedule']} idle {cell['mean']} (theory {cell['theory']}), step {cell['step ms']} ms")
-    return bool(parts), "; ".join(parts) or "empty bubble table"
-
-
-def _cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
 # --------------------------------------------------------------------------------------------------
