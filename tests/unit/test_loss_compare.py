@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan_lite.tools import loss_compare as lc
+from torchtitan_lite.tools import loss_compare_runs as runs_mod
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -120,16 +121,16 @@ def test_cli_rejects_bad_arguments(runs, capsys):
 
 def test_passthrough_overrides_the_script_controls_are_refused():
     with pytest.raises(lc.CompareError, match="--job.dump_folder is set by loss_compare"):
-        lc.check_passthrough(["--job.dump_folder", "x"], steps=None)
+        runs_mod.check_passthrough(["--job.dump_folder", "x"], steps=None)
     with pytest.raises(lc.CompareError, match="--metrics.log_freq is set by loss_compare"):
-        lc.check_passthrough(["--metrics.log_freq=10"], steps=None)
+        runs_mod.check_passthrough(["--metrics.log_freq=10"], steps=None)
     with pytest.raises(lc.CompareError, match="give the number of steps once"):
-        lc.check_passthrough(["--training.steps", "3"], steps=5)
-    lc.check_passthrough(["--training.steps", "3", "--model.n_layers", "2"], steps=None)
+        runs_mod.check_passthrough(["--training.steps", "3"], steps=5)
+    runs_mod.check_passthrough(["--training.steps", "3", "--model.n_layers", "2"], steps=None)
 
 
 def test_train_command_logs_every_step_into_the_run_folder(tmp_path):
-    cmd = lc.train_command("llama3_debug_fp8", tmp_path / "r", steps=7, overrides=["--metrics.cpu_peak_tflops", "1"],
+    cmd = runs_mod.train_command("llama3_debug_fp8", tmp_path / "r", steps=7, overrides=["--metrics.cpu_peak_tflops", "1"],
                            nproc=1)
     assert cmd[:4] == [sys.executable, str(REPO / "train.py"), "--config", "llama3_debug_fp8"]
     flags = dict(zip(cmd[4::2], cmd[5::2]))
@@ -138,32 +139,32 @@ def test_train_command_logs_every_step_into_the_run_folder(tmp_path):
                      "--metrics.log_freq": "1", "--metrics.enable_tensorboard": "true",
                      "--metrics.save_tb_folder": "tb", "--metrics.rank_0_only": "true", "--training.steps": "7",
                      "--checkpoint.enable": "false"}
-    assert lc.train_command("x", tmp_path, steps=None, overrides=[], nproc=2)[0] == str(REPO / "run_train.sh")
+    assert runs_mod.train_command("x", tmp_path, steps=None, overrides=[], nproc=2)[0] == str(REPO / "run_train.sh")
 
 
 def test_checkpoints_only_when_the_overrides_ask_and_seed_is_passed(tmp_path):
-    asked = lc.train_command("c", tmp_path, steps=None, overrides=["--checkpoint.enable", "true"], nproc=1, seed=2)
+    asked = runs_mod.train_command("c", tmp_path, steps=None, overrides=["--checkpoint.enable", "true"], nproc=1, seed=2)
     flags = dict(zip(asked[4::2], asked[5::2]))
     assert flags["--checkpoint.enable"] == "true" and asked.count("--checkpoint.enable") == 1
     assert flags["--training.seed"] == "2"
-    asked_eq = lc.train_command("c", tmp_path, steps=None, overrides=["--checkpoint.enable=true"], nproc=1)
+    asked_eq = runs_mod.train_command("c", tmp_path, steps=None, overrides=["--checkpoint.enable=true"], nproc=1)
     assert "--checkpoint.enable" not in asked_eq and "--training.seed" not in asked_eq
     with pytest.raises(lc.CompareError, match="--seeds 3 sets training.seed to 0..2"):
-        lc.check_passthrough(["--training.seed", "5"], steps=None, seeds=3)
-    lc.check_passthrough(["--training.seed", "5"], steps=None, seeds=1)
+        runs_mod.check_passthrough(["--training.seed", "5"], steps=None, seeds=3)
+    runs_mod.check_passthrough(["--training.seed", "5"], steps=None, seeds=1)
 
 
 def test_run_folders_not_written_by_the_script_are_never_cleared(tmp_path):
     foreign = tmp_path / "foreign"
     (foreign / "checkpoint").mkdir(parents=True)
     with pytest.raises(lc.CompareError, match="was not written by loss_compare"):
-        lc.prepare_run_folder(foreign)
+        runs_mod.prepare_run_folder(foreign)
     assert (foreign / "checkpoint").is_dir()
     own = tmp_path / "own"
-    lc.prepare_run_folder(own)
+    runs_mod.prepare_run_folder(own)
     (own / "tb").mkdir()
-    lc.prepare_run_folder(own)  # a rerun starts from an empty folder: no stale events, no resume
-    assert sorted(p.name for p in own.iterdir()) == [lc.OWNED_MARKER]
+    runs_mod.prepare_run_folder(own)  # a rerun starts from an empty folder: no stale events, no resume
+    assert sorted(p.name for p in own.iterdir()) == [runs_mod.OWNED_MARKER]
 
 
 @pytest.mark.slow
@@ -194,8 +195,8 @@ def test_a_run_streams_progress_lines_and_keeps_its_log(tmp_path, monkeypatch, c
     script = ("print('training 50 steps from step 0, 1 micro-batch(es) per step')\n"
               "for k in range(1, 51):\n"
               "    print(f'[rank0] INFO torchtitan_lite: step {k:6d}  loss   5.0000  grad_norm  1.0')\n")
-    monkeypatch.setattr(lc, "train_command", lambda *a, **k: [sys.executable, "-c", script])
-    lc.run_config("llama3_debug_fp8", tmp_path / "run", steps=None, overrides=[], nproc=1, seed=1,
+    monkeypatch.setattr(runs_mod, "train_command", lambda *a, **k: [sys.executable, "-c", script])
+    runs_mod.run_config("llama3_debug_fp8", tmp_path / "run", steps=None, overrides=[], nproc=1, seed=1,
                   label="run 4/6 llama3_debug_fp8 seed 1", progress_every=3600.0)
     printed = capsys.readouterr().out.splitlines()
     progress = [line for line in printed if line.startswith("[loss_compare] run 4/6 llama3_debug_fp8 seed 1: step ")]
