@@ -96,9 +96,10 @@ def test_stage_e_benchmarks_the_moe_family_at_30b_width_on_one_gpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_without_cuda_it_refuses_and_points_to_plan(tmp_path):
-    result = _script("--out", str(tmp_path))
+    result = _script("--out", str(tmp_path / "out"))
     assert result.returncode == 2
     assert "sees no CUDA device" in result.stderr and "Use --plan to see what it would run" in result.stderr
+    assert not (tmp_path / "out").exists()  # a refused check writes nothing
 
 
 def test_figures_from_stage_outputs(tmp_path):

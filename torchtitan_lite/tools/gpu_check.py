@@ -374,10 +374,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# stage {s.key}: {s.title} (limit {s.timeout_s} s{needs})\n{shlex.join(s.command)}")
         return 0
 
-    out.mkdir(parents=True, exist_ok=True)
     if setup:
         print(f"[setup] $ {shlex.join(setup)}", flush=True)
         installed = subprocess.run(setup, capture_output=True, text=True)
+        out.mkdir(parents=True, exist_ok=True)
         (out / "setup_wheels.log").write_text(installed.stdout + installed.stderr)
         if installed.returncode != 0:
             print(f"error: installing the wheels failed (exit {installed.returncode}):\n{installed.stderr[-2000:]}",
@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {python} sees no CUDA device (torch {info['torch']}, CUDA {info['cuda']}); this check needs "
               f"one or more GPUs. Use --plan to see what it would run", file=sys.stderr)
         return 2
+    out.mkdir(parents=True, exist_ok=True)  # only now: a refused check leaves no output folder behind
     print(f"gpu_check: {info['gpus']} x {info['device']}, driver {info['driver']}, torch {info['torch']}, "
           f"torchao {info['torchao']}, commit {info['commit']}; output in {out}", flush=True)
 
