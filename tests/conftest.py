@@ -4,15 +4,35 @@ with the core, which looks them up by name.
 The tests never touch the network: HF_HUB_OFFLINE is set before huggingface_hub or datasets is imported
 (subprocesses inherit it), and hub code paths are tested on local folders and stand-in clients."""
 import os
+import shutil
+import tempfile
+
+import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Hermetic: the suite never reads or writes a user's caches (the measured CPU peak, tokenized data, the hub's
+# files); it gets its own, removed when the session ends. Subprocesses inherit these.
+_SUITE_CACHE = tempfile.mkdtemp(prefix="ttl-suite-cache-")
+os.environ["TORCHTITAN_LITE_CACHE"] = os.path.join(_SUITE_CACHE, "torchtitan_lite")
+os.environ["HF_HOME"] = os.path.join(_SUITE_CACHE, "hf")
 
 import models  # noqa: E402, F401
 
 
+def pytest_unconfigure(config):
+    shutil.rmtree(_SUITE_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _runs_start_in_their_own_folder(tmp_path, monkeypatch):
+    """Every test runs in its own empty working directory, and so does every launch it starts
+    (tests/integration/_cli.py): a run that keeps the default --job.dump_folder (./outputs) writes and resumes
+    there, never in the checkout's ./outputs, which README command 1 fills."""
+    monkeypatch.chdir(tmp_path)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` (tests/gpu) are collected everywhere and skipped, with the reason, without CUDA."""
-    import pytest
     import torch
 
     if torch.cuda.is_available():

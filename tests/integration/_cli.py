@@ -20,12 +20,13 @@ def _env(**extra: str) -> dict[str, str]:
 
 def run_cli(args: list[str], *, timeout: int = 600, launcher: str = "run_train.sh", **env: str):
     """Run ./run_train.sh (torchrun), train.py (in-process) or another Python script standing in for
-    train.py (a path) with ``args``; returns CompletedProcess."""
+    train.py (a path) with ``args``; returns CompletedProcess. It runs in the test's working directory (its
+    own tmp_path, see tests/conftest.py), so the default ./outputs is the test's, not the checkout's."""
     if launcher == "run_train.sh":
         cmd = [str(ROOT / "run_train.sh"), *args]
     else:
         cmd = [sys.executable, str(ROOT / launcher if launcher == "train.py" else launcher), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=os.getcwd(), env=_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
 def read_scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
@@ -64,7 +65,7 @@ class Launch:
     def __init__(self, cmd: list[str], **env: str) -> None:
         import threading
 
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(**{"OMP_NUM_THREADS": "1", **env}),
+        self.proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=_env(**{"OMP_NUM_THREADS": "1", **env}),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         Launch.running.append(self)

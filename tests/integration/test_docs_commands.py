@@ -227,13 +227,25 @@ def bare_python(tmp_path_factory) -> Path:
     return bin_dir
 
 
-def run(command: str, bare_python: Path) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """The checkout as a user's shell sees it, without its ./outputs: every top-level entry linked except that
+    folder, so the documented commands (relative paths, the default --job.dump_folder) run as written while
+    what README command 1 left in ./outputs can neither steer nor receive them."""
+    shadow = tmp_path_factory.mktemp("checkout")
+    for entry in REPO.iterdir():
+        if entry.name != "outputs":
+            (shadow / entry.name).symlink_to(entry)
+    return shadow
+
+
+def run(command: str, bare_python: Path, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PATH"] = f"{bare_python}{os.pathsep}{env.get('PATH', '')}"
     # What scripts/setup_env.sh names (run_train.sh and the scripts ask it): this test's interpreter, the
     # project's environment under test, instead of probing ./.venv (which a checkout may lack).
     env["TTL_PYTHON"] = sys.executable
-    return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_every_documented_command_is_run_or_listed():
@@ -258,11 +270,11 @@ def test_commands_run_elsewhere_are_documented_and_run_there_with_their_argument
         assert not missing, f"{test} no longer runs {command!r}: {missing} not in it"
 
 
-def test_quick_documented_commands_run_as_written(bare_python):
+def test_quick_documented_commands_run_as_written(bare_python, checkout):
     quick = list(dict.fromkeys(cmd for _, cmd in doc_commands() if is_quick(cmd) and cmd not in RUN_ELSEWHERE))
     assert any(cmd.startswith("NGPU=8 ") for cmd in quick)  # environment prefixes are part of the command
     with ThreadPoolExecutor(max_workers=3) as pool:
-        results = dict(zip(quick, pool.map(lambda cmd: run(cmd, bare_python), quick)))
+        results = dict(zip(quick, pool.map(lambda cmd: run(cmd, bare_python, checkout), quick)))
     failed = [f"{cmd}\n  exit {r.returncode}: {(r.stderr or r.stdout).strip()[-600:]}" for cmd, r in results.items()
               if r.returncode != 0 and not stops_only_for_the_users_assets(r)]
     assert not failed, "documented commands failed:\n" + "\n".join(failed)
@@ -334,3 +346,13 @@ def documented_excerpt() -> list[str]:
 ])
 def test_command_extraction(line, expected):
     assert _lines(line) == expected
+
+
+def test_ci_runs_the_readme_commands_in_order():
+    """CI is a new user: README command 1, then exactly command 2, so a suite that reads what command 1 left
+    behind fails there."""
+    first_block = re.search(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    assert first_block is not None
+    readme = _lines(first_block.group(1))
+    ci = [line for line in _lines((REPO / ".ci" / "run").read_text()) if not line.startswith(("set ", "cd "))]
+    assert readme == ["./run_train.sh", "scripts/run_tests.sh"] and ci == readme

@@ -131,6 +131,10 @@ def test_a_planted_outlier_shows_as_underflow_and_a_warning_naming_the_layer(cap
     # The output SQNR hides it: energy-weighted, it is dominated by the outlier's own row. The underflow
     # share is what shows that 9 in 10 elements became 0.
     assert planted["0"].output_sqnr_db > 25
+    # The second Linear's input is the first one's output: its underflow share depends on how this CPU's
+    # matmul rounds (15.3% on one machine, 15.7% on another). Fixed here, so the text below is exact.
+    assert planted["2"].underflow["input"] > 0.01
+    planted["2"].underflow["input"] = 0.125
     metrics = MetricsProcessor.Config(enable_tensorboard=False, cpu_peak_tflops=1.0).build(
         dump_folder="unused", device="cpu", num_flops_per_token=1.0, rank=0)
     with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
@@ -148,7 +152,7 @@ def test_a_planted_outlier_shows_as_underflow_and_a_warning_naming_the_layer(cap
         assert caplog.text == ""
         planted["2"].underflow["input"] *= 2
         metrics.log_fp8_stats(9, list(planted.values()))
-    assert "fp8 stats step 9: 2 input cast" in caplog.text and "; up from 15.7% when last reported" in caplog.text
+    assert "fp8 stats step 9: 2 input cast" in caplog.text and "; up from 12.5% when last reported" in caplog.text
     assert "fp8 stats step 9: 0 input" not in caplog.text
 
 
