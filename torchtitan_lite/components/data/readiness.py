@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from torchtitan_lite.components.data import prescan, records
 from torchtitan_lite.components.data.sources import (
     DataSourceError,
+    check_held_out,
     check_options,
     local_files,
     resolve_files,
@@ -55,6 +56,7 @@ def data_problems(data: TextDataLoader.Config, tokenizer: Tokenizer.Config, *, v
         _check_source(data, timeout=timeout)
         if validation and data.validation_files is not None:
             resolve_files(data.validation_files, f"data.validation_files={data.validation_files!r}")
+            check_held_out(data)
     except (DataSourceError, HubAccessError) as error:
         problems.append(str(error))
     return problems

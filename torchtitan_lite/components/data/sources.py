@@ -68,6 +68,7 @@ def load_split(cfg: SourceConfig, role: Role) -> Dataset | IterableDataset:
     kind = source_kind(cfg.dataset)
     check_options(cfg, validation=role == "validation")
     if role == "validation" and cfg.validation_files is not None:
+        check_held_out(cfg)
         # data.dataset_config selects a configuration of data.dataset; it says nothing about these files.
         where = f"data.validation_files={cfg.validation_files!r}"
         ds = _load_files(cfg.validation_files, cfg, split, where)
@@ -108,6 +109,22 @@ def check_options(cfg: SourceConfig, *, validation: bool) -> None:
             f"--data.validation_files FILE to held-out documents (a file or glob, e.g. 'data/val-*.jsonl'), "
             f"or --validation.enable false"
         )
+
+
+def check_held_out(cfg: SourceConfig) -> None:
+    """Validation files must be held out: a validation file the training source also names would make the
+    validation loss a training loss (it falls as the model memorises it), so such a run is refused."""
+    if cfg.validation_files is None or source_kind(cfg.dataset) != "files":
+        return
+    train = {os.path.realpath(f): f for f in resolve_files(cfg.dataset, _where(cfg.dataset))}
+    held_out = resolve_files(cfg.validation_files, f"data.validation_files={cfg.validation_files!r}")
+    shared = [f for f in held_out if os.path.realpath(f) in train]
+    if shared:
+        named = ", ".join(shared[:5]) + (f" and {len(shared) - 5} more" if len(shared) > 5 else "")
+        raise DataSourceError(
+            f"data.validation_files={cfg.validation_files!r} and data.dataset={cfg.dataset!r} both name {named}: "
+            f"the run would validate on documents it trains on; narrow data.dataset to the training files "
+            f"(e.g. 'data/train-*.jsonl') or move the validation files out of its glob")
 
 
 def source_kind(dataset: str) -> SourceKind:
