@@ -53,7 +53,7 @@ from torchtitan_lite.shutdown import PreemptionWatcher
 from torchtitan_lite.spike_guard import SpikeGuard, Verdict
 from torchtitan_lite.spike_response import SpikeResponse
 from torchtitan_lite.step_values import PendingSteps, StepValues
-from torchtitan_lite.train_state import TrainState
+from torchtitan_lite.train_state import TrainState, check_steps_ahead
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -282,6 +282,9 @@ class Trainer(Configurable):
             return
         self.checkpointer.check_storage()
         self.train_state.step = self.checkpointer.load()
+        # run_train.sh refused this before launch; a direct launch (train.py, torchrun) is refused here, before
+        # config.toml is written.
+        check_steps_ahead(self.train_state.step, cfg.training.steps, self.checkpointer.folder)
         self._report_resumed_layout()
         if self.spikes is not None:
             self.spikes.resume(self.train_state.step)

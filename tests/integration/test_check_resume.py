@@ -50,3 +50,17 @@ def test_a_streaming_position_on_another_degree_is_refused_before_torchrun(cli, 
             "streaming dataset (data.streaming=true), this run has 1") in result.stderr
     assert "torch.distributed.run" not in result.stderr  # torchrun never started
     assert _snapshot(folder) == before
+
+
+def test_a_run_shorter_than_its_checkpoint_is_refused_before_torchrun_changing_no_file(cli, tmp_path):
+    # Resuming step 20 with training.steps 8 would train nothing and exit 0, rewriting config.toml.
+    folder = _folder_with_checkpoint(tmp_path, FSDP2)
+    (tmp_path / "config.toml").write_text("# the run that wrote step 20\n")
+    before = _snapshot(folder)
+    result = cli([*ARGS, "--training.steps", "8", "--job.dump_folder", folder], NPROC="2")
+    assert result.returncode == 2, result.stderr
+    assert (f"error: the checkpoint in {folder}/checkpoint is at step 20, beyond training.steps=8: resuming it "
+            f"would train nothing. Set --training.steps above 20 to train on, --checkpoint.load_step to an earlier "
+            f"step, or give a new run its own --job.dump_folder") in result.stderr
+    assert "torch.distributed.run" not in result.stderr  # torchrun never started
+    assert _snapshot(folder) == before

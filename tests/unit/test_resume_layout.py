@@ -117,3 +117,13 @@ def test_the_advice_to_keep_the_global_batch_names_options_the_run_accepts(saved
     training = TrainingConfig(local_batch_size=flags.get("--training.local_batch_size", local),
                               global_batch_size=flags["--training.global_batch_size"])
     assert microbatches_per_step(training, dp) >= 1
+
+
+def test_a_resume_needs_steps_left_to_train():
+    from torchtitan_lite.train_state import check_steps_ahead
+
+    check_steps_ahead(10, 10, "out/checkpoint")  # a finished run launched again: nothing left, nothing lost
+    check_steps_ahead(10, 20, "out/checkpoint")
+    with pytest.raises(ValueError, match=r"^the checkpoint in out/checkpoint is at step 10, beyond training.steps=8: "
+                                         r"resuming it would train nothing\. Set --training.steps above 10"):
+        check_steps_ahead(10, 8, "out/checkpoint")
