@@ -151,6 +151,18 @@ def resolve_files(pattern: str, what: str) -> list[str]:
     return files
 
 
+def resolve_data_files(pattern: str, what: str) -> list[str]:
+    """``resolve_files``, refusing an empty (0-byte) file by name: datasets' builders fail on one with a bare
+    StopIteration."""
+    files = resolve_files(pattern, what)
+    empty = [f for f in files if os.path.getsize(f) == 0]
+    if empty:
+        named = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise DataSourceError(f"{what}: {named} is empty (0 bytes), so it holds no documents; write the data into "
+                              f"it or leave it out of the path or glob")
+    return files
+
+
 def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
     """The ``datasets`` builder for ``files``: the configured format, or the one their extension names."""
     if data_format != "auto":
@@ -173,7 +185,7 @@ def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
 
 def local_files(pattern: str, cfg: SourceConfig, where: str) -> tuple[list[str], str, str]:
     """The files ``pattern`` names, the ``datasets`` builder that reads them and the field holding the text."""
-    files = resolve_files(pattern, where)
+    files = resolve_data_files(pattern, where)
     builder = infer_format(files, cfg.data_format, where)
     for file in files:
         try:
