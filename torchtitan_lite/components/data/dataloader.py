@@ -180,6 +180,8 @@ class TextDataLoader(Configurable):
         self._buffer = empty_buffer()
         self._live_iterator: object | None = None
         self._pass_has_content = False
+        self._pass_tokens = 0  # tokens this rank read in the current pass over its documents
+        self._warned_small = False
 
     # ----------------------------------------------------------------------------------------------
     # Iteration
@@ -207,6 +209,7 @@ class TextDataLoader(Configurable):
                         yield to_batch(windows)
                     return
                 self._buffer = append_documents(self._buffer, token_lists)
+                self._pass_tokens += sum(len(tokens) for tokens in token_lists)
             windows, self._buffer = cut_windows(self._buffer, self.local_batch_size, window)
             yield to_batch(windows)
 
@@ -254,6 +257,7 @@ class TextDataLoader(Configurable):
             from_start = self._position == 0 and self._resume_doc == 0 and self._resume_char == 0 \
                 and self._sequence.at_epoch_start
             self._pass_has_content = False
+            self._pass_tokens = 0
             for group in stream():
                 produced = True
                 yield group
@@ -265,12 +269,28 @@ class TextDataLoader(Configurable):
                                       f"check data.text_field and the data")
             if not self.infinite:
                 return
+            if produced and from_start:
+                self._warn_if_smaller_than_a_batch()
             if not produced and from_start:
                 raise DataSourceError(f"data-parallel rank {self.dp_rank} read no documents of split "
                                       f"{self.split!r} of data.dataset={self.config.dataset!r} in a whole "
                                       f"epoch; add data or use fewer data-parallel ranks")
             self._sequence.next_epoch()
             self._position, self._stream_state = 0, None
+
+    def _warn_if_smaller_than_a_batch(self) -> None:
+        """A whole epoch of this rank's documents shorter than one batch makes every batch read them several
+        times over (once per step at least): legal, but rarely what was meant, so it is said once."""
+        needed = self.local_batch_size * (self.seq_len + 1)
+        if self._warned_small or self._pass_tokens >= needed:
+            return
+        self._warned_small = True
+        logger.warning(
+            "split %r of data.dataset=%r gives data-parallel rank %d %d tokens per epoch, fewer than one batch of "
+            "training.local_batch_size x (training.seq_len + 1) = %d x %d = %d tokens: every batch repeats the same "
+            "documents about %.1f times; add data, or lower training.local_batch_size / training.seq_len",
+            self.split, self.config.dataset, self.dp_rank, self._pass_tokens, self.local_batch_size, self.seq_len + 1,
+            needed, needed / max(1, self._pass_tokens))
 
     def _indexed_groups(self) -> Iterator[_Group]:
         """The rest of this rank's sequence of this epoch of a map-style dataset (position.py)."""
