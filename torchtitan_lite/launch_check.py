@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_lite.components.checkpoint.layout import Marker, scan_steps, step_dir
+from torchtitan_lite.components.checkpoint.layout import Marker, check_same_top_k, scan_steps, step_dir
 from torchtitan_lite.components.data.layout import DataLayout, resume_changes
 from torchtitan_lite.memory.estimate import GIB, MemoryEstimate, estimate_run_memory
 from torchtitan_lite.resolved_run import ResolvedRun
@@ -102,6 +102,9 @@ def check_resume(config: Trainer.Config, run: ResolvedRun) -> tuple[list[str], l
         return [], []
     check_steps_ahead(step, config.training.steps, folder)
     marker = Marker.read(step_dir(folder, step))
+    if marker is not None:
+        check_same_top_k(marker.moe_top_k, None if run.moe_facts is None else run.moe_facts.top_k,
+                         step_dir(folder, step))
     if marker is None or marker.model_only:
         return [], []
     return resume_changes(DataLayout.from_record(marker.data_layout), run.data_layout(config.data), step=step,

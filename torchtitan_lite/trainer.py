@@ -178,7 +178,7 @@ class Trainer(Configurable):
         self.checkpointer = cfg.checkpoint.build(
             dump_folder=cfg.job.dump_folder, states=states, model_args=self.model_args,
             model_spec=self.run.model_spec, data_layout=self.run.data_layout(cfg.data),
-            run_config=config_to_toml(cfg),
+            run_config=config_to_toml(cfg), moe_top_k=None if self.run.moe_facts is None else self.run.moe_facts.top_k,
         )
         self.metrics = cfg.metrics.build(
             dump_folder=cfg.job.dump_folder, device=self.device,

@@ -64,3 +64,18 @@ def test_a_run_shorter_than_its_checkpoint_is_refused_before_torchrun_changing_n
             f"step, or give a new run its own --job.dump_folder") in result.stderr
     assert "torch.distributed.run" not in result.stderr  # torchrun never started
     assert _snapshot(folder) == before
+
+
+def test_a_moe_checkpoint_of_another_top_k_is_refused_before_torchrun_changing_no_file(cli, tmp_path):
+    # qwen3_moe_debug routes each token to 2 experts; the checkpoint says it was trained with 1. Every tensor
+    # has the same shape under both, so only the marker's record can tell.
+    path = step_dir(str(tmp_path / "checkpoint"), 20)
+    os.makedirs(path)
+    new_marker(20, 1, ["model", "optimizer"], False, moe_top_k=1).write(path)
+    before = _snapshot(str(tmp_path))
+    result = cli(["--config", "qwen3_moe_debug", "--checkpoint.enable", "true", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 2, result.stderr
+    assert (f"error: {path} was trained with MoE top_k=1 (routed experts per token), this run has top_k=2: top_k "
+            f"changes what the model computes") in result.stderr
+    assert "torch.distributed.run" not in result.stderr  # torchrun never started
+    assert _snapshot(str(tmp_path)) == before
