@@ -154,7 +154,7 @@ class Trainer(Configurable):
         self.dataloader = cfg.data.build(
             tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank, dp_world_size=self.parallel_dims.dp_degree,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="train",
-            infinite=True, seed=self._data_order_seed(),
+            infinite=True, seed=self._data_order_seed(), batches_per_step=self.n_microbatches,
         )
         self.train_state = TrainState()
         self.health = LossHealth()

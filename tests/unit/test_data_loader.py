@@ -279,7 +279,7 @@ def test_tokenising_on_the_fly_outpaces_a_small_cpu_model(tokenizer):
     assert tokens_per_s > 100_000, tokens_per_s
 
 
-def test_a_dataset_smaller_than_one_batch_warns_once_naming_the_sizes(tmp_path, caplog):
+def test_a_dataset_smaller_than_one_step_warns_once_naming_the_sizes(tmp_path, caplog):
     import logging
 
     # 3 documents of "abcdefgh" = 3 x (BOS + 8 + EOS) = 30 tokens per epoch; a batch of 4 x (15 + 1) = 64.
@@ -291,17 +291,20 @@ def test_a_dataset_smaller_than_one_batch_warns_once_naming_the_sizes(tmp_path, 
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
         f"split 'train' of data.dataset={str(tmp_path / 'tiny.jsonl')!r} gives data-parallel rank 0 30 tokens per "
-        f"epoch, fewer than one batch of training.local_batch_size x (training.seq_len + 1) = 4 x 16 = 64 tokens: "
-        f"every batch repeats the same documents about 2.1 times; add data, or lower training.local_batch_size / "
-        f"training.seq_len"]
+        f"epoch, fewer than one step reads: training.local_batch_size x (training.seq_len + 1) x 1 local batch(es) "
+        f"per step = 4 x 16 x 1 = 64 tokens, so every step repeats the same documents about 2.1 times; add data, or "
+        f"lower training.local_batch_size / training.seq_len / training.global_batch_size"]
 
 
-def test_a_dataset_of_at_least_one_batch_does_not_warn(tmp_path, caplog):
+def test_a_dataset_of_at_least_one_step_does_not_warn(tmp_path, caplog):
     import logging
 
     (tmp_path / "enough.jsonl").write_text("".join(json.dumps({"text": "abcdefgh"}) + "\n" for _ in range(7)))
-    loader = _build(TextDataLoader.Config(dataset=str(tmp_path / "enough.jsonl"), shuffle=False), CharTokenizer(),
-                    seq_len=15, batch=4)  # 70 tokens per epoch >= 64
+    cfg = TextDataLoader.Config(dataset=str(tmp_path / "enough.jsonl"), shuffle=False)
     with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
-        _take(loader, 4)
+        _take(_build(cfg, CharTokenizer(), seq_len=15, batch=4), 4)  # 70 tokens per epoch >= 64
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    # With gradient accumulation a step reads several batches: 70 tokens are fewer than 2 x 64.
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        _take(_build(cfg, CharTokenizer(), seq_len=15, batch=4, batches_per_step=2), 4)
+    assert "x 2 local batch(es) per step = 4 x 16 x 2 = 128 tokens" in caplog.text
