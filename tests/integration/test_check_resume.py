@@ -20,6 +20,9 @@ def _folder_with_checkpoint(tmp_path, layout: DataLayout) -> str:
 
 
 def _snapshot(folder: str) -> dict[str, bytes]:
+    if os.path.isfile(folder):
+        with open(folder, "rb") as f:
+            return {folder: f.read()}
     files = {}
     for root, _, names in os.walk(folder):
         for name in names:
@@ -79,3 +82,19 @@ def test_a_moe_checkpoint_of_another_top_k_is_refused_before_torchrun_changing_n
             f"changes what the model computes") in result.stderr
     assert "torch.distributed.run" not in result.stderr  # torchrun never started
     assert _snapshot(str(tmp_path)) == before
+
+
+def test_a_direct_launch_shorter_than_its_checkpoint_is_refused_before_config_toml_is_written(cli, tmp_path):
+    # train.py without run_train.sh's check: the trainer refuses once it knows the step it resumes.
+    from _cli import TINY
+
+    args = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--metrics.cpu_peak_tflops", "1",
+            "--job.dump_folder", str(tmp_path)]
+    assert cli([*args, "--training.steps", "2"], launcher="train.py").returncode == 0
+    config, checkpoints = _snapshot(str(tmp_path / "config.toml")), _snapshot(str(tmp_path / "checkpoint"))
+    result = cli([*args, "--training.steps", "1"], launcher="train.py")
+    assert result.returncode == 1
+    assert (f"the checkpoint in {tmp_path / 'checkpoint'} is at step 2, beyond training.steps=1: resuming it would "
+            f"train nothing") in result.stdout
+    assert _snapshot(str(tmp_path / "checkpoint")) == checkpoints
+    assert (tmp_path / "config.toml").read_bytes() == next(iter(config.values()), b"")
