@@ -91,6 +91,15 @@ def main(argv: list[str]) -> int:
     except (ValueError, NonFiniteLossError, SpikeError, CheckpointError) as err:
         logging.getLogger("torchtitan_lite").error("%s", err)
         return 1
+    except RuntimeError as err:
+        from torchtitan_lite.peer_failure import peer_lost
+
+        # A peer that died leaves this rank a backend traceback that explains nothing: one line instead.
+        message = peer_lost(err)
+        if message is None:
+            raise
+        logging.getLogger("torchtitan_lite").error("%s", message)
+        return 1
     finally:
         import torch.distributed as dist
 

@@ -9,6 +9,7 @@ Standard library only: it runs beside torchrun before anything is imported.
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from collections.abc import Iterable, Iterator
 
@@ -22,12 +23,33 @@ def _summary(report: list[str]) -> str:
     root = report[next((i for i, line in enumerate(report) if line.startswith("Root Cause")), 0):]
     fields = dict(m.groups() for line in root if (m := _FIELD.match(line)))
     exitcode = fields.get("exitcode", "?")
-    code, _, pid = exitcode.partition(" (pid: ")
-    pid = pid.rstrip(")") or "?"
+    code = exitcode.split(" ", 1)[0]
+    pid_match = re.search(r"\(pid: (\d+)\)", exitcode)
+    pid = pid_match.group(1) if pid_match else "?"
     others = sum(1 for line in report[:report.index(root[0])] if re.match(r"^\[\d+\]:", line)) if root else 0
     also = f"; {others} other rank(s) failed after it" if others else ""
-    return (f"error: rank {fields.get('rank', '?')} on {fields.get('host', '?')} failed first, exit code {code} "
-            f"(pid {pid}){also}: its error is printed above\n")
+    rank = f"rank {fields.get('rank', '?')} on {fields.get('host', '?')}"
+    signal_name = _signal_name(code)
+    if signal_name is not None:
+        # A signal stops a worker before it can print anything: "its error is printed above" would be false.
+        return (f"error: {rank} was killed by signal {signal_name} first (pid {pid}){also}; a killed process prints "
+                f"no error of its own: look for who sent it (the kernel's out-of-memory killer in dmesg, a kill, the "
+                f"scheduler)\n")
+    return f"error: {rank} failed first, exit code {code} (pid {pid}){also}: its error is printed above\n"
+
+
+def _signal_name(exitcode: str) -> str | None:
+    """'SIGKILL' for torchrun's exit code '-9' (a worker ended by a signal); None for an ordinary exit code."""
+    try:
+        number = int(exitcode)
+    except ValueError:
+        return None
+    if number >= 0:
+        return None
+    try:
+        return signal.Signals(-number).name
+    except ValueError:
+        return f"{-number}"
 
 
 def filter_lines(lines: Iterable[str]) -> Iterator[str]:

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_lite.components.checkpoint.layout import Marker, scan_steps, step_dir
+from torchtitan_lite.components.checkpoint.layout import Marker, check_same_top_k, scan_steps, step_dir
 from torchtitan_lite.components.data.layout import DataLayout, resume_changes
 from torchtitan_lite.memory.estimate import GIB, MemoryEstimate, estimate_run_memory
 from torchtitan_lite.resolved_run import ResolvedRun
+from torchtitan_lite.train_state import check_steps_ahead
 
 if TYPE_CHECKING:
     from torchtitan_lite.trainer import Trainer
@@ -99,7 +100,11 @@ def check_resume(config: Trainer.Config, run: ResolvedRun) -> tuple[list[str], l
     step = ckpt.load_step if ckpt.load_step >= 0 else complete[-1] if complete else None
     if step is None or step not in complete:  # nothing to resume, or a load_step the manager reports
         return [], []
+    check_steps_ahead(step, config.training.steps, folder)
     marker = Marker.read(step_dir(folder, step))
+    if marker is not None:
+        check_same_top_k(marker.moe_top_k, None if run.moe_facts is None else run.moe_facts.top_k,
+                         step_dir(folder, step))
     if marker is None or marker.model_only:
         return [], []
     return resume_changes(DataLayout.from_record(marker.data_layout), run.data_layout(config.data), step=step,

@@ -9,6 +9,16 @@ from typing import Any
 import torch
 
 
+def check_steps_ahead(step: int, steps: int, folder: str) -> None:
+    """A run resumed from ``step`` must have steps left to train: one past training.steps would exit at once,
+    having trained nothing, and rewrite the folder's config.toml with a length the checkpoints never had."""
+    if step > steps:
+        raise ValueError(
+            f"the checkpoint in {folder} is at step {step}, beyond training.steps={steps}: resuming it would train "
+            f"nothing. Set --training.steps above {step} to train on, --checkpoint.load_step to an earlier step, "
+            f"or give a new run its own --job.dump_folder")
+
+
 @dataclass
 class TrainState:
     step: int = 0

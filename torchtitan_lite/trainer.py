@@ -53,7 +53,7 @@ from torchtitan_lite.shutdown import PreemptionWatcher
 from torchtitan_lite.spike_guard import SpikeGuard, Verdict
 from torchtitan_lite.spike_response import SpikeResponse
 from torchtitan_lite.step_values import PendingSteps, StepValues
-from torchtitan_lite.train_state import TrainState
+from torchtitan_lite.train_state import TrainState, check_steps_ahead
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -154,7 +154,7 @@ class Trainer(Configurable):
         self.dataloader = cfg.data.build(
             tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank, dp_world_size=self.parallel_dims.dp_degree,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="train",
-            infinite=True, seed=self._data_order_seed(),
+            infinite=True, seed=self._data_order_seed(), batches_per_step=self.n_microbatches,
         )
         self.train_state = TrainState()
         self.health = LossHealth()
@@ -178,7 +178,7 @@ class Trainer(Configurable):
         self.checkpointer = cfg.checkpoint.build(
             dump_folder=cfg.job.dump_folder, states=states, model_args=self.model_args,
             model_spec=self.run.model_spec, data_layout=self.run.data_layout(cfg.data),
-            run_config=config_to_toml(cfg),
+            run_config=config_to_toml(cfg), moe_top_k=None if self.run.moe_facts is None else self.run.moe_facts.top_k,
         )
         self.metrics = cfg.metrics.build(
             dump_folder=cfg.job.dump_folder, device=self.device,
@@ -282,6 +282,9 @@ class Trainer(Configurable):
             return
         self.checkpointer.check_storage()
         self.train_state.step = self.checkpointer.load()
+        # run_train.sh refused this before launch; a direct launch (train.py, torchrun) is refused here, before
+        # config.toml is written.
+        check_steps_ahead(self.train_state.step, cfg.training.steps, self.checkpointer.folder)
         self._report_resumed_layout()
         if self.spikes is not None:
             self.spikes.resume(self.train_state.step)

@@ -136,7 +136,10 @@ def test_a_glob_without_validation_files_is_refused_with_both_fixes(check, tmp_p
     status, _, err = check(["--tokenizer.path", "none", "--data.dataset", glob], TORCHTITAN_LITE_PREFLIGHT="1")
     assert status == 2 and "error: the run's data is not ready:\n  - data.dataset=" in err
     assert check(["--tokenizer.path", "none", "--data.dataset", glob, "--validation.enable", "false"])[0] == 0
-    assert check(["--tokenizer.path", "none", "--data.dataset", glob, "--data.validation_files", glob])[0] == 0
+    held_out = tmp_path / "held_out" / "val.jsonl"
+    held_out.parent.mkdir()
+    held_out.write_text(json.dumps({"text": "y = 2"}) + "\n")
+    assert check(["--tokenizer.path", "none", "--data.dataset", glob, "--data.validation_files", str(held_out)])[0] == 0
 
 
 def test_bad_local_records_are_refused_by_the_check(check, bad_records):

@@ -20,6 +20,9 @@ def _folder_with_checkpoint(tmp_path, layout: DataLayout) -> str:
 
 
 def _snapshot(folder: str) -> dict[str, bytes]:
+    if os.path.isfile(folder):
+        with open(folder, "rb") as f:
+            return {folder: f.read()}
     files = {}
     for root, _, names in os.walk(folder):
         for name in names:
@@ -50,3 +53,48 @@ def test_a_streaming_position_on_another_degree_is_refused_before_torchrun(cli, 
             "streaming dataset (data.streaming=true), this run has 1") in result.stderr
     assert "torch.distributed.run" not in result.stderr  # torchrun never started
     assert _snapshot(folder) == before
+
+
+def test_a_run_shorter_than_its_checkpoint_is_refused_before_torchrun_changing_no_file(cli, tmp_path):
+    # Resuming step 20 with training.steps 8 would train nothing and exit 0, rewriting config.toml.
+    folder = _folder_with_checkpoint(tmp_path, FSDP2)
+    (tmp_path / "config.toml").write_text("# the run that wrote step 20\n")
+    before = _snapshot(folder)
+    result = cli([*ARGS, "--training.steps", "8", "--job.dump_folder", folder], NPROC="2")
+    assert result.returncode == 2, result.stderr
+    assert (f"error: the checkpoint in {folder}/checkpoint is at step 20, beyond training.steps=8: resuming it "
+            f"would train nothing. Set --training.steps above 20 to train on, --checkpoint.load_step to an earlier "
+            f"step, or give a new run its own --job.dump_folder") in result.stderr
+    assert "torch.distributed.run" not in result.stderr  # torchrun never started
+    assert _snapshot(folder) == before
+
+
+def test_a_moe_checkpoint_of_another_top_k_is_refused_before_torchrun_changing_no_file(cli, tmp_path):
+    # qwen3_moe_debug routes each token to 2 experts; the checkpoint says it was trained with 1. Every tensor
+    # has the same shape under both, so only the marker's record can tell.
+    path = step_dir(str(tmp_path / "checkpoint"), 20)
+    os.makedirs(path)
+    new_marker(20, 1, ["model", "optimizer"], False, moe_top_k=1).write(path)
+    before = _snapshot(str(tmp_path))
+    result = cli(["--config", "qwen3_moe_debug", "--checkpoint.enable", "true", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 2, result.stderr
+    assert (f"error: {path} was trained with MoE top_k=1 (routed experts per token), this run has top_k=2: top_k "
+            f"changes what the model computes") in result.stderr
+    assert "torch.distributed.run" not in result.stderr  # torchrun never started
+    assert _snapshot(str(tmp_path)) == before
+
+
+def test_a_direct_launch_shorter_than_its_checkpoint_is_refused_before_config_toml_is_written(cli, tmp_path):
+    # train.py without run_train.sh's check: the trainer refuses once it knows the step it resumes.
+    from _cli import TINY
+
+    args = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--metrics.cpu_peak_tflops", "1",
+            "--job.dump_folder", str(tmp_path)]
+    assert cli([*args, "--training.steps", "2"], launcher="train.py").returncode == 0
+    config, checkpoints = _snapshot(str(tmp_path / "config.toml")), _snapshot(str(tmp_path / "checkpoint"))
+    result = cli([*args, "--training.steps", "1"], launcher="train.py")
+    assert result.returncode == 1
+    assert (f"the checkpoint in {tmp_path / 'checkpoint'} is at step 2, beyond training.steps=1: resuming it would "
+            f"train nothing") in result.stdout
+    assert _snapshot(str(tmp_path / "checkpoint")) == checkpoints
+    assert (tmp_path / "config.toml").read_bytes() == next(iter(config.values()), b"")

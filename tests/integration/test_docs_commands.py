@@ -60,7 +60,8 @@ LONG_RUNNING = {
     "NPROC=2 ./run_train.sh --config llama3_debug_fp8 --parallelism.dp_shard 2": "trains on 2 processes",
     "NGPU=8 ./run_train.sh --config llama3_8b_fp8": "needs 8 GPUs",
     "torchrun --nproc_per_node 8 train.py --config llama3_8b_fp8": "needs 8 GPUs",
-    "./run_train.sh --data.dataset 'data/*.jsonl' --data.validation_files data/val.jsonl": "trains; needs the user's data",
+    "./run_train.sh --data.dataset 'data/train-*.jsonl' --data.validation_files data/val.jsonl":
+        "trains; needs the user's data (tests/unit/test_data_held_out.py checks its files are held out)",
     "./run_train.sh --data.dataset my_org/my_corpus --data.streaming true --data.shuffle false":
         "trains; downloads a hub data set",
     "python scripts/train_tokenizer.py --input 'data/*.jsonl' --vocab-size 32000 --output tok.model":

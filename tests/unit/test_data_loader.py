@@ -277,3 +277,34 @@ def test_tokenising_on_the_fly_outpaces_a_small_cpu_model(tokenizer):
     # ~1.5M tokens/s measured on 2 busy cores; a ~5M-param model trains at ~10k tokens/s on CPU.
     # The bound leaves a 10x margin for machine load and still fails on per-token Python loops.
     assert tokens_per_s > 100_000, tokens_per_s
+
+
+def test_a_dataset_smaller_than_one_step_warns_once_naming_the_sizes(tmp_path, caplog):
+    import logging
+
+    # 3 documents of "abcdefgh" = 3 x (BOS + 8 + EOS) = 30 tokens per epoch; a batch of 4 x (15 + 1) = 64.
+    (tmp_path / "tiny.jsonl").write_text("".join(json.dumps({"text": "abcdefgh"}) + "\n" for _ in range(3)))
+    cfg = TextDataLoader.Config(dataset=str(tmp_path / "tiny.jsonl"), shuffle=False)
+    loader = _build(cfg, CharTokenizer(), seq_len=15, batch=4)
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        _take(loader, 3)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"split 'train' of data.dataset={str(tmp_path / 'tiny.jsonl')!r} gives data-parallel rank 0 30 tokens per "
+        f"epoch, fewer than one step reads: training.local_batch_size x (training.seq_len + 1) x 1 local batch(es) "
+        f"per step = 4 x 16 x 1 = 64 tokens, so every step repeats the same documents about 2.1 times; add data, or "
+        f"lower training.local_batch_size / training.seq_len / training.global_batch_size"]
+
+
+def test_a_dataset_of_at_least_one_step_does_not_warn(tmp_path, caplog):
+    import logging
+
+    (tmp_path / "enough.jsonl").write_text("".join(json.dumps({"text": "abcdefgh"}) + "\n" for _ in range(7)))
+    cfg = TextDataLoader.Config(dataset=str(tmp_path / "enough.jsonl"), shuffle=False)
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        _take(_build(cfg, CharTokenizer(), seq_len=15, batch=4), 4)  # 70 tokens per epoch >= 64
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    # With gradient accumulation a step reads several batches: 70 tokens are fewer than 2 x 64.
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        _take(_build(cfg, CharTokenizer(), seq_len=15, batch=4, batches_per_step=2), 4)
+    assert "x 2 local batch(es) per step = 4 x 16 x 2 = 128 tokens" in caplog.text

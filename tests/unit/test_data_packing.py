@@ -119,7 +119,10 @@ def test_shuffle_draws_a_new_seeded_order_every_epoch(tmp_path):
 def test_validation_split_is_never_shuffled(tmp_path):
     docs = _docs()
     path = _jsonl(tmp_path, docs)
-    cfg = TextDataLoader.Config(dataset=path, validation_files=path)
+    held_out = tmp_path / "held_out"
+    held_out.mkdir()
+    validation = _jsonl(held_out, docs)  # the same documents in a file of its own: validation files are held out
+    cfg = TextDataLoader.Config(dataset=path, validation_files=validation)
     loader = cfg.build(tokenizer=CharTokenizer(), dp_rank=0, dp_world_size=1, seq_len=7, local_batch_size=3,
                        split="validation", infinite=False, seed=0)
     stream = _stream(docs)

@@ -233,3 +233,23 @@ def test_options_that_do_not_apply_are_rejected(tmp_path):
 def test_config_rejects_shuffling_a_stream():
     with pytest.raises(ValueError, match="data.shuffle=True needs a map-style dataset, but data.streaming=True"):
         TextDataLoader.Config(streaming=True)
+
+
+@pytest.mark.parametrize("role", ["train", "validation"])
+def test_an_empty_file_is_refused_by_name_not_with_a_bare_stop_iteration(tmp_path, role):
+    from torchtitan_lite.components.data.readiness import data_problems
+    from torchtitan_lite.components.tokenizer import Tokenizer
+
+    empty = tmp_path / "data" / "empty.jsonl"
+    empty.parent.mkdir()
+    empty.write_bytes(b"")
+    full = _write(tmp_path / "data" / "full.jsonl", DOCS, "jsonl")
+    cfg = (TextDataLoader.Config(dataset=str(empty)) if role == "train"
+           else TextDataLoader.Config(dataset=str(full), validation_files=str(empty)))
+    option = "data.dataset" if role == "train" else "data.validation_files"
+    message = (f"{option}={str(empty)!r}: {empty} is empty (0 bytes), so it holds no documents; write the data into "
+               f"it or leave it out of the path or glob")
+    with pytest.raises(DataSourceError) as error:
+        load_split(cfg, role)
+    assert str(error.value) == message
+    assert message in data_problems(cfg, Tokenizer.Config(), validation=role == "validation")  # before launch

@@ -184,16 +184,61 @@ def test_cpu_peak_is_measured_once_per_machine(tmp_path, peak_cache, monkeypatch
 
 def test_cpu_peak_cache_is_keyed_by_what_the_peak_depends_on(peak_cache, monkeypatch):
     cache, calls = peak_cache
-    base = dict(model="AMD EPYC", flags={"avx512f", "avx512_bf16"}, torch_version="2.13.0", threads=2)
+    base = dict(model="AMD EPYC", flags={"avx512f", "avx512_bf16"}, torch_version="2.13.0", cores=2)
     key = device_peaks.cpu_peak_key(**base)
-    assert key.startswith("AMD EPYC | flags ") and key.endswith(" | torch 2.13.0 | 2 threads")
+    assert key.startswith("AMD EPYC | flags ") and key.endswith(" | torch 2.13.0 | 2 cores")
     assert device_peaks.cpu_peak_key(**dict(base, flags={"avx512_bf16", "avx512f"})) == key  # order does not matter
-    for change in ({"model": "Intel Xeon"}, {"flags": {"avx512f"}}, {"torch_version": "2.12.0"}, {"threads": 1}):
+    for change in ({"model": "Intel Xeon"}, {"flags": {"avx512f"}}, {"torch_version": "2.12.0"}, {"cores": 1}):
         assert device_peaks.cpu_peak_key(**dict(base, **change)) != key, change
     device_peaks.cached_cpu_peak()
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another thread count: a peak of its own
+    monkeypatch.setattr(device_peaks, "machine_cores", lambda: 97)  # other cores (a wider affinity): a peak of its own
     assert device_peaks.cached_cpu_peak().measured_now
     assert len(calls) == 4
+
+
+@pytest.fixture
+def fake_threads(monkeypatch):
+    """torch's thread count as a plain variable, on a fake 8-core machine: no figure depends on this CPU."""
+    threads = {"now": 1}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads["now"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.update(now=n))
+    monkeypatch.setattr(device_peaks, "machine_cores", lambda: 8)
+    return threads
+
+
+def test_the_cpu_peak_is_the_whole_machines_whatever_threads_the_run_uses(tmp_path, peak_cache, fake_threads,
+                                                                          monkeypatch):
+    cache, calls = peak_cache
+    measured_on = []
+    monkeypatch.setattr(device_peaks, "measure_cpu_matmul_tflops", lambda dtype: measured_on.append(
+        torch.get_num_threads()) or {torch.float32: 2.0, torch.bfloat16: 6.0}[dtype])
+    one_thread = _build(tmp_path, cpu_peak_tflops=None)  # a run on 1 thread measures the machine: all 8 cores
+    assert measured_on == [8, 8] and fake_threads["now"] == 1  # and keeps its own thread count
+    monkeypatch.setattr(metrics, "_MEASURED_CPU_TFLOPS", {})  # a later process, on all 8 threads
+    fake_threads["now"] = 8
+    eight_threads = _build(tmp_path, cpu_peak_tflops=None)
+    assert measured_on == [8, 8]  # the same key: read from the cache, not measured per thread count
+    assert one_thread.peak_flops == eight_threads.peak_flops == 6e12
+    for processor in (one_thread, eight_threads):  # the same rate is the same MFU: one scale for both runs
+        processor.record_tokens(100)  # 100 tok/s x 6e9 FLOPs/token = 0.6 TFLOP/s = 10% of 6 TFLOP/s
+        processor.clock.now += 1.0
+        assert processor.log(1, loss=1.0, grad_norm=1.0, lr=1.0)["mfu"] == pytest.approx(10.0, rel=1e-12)
+
+
+def test_the_processes_of_a_node_share_its_peak(tmp_path, fake_threads, caplog):
+    # Two CPU processes on one machine each get half its peak: each rank's MFU is then the node's rate
+    # against the whole machine (two ranks at 0.6 TFLOP/s on a 6 TFLOP/s machine: 20%, not 10% each).
+    assert device_peaks.process_share_flops(6e12, 2) == 3e12
+    assert device_peaks.process_share_flops(6e12, 1) == 6e12
+    clock = FakeClock()
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        rank = MetricsProcessor.Config(cpu_peak_tflops=6.0, enable_tensorboard=False).build(
+            dump_folder=str(tmp_path), device="cpu", num_flops_per_token=6e9, dp_degree=2, rank=0, clock=clock,
+            processes_on_node=2)
+    assert rank.peak_flops == 3e12
+    rank.record_tokens(100)
+    clock.now += 1.0
+    assert rank.log(1, loss=1.0, grad_norm=1.0, lr=1.0)["mfu"] == pytest.approx(20.0, rel=1e-12)
 
 
 def test_a_damaged_peak_cache_is_measured_again(peak_cache):

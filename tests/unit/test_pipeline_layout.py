@@ -166,3 +166,24 @@ def test_refusals_name_the_problem_and_the_fix(overrides, message):
     with pytest.raises(ValueError) as raised:
         layout(**overrides)
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("option, name", [
+    (dict(schedule="Interleaved1F1B"), "parallelism.pipeline_schedule=Interleaved1F1B"),
+    (dict(stages_per_rank=2), "parallelism.pipeline_stages_per_rank=2"),
+    (dict(microbatch_size=2), "parallelism.pipeline_microbatch_size=2"),
+])
+def test_pipeline_options_without_a_pipeline_are_refused_not_ignored(option, name):
+    with pytest.raises(ValueError) as error:
+        layout(pp=1, **option)
+    assert str(error.value) == (f"{name} configure(s) a pipeline, but parallelism.pp=1 runs none, so it would be "
+                                f"ignored: set --parallelism.pp to the number of pipeline ranks, or drop it")
+
+
+def test_the_pp_1_defaults_are_the_configs_defaults():
+    from torchtitan_lite.config.sections import ParallelismConfig
+    from torchtitan_lite.distributed.pipeline.layout import PP1_DEFAULTS
+
+    par = ParallelismConfig()
+    assert PP1_DEFAULTS == {"schedule": par.pipeline_schedule, "stages_per_rank": par.pipeline_stages_per_rank,
+                            "microbatch_size": par.pipeline_microbatch_size}

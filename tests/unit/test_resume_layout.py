@@ -90,3 +90,40 @@ def test_check_resume_without_checkpoints_or_with_a_model_only_one_says_nothing(
     assert check_resume(config, run) == ([], [])
     _save_marker(tmp_path, 5, None, states=("model",))
     assert check_resume(config, run) == ([], [])
+
+
+@pytest.mark.parametrize("saved_global, dp, local, advice", [
+    # The probe's case: 16 = local 8 x dp 1 x 2, resumed on dp 4 with local 8 (32 per pass): the batch 16 alone
+    # would be refused ("must be a multiple of 32"); local 4 keeps it.
+    (16, 4, 8, "--training.global_batch_size 16 --training.local_batch_size 4 to keep it"),
+    (24, 4, 8, "--training.global_batch_size 24 --training.local_batch_size 6 to keep it"),
+    (32, 2, 8, "--training.global_batch_size 32 to keep it"),
+    (18, 4, 2, "--training.global_batch_size 16 (the nearest multiple of local 2 x data-parallel 4)"),
+    (6, 4, 8, "--training.global_batch_size 32 (the nearest multiple of local 8 x data-parallel 4)"),
+])
+def test_the_advice_to_keep_the_global_batch_names_options_the_run_accepts(saved_global, dp, local, advice):
+    from torchtitan_lite.config.sections import TrainingConfig
+    from torchtitan_lite.resolved_run import microbatches_per_step
+
+    saved = DataLayout(dp_degree=1, local_batch_size=saved_global, n_microbatches=1, seq_len=64,
+                       dataset="embedded", streaming=False)
+    now = DataLayout(dp_degree=dp, local_batch_size=local, n_microbatches=1, seq_len=64, dataset="embedded",
+                     streaming=False)
+    _, warnings = resume_changes(saved, now, step=10, data_loaded=True, global_batch_set=False)
+    assert len(warnings) == 1 and advice in warnings[0], warnings
+    # Apply the advice as the command line would and hold it against the run's own rule.
+    words = warnings[0].split("set ")[-1].split()
+    flags = {words[i]: int(words[i + 1].rstrip(",")) for i in range(len(words) - 1) if words[i].startswith("--")}
+    training = TrainingConfig(local_batch_size=flags.get("--training.local_batch_size", local),
+                              global_batch_size=flags["--training.global_batch_size"])
+    assert microbatches_per_step(training, dp) >= 1
+
+
+def test_a_resume_needs_steps_left_to_train():
+    from torchtitan_lite.train_state import check_steps_ahead
+
+    check_steps_ahead(10, 10, "out/checkpoint")  # a finished run launched again: nothing left, nothing lost
+    check_steps_ahead(10, 20, "out/checkpoint")
+    with pytest.raises(ValueError, match=r"^the checkpoint in out/checkpoint is at step 10, beyond training.steps=8: "
+                                         r"resuming it would train nothing\. Set --training.steps above 10"):
+        check_steps_ahead(10, 8, "out/checkpoint")

@@ -56,3 +56,16 @@ def test_child_failed_report_becomes_one_line_and_worker_errors_pass():
 def test_unfinished_traceback_is_not_lost():
     text = "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
     assert "".join(filter_lines(text.splitlines(keepends=True))) == text
+
+
+def test_a_rank_killed_by_a_signal_is_named_as_such_not_as_an_error_printed_above():
+    # A SIGKILLed worker prints nothing; torchrun reports exit code -9 and the signal in its traceback field.
+    killed = TORCHRUN.replace("exitcode  : 1 (pid: 16319)", "exitcode  : -9 (pid: 16319) SIGKILL").replace(
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+        "  traceback : Signal 9 (SIGKILL) received by PID 16319")
+    out = "".join(filter_lines(killed.splitlines(keepends=True)))
+    assert out == AGENT + (
+        "error: rank 0 (local_rank: 0) on node7 was killed by signal SIGKILL first (pid 16319); 1 other rank(s) failed "
+        "after it; a killed process prints no error of its own: look for who sent it (the kernel's out-of-memory "
+        "killer in dmesg, a kill, the scheduler)\n")
+    assert "printed above" not in out

@@ -25,8 +25,12 @@ CPUs have no such table: their peak depends on cores, SIMD width and clocks, so 
 fastest dense dtype the CPU runs natively (float32, and bfloat16 / float16 where oneDNN has kernels for
 them), so that MFU stays below 100% for every precision. The measurement takes seconds and, on a shared
 host, varies with what else runs, so it is made once per machine and kept in
-``$TORCHTITAN_LITE_CACHE/cpu_peak.json`` under a key of CPU model, CPU flags, torch version and thread
-count (``cached_cpu_peak``): every run on the same machine then reports MFU against the same peak.
+``$TORCHTITAN_LITE_CACHE/cpu_peak.json`` under a key of CPU model, CPU flags, torch version and core
+count (``cached_cpu_peak``). It is the machine's peak: measured with one thread per core this process may
+run on, whatever thread count the run itself uses, so every run on the same machine reports MFU on the
+same scale (a run on fewer threads shows a lower MFU, not the same one against a lower peak). The
+processes of one node share that peak (``process_share_flops``): each rank's MFU is its FLOP/s against its
+share, i.e. the node's FLOP/s against the machine's peak.
 """
 from __future__ import annotations
 
@@ -110,12 +114,31 @@ def cpu_dense_dtypes(flags: set[str] | None = None) -> list[torch.dtype]:
     return dtypes
 
 
+def machine_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container or ``taskset`` may allow fewer than
+    the machine has)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def measure_cpu_peak_tflops(dtypes: list[torch.dtype] | None = None) -> tuple[torch.dtype, float]:
-    """(dtype, TFLOP/s) of the fastest dense matmul dtype of this CPU: the peak MFU is measured against,
-    so no precision can exceed 100%."""
-    rates = {dtype: measure_cpu_matmul_tflops(dtype) for dtype in (dtypes or cpu_dense_dtypes())}
+    """(dtype, TFLOP/s) of the fastest dense matmul dtype of this CPU on all its cores: the peak MFU is
+    measured against, so no precision can exceed 100% and no thread count changes the scale."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(machine_cores())
+    try:
+        rates = {dtype: measure_cpu_matmul_tflops(dtype) for dtype in (dtypes or cpu_dense_dtypes())}
+    finally:
+        torch.set_num_threads(threads)  # the run keeps the thread count it was started with
     best = max(rates, key=rates.__getitem__)
     return best, rates[best]
+
+
+def process_share_flops(machine_peak_flops: float, processes_on_node: int) -> float:
+    """The part of a machine's peak one of ``processes_on_node`` CPU processes is measured against: they share
+    its cores, so the node's MFU is what they achieve together against the whole machine."""
+    return machine_peak_flops / max(1, processes_on_node)
 
 
 def measure_cpu_matmul_tflops(dtype: torch.dtype = torch.float32, *, budget_s: float = 0.5,
@@ -182,35 +205,49 @@ def cpu_model_name() -> str:
 
 
 def cpu_peak_key(*, model: str | None = None, flags: set[str] | None = None, torch_version: str | None = None,
-                 threads: int | None = None) -> str:
-    """What the peak depends on: CPU model, CPU flags (hashed: hundreds of them), torch version (its oneDNN
-    kernels) and the matmul thread count. Each defaults to this process's value."""
+                 cores: int | None = None) -> str:
+    """What the machine's peak depends on: CPU model, CPU flags (hashed: hundreds of them), torch version (its
+    oneDNN kernels) and the cores it is measured on. Each defaults to this process's value; the run's own
+    thread count is not part of it."""
     model = cpu_model_name() if model is None else model
     flags = cpu_flags() if flags is None else flags
     flags_hash = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
     version = torch.__version__ if torch_version is None else torch_version
-    threads = torch.get_num_threads() if threads is None else threads
-    return f"{model} | flags {flags_hash} | torch {version} | {threads} threads"
+    cores = machine_cores() if cores is None else cores
+    return f"{model} | flags {flags_hash} | torch {version} | {cores} cores"
 
 
 def cached_cpu_peak(*, remeasure: bool = False) -> CpuPeak:
     """This machine's CPU peak: read from the cache, or measured (``measure_cpu_peak_tflops``) and saved
-    there when the cache has none for this key or ``remeasure`` asks for a fresh one."""
+    there when the cache has none for this key or ``remeasure`` asks for a fresh one. The measurement is
+    made under the cache's lock: the processes of one node starting together would otherwise measure at
+    once, each on cores the others are busy with."""
     path = cache_root() / PEAK_CACHE_FILE
     key = cpu_peak_key()
     if not remeasure:
         entry = _read_peaks(path).get(key)
         if entry is not None:
             return CpuPeak(entry["dtype"], float(entry["tflops"]), measured_now=False, path=path)
+    try:
+        with file_lock(path.parent / f".{path.name}.lock"):
+            entry = None if remeasure else _read_peaks(path).get(key)
+            if entry is not None:  # another process of this node measured it while this one waited
+                return CpuPeak(entry["dtype"], float(entry["tflops"]), measured_now=False, path=path)
+            return _measure_and_store(path, key)
+    except OSError:  # no writable cache: measure anyway, the next run measures again
+        return _measure_and_store(path, key)
+
+
+def _measure_and_store(path: Path, key: str) -> CpuPeak:
     dtype, tflops = measure_cpu_peak_tflops()
     name = str(dtype).removeprefix("torch.")
-    _store_peak(path, key, {"dtype": name, "tflops": tflops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
+    _write_peak(path, key, {"dtype": name, "tflops": tflops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
     return CpuPeak(name, tflops, measured_now=True, path=path)
 
 
 def raise_cached_cpu_peak(tflops: float, *, dtype: str = "achieved") -> None:
-    """A run achieved ``tflops``, more than the cached peak (measured while the host was busy): keep the
-    higher figure for this machine's later runs."""
+    """A run achieved ``tflops`` on the whole machine, more than the cached peak (measured while the host was
+    busy): keep the higher figure for this machine's later runs."""
     path = cache_root() / PEAK_CACHE_FILE
     key = cpu_peak_key()
     if tflops > float(_read_peaks(path).get(key, {}).get("tflops", 0.0)):
@@ -233,10 +270,18 @@ def _store_peak(path: Path, key: str, entry: dict) -> None:
     a measurement next time."""
     try:
         with file_lock(path.parent / f".{path.name}.lock"):
-            peaks = _read_peaks(path)
-            peaks[key] = entry
-            scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            scratch.write_text(json.dumps(peaks, indent=1, sort_keys=True) + "\n")
-            os.replace(scratch, path)
+            _write_peak(path, key, entry)
+    except OSError:
+        pass
+
+
+def _write_peak(path: Path, key: str, entry: dict) -> None:
+    """``_store_peak`` for a caller that holds the lock."""
+    try:
+        peaks = _read_peaks(path)
+        peaks[key] = entry
+        scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(peaks, indent=1, sort_keys=True) + "\n")
+        os.replace(scratch, path)
     except OSError:
         pass

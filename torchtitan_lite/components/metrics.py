@@ -84,10 +84,10 @@ class MetricsProcessor(Configurable):
         (once per layer and cast, again when the share doubles). A Gaussian tensor loses ~1e-5, the debug
         model's SwiGLU outputs up to ~5e-3; see docs/mixed_precision.md."""
         cpu_peak_tflops: float | None = None
-        """Peak TFLOP/s of a CPU device for MFU; None measures it once per machine (~0.5 s per dtype) and keeps
-        it in $TORCHTITAN_LITE_CACHE/cpu_peak.json (default ~/.cache/torchtitan_lite), keyed by CPU model,
-        flags, torch version and threads: the best matmul rate of the fastest dtype the CPU runs natively
-        (float32; bfloat16 with AVX512-BF16/AMX)."""
+        """Peak TFLOP/s of the whole CPU machine for MFU (its processes share it); None measures it on all cores
+        once per machine (~0.5 s per dtype) and keeps it in $TORCHTITAN_LITE_CACHE/cpu_peak.json (default
+        ~/.cache/torchtitan_lite), keyed by CPU model, flags, torch version and cores: the best matmul rate of
+        the fastest dtype the CPU runs natively (float32; bfloat16 with AVX512-BF16/AMX)."""
         remeasure_cpu_peak: bool = False
         """Measure the CPU peak again (and replace the cached one) instead of reading it from the cache."""
 
@@ -122,6 +122,7 @@ class MetricsProcessor(Configurable):
         tp_degree: int = 1,
         rank: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        processes_on_node: int | None = None,
     ) -> None:
         """
         Args:
@@ -131,6 +132,8 @@ class MetricsProcessor(Configurable):
                 divides by it.
             rank: this process's rank (default: from the process group).
             clock: seconds as a float; a fake clock makes throughput deterministic in tests.
+            processes_on_node: CPU processes sharing this machine's cores, and so its peak (default:
+                torchrun's LOCAL_WORLD_SIZE, 1 without it).
         """
         self.config = config
         self.device = torch.device(device)
@@ -139,6 +142,8 @@ class MetricsProcessor(Configurable):
         self.tp_degree = tp_degree
         self.rank = dist_utils.rank() if rank is None else rank
         self.clock = clock
+        self.processes_on_node = (int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if processes_on_node is None
+                                  else processes_on_node)
         self.console = self.rank == 0
         self.writer = self._build_writer(dump_folder)
         self.wandb_run = self._build_wandb(dump_folder)
@@ -199,8 +204,10 @@ class MetricsProcessor(Configurable):
 
     def _peak_flops(self) -> float | None:
         if self.device.type == "cpu":
+            # MFU against the machine's peak (all its cores), whatever threads the run uses: this process's
+            # share of it, since the node's processes share the cores.
             if self.config.cpu_peak_tflops is not None:
-                return self.config.cpu_peak_tflops * 1e12
+                return device_peaks.process_share_flops(self.config.cpu_peak_tflops * 1e12, self.processes_on_node)
             if "cpu" not in _MEASURED_CPU_TFLOPS:
                 cpu = device_peaks.cached_cpu_peak(remeasure=self.config.remeasure_cpu_peak)
                 _MEASURED_CPU_TFLOPS["cpu"] = cpu.tflops
@@ -212,7 +219,10 @@ class MetricsProcessor(Configurable):
                     logger.info("CPU peak for MFU: %.4g TFLOP/s (%s), measured once on this machine and read from "
                                 "%s; --metrics.remeasure_cpu_peak true measures it again", cpu.tflops, cpu.dtype,
                                 cpu.path)
-            return _MEASURED_CPU_TFLOPS["cpu"] * 1e12
+                logger.info("MFU is against that peak of all %d cores (the whole machine); this run computes on %d "
+                            "thread(s) in each of %d process(es)", device_peaks.machine_cores(),
+                            torch.get_num_threads(), self.processes_on_node)
+            return device_peaks.process_share_flops(_MEASURED_CPU_TFLOPS["cpu"] * 1e12, self.processes_on_node)
         peak = device_peaks.device_peak_flops(self.device)
         if peak is None:
             name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
@@ -298,7 +308,8 @@ class MetricsProcessor(Configurable):
                                "while it was measured); the achieved rate is the peak from now on; set "
                                "metrics.cpu_peak_tflops for a fixed one", flops / 1e12, self.peak_flops / 1e12)
                 self.peak_flops = flops
-                device_peaks.raise_cached_cpu_peak(flops / 1e12)
+                machine_tflops = flops * self.processes_on_node / 1e12
+                device_peaks.raise_cached_cpu_peak(machine_tflops)
             values["mfu"] = 100.0 * flops / self.peak_flops
         for key, value in (extra or {}).items():
             if key in values:

@@ -40,6 +40,10 @@ class Marker:
     data_layout: dict[str, Any] | None = None
     """How the run fed its data (components/data/layout.py DataLayout); None in model-only checkpoints,
     runs without one and checkpoints written before it was recorded."""
+    moe_top_k: int | None = None
+    """Routed experts per token of the model that wrote it (MoE models); None for dense models and checkpoints
+    written before it was recorded. The weights have the same shapes under any top_k, so only this tells a
+    resume that the routing changed."""
     followed_by: str | None = None
     """What the loss of the step trained from this state was, as far as any run saw it: 'nothing' (no step
     has trained from it yet), 'normal' (one did, to a finite loss within the spike bounds) or 'abnormal'
@@ -94,9 +98,22 @@ def read_json(path: str, default: Any) -> Any:
 
 
 def new_marker(step: int, world_size: int, states: list[str], model_only: bool,
-               data_layout: dict[str, Any] | None = None) -> Marker:
+               data_layout: dict[str, Any] | None = None, moe_top_k: int | None = None) -> Marker:
     return Marker(step=step, world_size=world_size, states=sorted(states), model_only=model_only, time=time.time(),
-                  data_layout=data_layout, followed_by=NOTHING_YET)
+                  data_layout=data_layout, moe_top_k=moe_top_k, followed_by=NOTHING_YET)
+
+
+def check_same_top_k(saved: int | None, now: int | None, checkpoint: str) -> None:
+    """A resume must keep the routing its weights were trained with: top_k changes what every MoE layer
+    computes (how many experts each token mixes) while every tensor keeps its shape, so nothing else would
+    notice. ``saved`` None: a dense model, or a checkpoint from before top_k was recorded."""
+    if saved is None or now is None or saved == now:
+        return
+    raise ValueError(
+        f"{checkpoint} was trained with MoE top_k={saved} (routed experts per token), this run has top_k={now}: "
+        f"top_k changes what the model computes, so resuming would continue another model. Resume with the model "
+        f"that wrote it (top_k={saved}), or start a new run from these weights in its own --job.dump_folder with "
+        f"--checkpoint.initial_load_path {checkpoint} --checkpoint.initial_load_model_only true")
 
 
 def step_dir(folder: str, step: int) -> str:

@@ -61,6 +61,7 @@ from torchtitan_lite.components.checkpoint.layout import (
     MARKER_NAME,
     NORMAL,
     Marker,
+    check_same_top_k,
     describe_steps,
     hf_export_dir,
     new_marker,
@@ -176,10 +177,13 @@ class CheckpointManager(Configurable):
 
     def __init__(self, config: CheckpointManager.Config, *, dump_folder: str, states: dict[str, Stateful],
                  model_args: Any = None, model_spec: Any = None, data_layout: DataLayout | None = None,
-                 run_config: str | None = None) -> None:
-        """``run_config``: the run's resolved config as TOML, stored in every checkpoint (and HF export)."""
+                 run_config: str | None = None, moe_top_k: int | None = None) -> None:
+        """``run_config``: the run's resolved config as TOML, stored in every checkpoint (and HF export).
+        ``moe_top_k``: the model's routed experts per token (MoE models), recorded in every marker and held
+        against the marker of the checkpoint a run resumes from."""
         self.config = config
         self.run_config = run_config
+        self.moe_top_k = moe_top_k
         self.data_layout = data_layout
         """How this run feeds its data, recorded in each checkpoint's marker."""
         self.loaded_data_layout: DataLayout | None = None
@@ -273,6 +277,7 @@ class CheckpointManager(Configurable):
         marker = Marker.read(path)
         if marker is None:  # scan_steps counts a step complete only when its marker exists
             raise CheckpointError(f"{path} lost its completion marker while loading; {describe_steps(self.folder)}")
+        check_same_top_k(marker.moe_top_k, self.moe_top_k, path)
         wanted = [n for n in self.states if n not in cfg.exclude_from_loading]
         absent = [n for n in wanted if n not in marker.states]
         if absent:
@@ -472,7 +477,7 @@ class CheckpointManager(Configurable):
         path = step_dir(self.folder, step)
         self._prepare_folder(path)
         layout = None if model_only or self.data_layout is None else self.data_layout.to_record()
-        marker = new_marker(step, self.world_size, list(state), model_only, layout)
+        marker = new_marker(step, self.world_size, list(state), model_only, layout, self.moe_top_k)
         self.followups.saving(marker)
         no_dist = not dist.is_initialized()
         writer = ChecksummingWriter(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -163,11 +164,34 @@ def verify_folder(path: str) -> dict[str, list[str]]:
         return {path: verify_step(path)}
     complete, incomplete = scan_steps(path)
     if not complete and not incomplete:
-        raise CheckpointError(f"{path} holds neither a checkpoint nor step-<N> checkpoint folders")
+        raise CheckpointError(_not_a_checkpoint(path))
     found = {step_dir(path, s): verify_step(step_dir(path, s)) for s in complete}
     found.update({step_dir(path, s): [f"incomplete: no {MARKER_NAME} marker (an interrupted save), never loaded"]
                   for s in incomplete})
     return found
+
+
+def _not_a_checkpoint(path: str) -> str:
+    """Why ``path`` (neither a checkpoint nor a folder of step-<N> checkpoints) has nothing to verify, and what
+    to pass instead: each mistake gets its own answer."""
+    from torchtitan_lite.components.checkpoint.layout import MARKER_NAME, scan_steps
+
+    usage = "give a checkpoint folder (step-<N>) or the folder holding them (<dump_folder>/checkpoint)"
+    if not os.path.exists(path):
+        return f"{path} does not exist; {usage}"
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a checkpoint folder; {usage}"
+    if re.fullmatch(r"step-\d+", os.path.basename(os.path.normpath(path))):
+        files = os.listdir(path)
+        held = "it is empty" if not files else f"it holds {len(files)} file(s) of a save that never finished"
+        return (f"{path} is a step folder without a checkpoint: no {MARKER_NAME} marker and no {DCP_METADATA_NAME} "
+                f"({held}), so nothing there was ever loadable; verify {os.path.dirname(os.path.normpath(path))} "
+                f"to see the complete steps")
+    inner = sorted(name for name in os.listdir(path) if any(scan_steps(os.path.join(path, name))))
+    if inner:
+        return (f"{path} holds no step-<N> folders itself, but {', '.join(inner)} in it does (a run's dump folder): "
+                f"verify {os.path.join(path, inner[0])}")
+    return f"{path} holds neither a checkpoint nor step-<N> checkpoint folders; {usage}"
 
 
 def verify_together(path: str, *, checksums: bool, rank: int, world_size: int) -> list[str]:

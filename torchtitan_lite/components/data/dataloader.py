@@ -142,13 +142,17 @@ class TextDataLoader(Configurable):
         split: Literal["train", "validation"] = "train",
         infinite: bool = True,
         seed: int | None = None,
+        batches_per_step: int = 1,
     ) -> None:
+        """``batches_per_step``: local batches one optimizer step reads (gradient accumulation); only the warning
+        about a split smaller than one step uses it."""
         super().__init__(config)
         _check_build_args(dp_rank, dp_world_size, seq_len, local_batch_size, split)
         self.tokenizer = tokenizer
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.split, self.infinite = split, infinite
+        self.batches_per_step = batches_per_step
         # datasets is imported when a loader is built, never by inspection commands (--help, --list-configs).
         from datasets import Dataset
         from datasets.distributed import split_dataset_by_node
@@ -180,6 +184,8 @@ class TextDataLoader(Configurable):
         self._buffer = empty_buffer()
         self._live_iterator: object | None = None
         self._pass_has_content = False
+        self._pass_tokens = 0  # tokens this rank read in the current pass over its documents
+        self._warned_small = False
 
     # ----------------------------------------------------------------------------------------------
     # Iteration
@@ -207,6 +213,7 @@ class TextDataLoader(Configurable):
                         yield to_batch(windows)
                     return
                 self._buffer = append_documents(self._buffer, token_lists)
+                self._pass_tokens += sum(len(tokens) for tokens in token_lists)
             windows, self._buffer = cut_windows(self._buffer, self.local_batch_size, window)
             yield to_batch(windows)
 
@@ -254,6 +261,7 @@ class TextDataLoader(Configurable):
             from_start = self._position == 0 and self._resume_doc == 0 and self._resume_char == 0 \
                 and self._sequence.at_epoch_start
             self._pass_has_content = False
+            self._pass_tokens = 0
             for group in stream():
                 produced = True
                 yield group
@@ -265,12 +273,29 @@ class TextDataLoader(Configurable):
                                       f"check data.text_field and the data")
             if not self.infinite:
                 return
+            if produced and from_start:
+                self._warn_if_smaller_than_a_step()
             if not produced and from_start:
                 raise DataSourceError(f"data-parallel rank {self.dp_rank} read no documents of split "
                                       f"{self.split!r} of data.dataset={self.config.dataset!r} in a whole "
                                       f"epoch; add data or use fewer data-parallel ranks")
             self._sequence.next_epoch()
             self._position, self._stream_state = 0, None
+
+    def _warn_if_smaller_than_a_step(self) -> None:
+        """A whole epoch of this rank's documents shorter than what one optimizer step reads makes every step
+        read them several times over: legal, but rarely what was meant, so it is said once."""
+        needed = self.local_batch_size * (self.seq_len + 1) * self.batches_per_step
+        if self._warned_small or self._pass_tokens >= needed:
+            return
+        self._warned_small = True
+        logger.warning(
+            "split %r of data.dataset=%r gives data-parallel rank %d %d tokens per epoch, fewer than one step reads: "
+            "training.local_batch_size x (training.seq_len + 1) x %d local batch(es) per step = %d x %d x %d = %d "
+            "tokens, so every step repeats the same documents about %.1f times; add data, or lower "
+            "training.local_batch_size / training.seq_len / training.global_batch_size",
+            self.split, self.config.dataset, self.dp_rank, self._pass_tokens, self.batches_per_step,
+            self.local_batch_size, self.seq_len + 1, self.batches_per_step, needed, needed / max(1, self._pass_tokens))
 
     def _indexed_groups(self) -> Iterator[_Group]:
         """The rest of this rank's sequence of this epoch of a map-style dataset (position.py)."""

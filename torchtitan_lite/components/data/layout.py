@@ -59,15 +59,32 @@ def resume_changes(saved: DataLayout | None, now: DataLayout, *, step: int, data
                 f"rank(s): every document of the current epoch not yet read is read once, none twice (README, "
                 f"'Resuming with another layout')")
     if saved.global_batch_size != now.global_batch_size:
-        keep = "" if global_batch_set else (
-            f"; set --training.global_batch_size {saved.global_batch_size} to keep it (the micro-batches per step "
-            f"adjust to the data-parallel degree)")
+        keep = "" if global_batch_set else f"; {keep_global_batch(saved.global_batch_size, now)}"
         warnings.append(f"the global batch changes on resume from step {step}: saved {saved.describe()}, now "
                         f"{now.describe()}{keep}")
     elif saved.n_microbatches != now.n_microbatches or saved.dp_degree != now.dp_degree:
         notes.append(f"global batch {now.global_batch_size} kept from step {step}: was {saved.describe()}, now "
                      f"{now.describe()}")
     return notes, warnings
+
+
+def keep_global_batch(global_batch: int, now: DataLayout) -> str:
+    """How ``now`` keeps ``global_batch`` sequences per step: options that pass the run's rule (a multiple of
+    local batch x data-parallel degree), lowering the local batch when the current one does not divide it."""
+    dp, local = now.dp_degree, now.local_batch_size
+    if global_batch % (local * dp) == 0:
+        return (f"set --training.global_batch_size {global_batch} to keep it (the micro-batches per step adjust to "
+                f"the data-parallel degree)")
+    if global_batch % dp == 0:
+        per_rank = global_batch // dp
+        fitting = max(d for d in range(1, min(local, per_rank) + 1) if per_rank % d == 0)
+        return (f"set --training.global_batch_size {global_batch} --training.local_batch_size {fitting} to keep it "
+                f"(local {fitting} x data-parallel {dp} x {per_rank // fitting} micro-batch(es); local {local} x "
+                f"data-parallel {dp} does not divide {global_batch})")
+    nearest = max(local * dp, round(global_batch / (local * dp)) * local * dp)
+    return (f"{global_batch} sequences cannot be split over {dp} data-parallel ranks; resume on a data-parallel "
+            f"degree that divides {global_batch}, or set --training.global_batch_size {nearest} (the nearest "
+            f"multiple of local {local} x data-parallel {dp})")
 
 
 def reshard_refusal(saved_dp: int, dp: int) -> str:

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 from torchtitan_lite.components.data import prescan, records
 from torchtitan_lite.components.data.sources import (
     DataSourceError,
+    check_held_out,
     check_options,
     local_files,
-    resolve_files,
+    resolve_data_files,
     source_kind,
 )
 from torchtitan_lite.components.tokenizer_files import TokenizerError, locate_tokenizer
@@ -54,7 +55,8 @@ def data_problems(data: TextDataLoader.Config, tokenizer: Tokenizer.Config, *, v
     try:
         _check_source(data, timeout=timeout)
         if validation and data.validation_files is not None:
-            resolve_files(data.validation_files, f"data.validation_files={data.validation_files!r}")
+            resolve_data_files(data.validation_files, f"data.validation_files={data.validation_files!r}")
+            check_held_out(data)
     except (DataSourceError, HubAccessError) as error:
         problems.append(str(error))
     return problems
@@ -99,7 +101,7 @@ def not_ready_text(problems: list[str]) -> str:
 def _check_source(data: TextDataLoader.Config, *, timeout: float) -> None:
     kind = source_kind(data.dataset)
     if kind == "files":
-        resolve_files(data.dataset, f"data.dataset={data.dataset!r}")
+        resolve_data_files(data.dataset, f"data.dataset={data.dataset!r}")
     elif kind == "hub" and (data.streaming or not hub_offline()):
         # Offline, a map-style hub dataset may still be in the datasets cache; streaming never works offline.
         check_hub_dataset(data.dataset, data.dataset_config, timeout=timeout)

@@ -68,6 +68,7 @@ def load_split(cfg: SourceConfig, role: Role) -> Dataset | IterableDataset:
     kind = source_kind(cfg.dataset)
     check_options(cfg, validation=role == "validation")
     if role == "validation" and cfg.validation_files is not None:
+        check_held_out(cfg)
         # data.dataset_config selects a configuration of data.dataset; it says nothing about these files.
         where = f"data.validation_files={cfg.validation_files!r}"
         ds = _load_files(cfg.validation_files, cfg, split, where)
@@ -110,6 +111,22 @@ def check_options(cfg: SourceConfig, *, validation: bool) -> None:
         )
 
 
+def check_held_out(cfg: SourceConfig) -> None:
+    """Validation files must be held out: a validation file the training source also names would make the
+    validation loss a training loss (it falls as the model memorises it), so such a run is refused."""
+    if cfg.validation_files is None or source_kind(cfg.dataset) != "files":
+        return
+    train = {os.path.realpath(f): f for f in resolve_files(cfg.dataset, _where(cfg.dataset))}
+    held_out = resolve_files(cfg.validation_files, f"data.validation_files={cfg.validation_files!r}")
+    shared = [f for f in held_out if os.path.realpath(f) in train]
+    if shared:
+        named = ", ".join(shared[:5]) + (f" and {len(shared) - 5} more" if len(shared) > 5 else "")
+        raise DataSourceError(
+            f"data.validation_files={cfg.validation_files!r} and data.dataset={cfg.dataset!r} both name {named}: "
+            f"the run would validate on documents it trains on; narrow data.dataset to the training files "
+            f"(e.g. 'data/train-*.jsonl') or move the validation files out of its glob")
+
+
 def source_kind(dataset: str) -> SourceKind:
     """Which kind of source ``data.dataset`` names, decided in the order load_split tries them."""
     if dataset == "embedded":
@@ -131,6 +148,18 @@ def resolve_files(pattern: str, what: str) -> list[str]:
     if not files:
         raise DataSourceError(f"{what} matches no files (relative paths resolve from {os.getcwd()}); "
                               f"check the path or glob")
+    return files
+
+
+def resolve_data_files(pattern: str, what: str) -> list[str]:
+    """``resolve_files``, refusing an empty (0-byte) file by name: datasets' builders fail on one with a bare
+    StopIteration."""
+    files = resolve_files(pattern, what)
+    empty = [f for f in files if os.path.getsize(f) == 0]
+    if empty:
+        named = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise DataSourceError(f"{what}: {named} is empty (0 bytes), so it holds no documents; write the data into "
+                              f"it or leave it out of the path or glob")
     return files
 
 
@@ -156,7 +185,7 @@ def infer_format(files: list[str], data_format: DataFormat, what: str) -> str:
 
 def local_files(pattern: str, cfg: SourceConfig, where: str) -> tuple[list[str], str, str]:
     """The files ``pattern`` names, the ``datasets`` builder that reads them and the field holding the text."""
-    files = resolve_files(pattern, where)
+    files = resolve_data_files(pattern, where)
     builder = infer_format(files, cfg.data_format, where)
     for file in files:
         try:

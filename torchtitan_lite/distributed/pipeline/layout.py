@@ -104,6 +104,10 @@ class PipelineLayout:
         return f"{self.describe()}; blocks per stage {blocks} (the first adds the embedding, the last the head)"
 
 
+PP1_DEFAULTS = {"schedule": "1F1B", "stages_per_rank": 0, "microbatch_size": 1}
+"""The pipeline options' defaults (ParallelismConfig): the only values a run without a pipeline accepts."""
+
+
 def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, microbatch_size: int,
                      split_points: list[str] | tuple[str, ...], layers_per_stage: int, n_layers: int,
                      local_batch_size: int, blocks: str = "layers", tied_embeddings: bool = False,
@@ -114,6 +118,15 @@ def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, microbatch
             raise ValueError(
                 "parallelism.pipeline_split_points / pipeline_layers_per_stage split the model into pipeline "
                 "stages, but parallelism.pp=1: set --parallelism.pp to the number of pipeline ranks, or drop them")
+        # Without a pipeline these options would be accepted and do nothing: refused, like the split above.
+        unused = [f"{name}={value}" for name, value, default in (
+            ("pipeline_schedule", schedule, PP1_DEFAULTS["schedule"]),
+            ("pipeline_stages_per_rank", stages_per_rank, PP1_DEFAULTS["stages_per_rank"]),
+            ("pipeline_microbatch_size", microbatch_size, PP1_DEFAULTS["microbatch_size"])) if value != default]
+        if unused:
+            raise ValueError(
+                f"parallelism.{', parallelism.'.join(unused)} configure(s) a pipeline, but parallelism.pp=1 runs "
+                f"none, so it would be ignored: set --parallelism.pp to the number of pipeline ranks, or drop it")
         return None
     if schedule not in SCHEDULES:
         raise ValueError(f"parallelism.pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
