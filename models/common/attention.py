@@ -42,7 +42,10 @@ class GroupedQueryAttention(nn.Module):
         """q and k [batch, seq, heads, head_dim] before the rotary embedding; unchanged here."""
         return q, k
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] of x, q and k normalised
+        and rotated by positions 0..seq-1 of ``rope_cache``: what the training forward and the KV cache
+        (models/common/gqa_kv_cache.py) attend with."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the projections' outputs, not from the args: under tensor parallelism each
         # rank holds n_heads / tp query heads and n_kv_heads / tp key/value heads.
@@ -50,9 +53,10 @@ class GroupedQueryAttention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = self.norm_qk(q, k)
-        q = apply_rotary_emb(q, rope_cache)
-        k = apply_rotary_emb(k, rope_cache)
-        return self.wo(grouped_query_attention(q, k, v))
+        return apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache), v
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        return self.wo(grouped_query_attention(*self.project(x, rope_cache)))
 
 
 def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -62,18 +62,31 @@ class MultiHeadLatentAttention(nn.Module):
         assert self.wq_a is not None and self.q_norm is not None and self.wq_b is not None
         return self.wq_b(self.q_norm(self.wq_a(x)))
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def query_heads(self, x: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's query [batch, seq, heads, ...] in two parts: its qk_nope_head_dim channels and its
+        qk_rope_head_dim channels rotated by positions 0..seq-1 of ``rope_cache``."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the projections' outputs, so that a rank holding a slice of the heads works.
         q = self.query(x).view(bsz, seqlen, -1, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        return q_nope, apply_rotary_emb(q_rope, rope_cache)
+
+    def compressed_kv(self, x: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a token contributes to every head's keys and values, and all the KV cache keeps of it
+        (models/deepseek_v3/kv_cache.py): the normalised latent [batch, seq, kv_lora_rank], which ``wkv_b``
+        expands, and the rotated key channels [batch, seq, 1, qk_rope_head_dim] every head shares."""
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope_dim + self.v_dim)
+        return self.kv_norm(latent), apply_rotary_emb(k_rope.unsqueeze(2), rope_cache)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q_nope, q_rope = self.query_heads(x, rope_cache)
+        latent, k_rope = self.compressed_kv(x, rope_cache)
+        kv = self.wkv_b(latent).view(bsz, seqlen, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         heads = k_nope.shape[2]
-        q = torch.cat([q_nope, apply_rotary_emb(q_rope, rope_cache)], dim=-1)
-        k_rope = apply_rotary_emb(k_rope.unsqueeze(2), rope_cache).expand(-1, -1, heads, -1)
-        k = torch.cat([k_nope, k_rope], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1)
         out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=False,
                                scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
