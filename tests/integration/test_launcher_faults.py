@@ -75,3 +75,45 @@ def test_workers_stop_when_the_launchers_process_group_is_killed(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=30)
+
+
+FAILS_ON_RANK_1 = """
+import os, sys, time
+
+if os.environ["RANK"] == "1":
+    for i in range(30):
+        print(f"rank 1 line {i}", flush=True)
+    sys.exit("rank 1 gives up: a planted failure")
+time.sleep(60)  # rank 0 trains on until torchrun stops it
+"""
+
+
+def test_a_failed_rank_whose_output_is_not_shown_has_its_last_lines_printed(tmp_path):
+    proc = _launch(tmp_path, FAILS_ON_RANK_1, 2, log_rank="0")
+    try:
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert "rank 1's output is not shown (LOG_RANK); the last 20 lines of its stdout:" in err, err
+    assert "[rank1]:rank 1 line 29\n" in err and "[rank1]:rank 1 line 10\n" in err
+    assert "[rank1]:rank 1 line 9\n" not in err  # only the last lines
+    assert "rank 1's output is not shown (LOG_RANK); the last 1 lines of its stderr:\n" in err
+    assert "[rank1]:rank 1 gives up: a planted failure\n" in err
+    # Its lines come before the one-line report that points up at them.
+    assert err.index("gives up") < err.index("error: rank 1")
+
+
+def test_a_failed_rank_whose_output_is_shown_is_not_printed_twice(tmp_path):
+    proc = _launch(tmp_path, FAILS_ON_RANK_1, 2, log_rank="0,1")
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert "output is not shown" not in err
+    assert (out + err).count("rank 1 gives up: a planted failure") == 1
