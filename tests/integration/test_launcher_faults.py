@@ -1,7 +1,9 @@
 """scripts/torchrun_graceful.sh (run_train.sh's launcher) under faults, with small stand-in workers in
 place of train.py (seconds, not a training run):
 - ``kill -9`` of the launcher's process group: torchrun puts each worker in a session of its own, so the
-  signal misses them; they must notice their launcher is gone and stop, not train on as orphans.
+  signal misses them; they must notice their launcher is gone and stop, not train on as orphans;
+- a rank whose output ``LOG_RANK`` does not show fails first (an error, or an abort): its last lines are
+  printed, since the one-line failure report points at them.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "scripts" / "torchrun_graceful.sh"
@@ -83,13 +87,18 @@ import os, sys, time
 if os.environ["RANK"] == "1":
     for i in range(30):
         print(f"rank 1 line {i}", flush=True)
+    if sys.argv[1] == "abort":  # as a C++ library's uncaught exception ends a process
+        sys.stderr.write("rank 1 gives up: a planted failure\\n")
+        sys.stderr.flush()
+        os.abort()
     sys.exit("rank 1 gives up: a planted failure")
 time.sleep(60)  # rank 0 trains on until torchrun stops it
 """
 
 
-def test_a_failed_rank_whose_output_is_not_shown_has_its_last_lines_printed(tmp_path):
-    proc = _launch(tmp_path, FAILS_ON_RANK_1, 2, log_rank="0")
+@pytest.mark.parametrize("how", ["error", "abort"])
+def test_a_failed_rank_whose_output_is_not_shown_has_its_last_lines_printed(tmp_path, how):
+    proc = _launch(tmp_path, FAILS_ON_RANK_1, 2, how, log_rank="0")
     try:
         _, err = proc.communicate(timeout=180)
     finally:
@@ -107,7 +116,7 @@ def test_a_failed_rank_whose_output_is_not_shown_has_its_last_lines_printed(tmp_
 
 
 def test_a_failed_rank_whose_output_is_shown_is_not_printed_twice(tmp_path):
-    proc = _launch(tmp_path, FAILS_ON_RANK_1, 2, log_rank="0,1")
+    proc = _launch(tmp_path, FAILS_ON_RANK_1, 2, "error", log_rank="0,1")
     try:
         out, err = proc.communicate(timeout=180)
     finally:
