@@ -57,6 +57,9 @@ def _leave_together() -> None:
 
 def main(argv: list[str]) -> int:
     _restore_signals_ignored_by_launcher()
+    from torchtitan_lite.orphan_guard import stop_when_launcher_dies
+
+    stop_when_launcher_dies()
     _setup_logging()
     # The one place where the model families and the registered configs meet the core: importing
     # `models` registers each family's spec; the registry is handed to the parser and the actions.

@@ -21,12 +21,25 @@ py="$1"; shift
 # pipe keeps $! torchrun's pid (signals, exit code) and lets the script wait for the filter's last line.
 fifo_dir="$(mktemp -d)"
 mkfifo "$fifo_dir/stderr"
-"$py" "$(dirname "${BASH_SOURCE[0]}")/_torchrun_filter.py" < "$fifo_dir/stderr" >&2 &
+# When the rank that failed first is not one whose output is shown (--local-ranks-filter), the filter
+# prints its last lines from the per-rank logs torchrun keeps under --log-dir (a private one unless given).
+shown=""; log_dir=""; prev=""
+for a in "$@"; do
+  case "$a" in *.py) break;; esac
+  case "$prev" in --local-ranks-filter|--local_ranks_filter) shown="$a";; --log-dir|--log_dir) log_dir="$a";; esac
+  case "$a" in --local-ranks-filter=*|--local_ranks_filter=*) shown="${a#*=}";; --log-dir=*|--log_dir=*) log_dir="${a#*=}";; esac
+  prev="$a"
+done
+own_logs=()
+if [ -z "$log_dir" ]; then log_dir="$fifo_dir/logs"; own_logs=(--log-dir "$log_dir"); fi
+filter_args=()
+if [ -n "$shown" ]; then filter_args=(--log-dir "$log_dir" --shown "$shown"); fi
+"$py" "$(dirname "${BASH_SOURCE[0]}")/_torchrun_filter.py" ${filter_args[@]+"${filter_args[@]}"} < "$fifo_dir/stderr" >&2 &
 filter=$!
 # The workers inherit the ignored signals through exec; train.py puts the defaults back.
 ( trap '' TERM USR1
   TORCHTITAN_LITE_RESTORE_SIGNALS=1 exec "$py" -m torch.distributed.run \
-    --signals-to-handle SIGINT,SIGHUP,SIGQUIT "$@" 2> "$fifo_dir/stderr" ) &
+    --signals-to-handle SIGINT,SIGHUP,SIGQUIT ${own_logs[@]+"${own_logs[@]}"} "$@" 2> "$fifo_dir/stderr" ) &
 launcher=$!
 forward() { pkill "-$1" -P "$launcher" 2>/dev/null || true; }
 trap 'forward TERM' TERM

@@ -177,7 +177,7 @@ def test_disk_full_stops_keeps_the_previous_checkpoint_and_resumes(full_disk, as
     run.ckpt.wait()
     before = folder_digest(ckpt_dir(dump, 2))
     with pytest.raises(CheckpointError, match=r"saving checkpoint .*step-(4|6) failed: the disk is full.*The partial "
-                                              r"folder was removed; the previous complete checkpoint is kept"):
+                                              r"folder was removed; the previous complete checkpoint .*step-2 is kept"):
         run.train(6)
         run.ckpt.close()
     complete, incomplete = scan_steps(str(dump / "checkpoint"))
@@ -185,6 +185,30 @@ def test_disk_full_stops_keeps_the_previous_checkpoint_and_resumes(full_disk, as
     assert folder_digest(ckpt_dir(dump, 2)) == before  # bit-identical
     # The next run resumes without any manual cleanup.
     assert _big_run(dump, seed=1).ckpt.load() == complete[-1]
+
+
+def test_an_async_save_that_failed_stops_the_run_before_the_next_save(tmp_path, monkeypatch):
+    import time
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    def write_item(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    run = Run(str(tmp_path), async_mode="async", interval=5)
+    run.train(4)  # the last step is saved: step 4
+    run.ckpt.wait()
+    monkeypatch.setattr(fs, "_write_item", write_item)
+    stopped_at = None
+    with pytest.raises(CheckpointError, match=r"saving checkpoint .*step-5 failed: the disk is full .*the previous "
+                                              r"complete checkpoint .*step-4 is kept"):
+        for step in range(5, 10):
+            stopped_at = step
+            run.train_step()
+            run.ckpt.save(step)
+            time.sleep(0.5)  # the background write fails within far less than the 2 s before step 9
+    assert stopped_at is not None and 5 < stopped_at < 10  # before step 10's save, where it was noticed before
+    assert scan_steps(str(tmp_path / "checkpoint")) == ([4], [])  # the partial folder is gone at once
 
 
 def test_disk_full_with_warn_trains_on(full_disk, caplog):

@@ -273,11 +273,12 @@ def test_async_failure_is_reported_and_keeps_previous(tmp_path, monkeypatch):
         return failed
 
     monkeypatch.setattr(dcp, "async_save", failing_async_save)
-    run.train(4)
-    with pytest.raises(CheckpointError, match=r"saving checkpoint .*step-4 failed: OSError: disk full\. The partial "
-                                              r"folder was removed; the previous complete checkpoint is kept "
-                                              r"\(complete steps in .*: \[2\]\)"):
-        run.ckpt.close()
+    run.train(3)
+    run.train_step()
+    # Reported at the first step after it failed, not at the next save.
+    with pytest.raises(CheckpointError, match=r"saving checkpoint .*step-3 failed: OSError: disk full\. The partial "
+                                              r"folder was removed; the previous complete checkpoint .*step-2 is kept"):
+        run.ckpt.save(run.steps.step)
     assert scan_steps(str(tmp_path / "checkpoint"))[0] == [2]
 
 

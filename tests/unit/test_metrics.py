@@ -380,18 +380,35 @@ def test_config_rejects_bad_values(kwargs, message):
         MetricsProcessor.Config(**kwargs)
 
 
-def test_tensorboard_disk_errors_turn_tensorboard_off_not_the_run(tmp_path, caplog):
+def test_tensorboard_disk_errors_skip_values_until_writing_works_again(tmp_path, caplog, monkeypatch):
     import errno
 
-    processor = _build(tmp_path)
+    from torch.utils.tensorboard import SummaryWriter
 
-    class FullDisk:
-        def add_scalar(self, *args, **kwargs):
+    processor = _build(tmp_path, enable_tensorboard=True)
+    full = {"disk": False}
+    real_add_scalar = SummaryWriter.add_scalar
+
+    def add_scalar(self, *args, **kwargs):
+        if full["disk"]:
             raise OSError(errno.ENOSPC, "No space left on device")
+        return real_add_scalar(self, *args, **kwargs)
 
-    processor.writer = FullDisk()
-    with caplog.at_level(logging.WARNING):
-        values = processor.log(1, loss=2.0, grad_norm=1.0, lr=1e-3)
-    assert values["loss"] == 2.0 and processor.writer is None
-    assert "TensorBoard writing to <dump_folder>/tb failed ([Errno 28] No space left on device)" in caplog.text
-    processor.log_validation(1, 2.5)  # no writer any more, no error
+    monkeypatch.setattr(SummaryWriter, "add_scalar", add_scalar)
+    with caplog.at_level(logging.INFO):
+        processor.log(1, loss=4.0, grad_norm=1.0, lr=1e-3)
+        full["disk"] = True  # a failed checkpoint filled the disk for a while
+        values = processor.log(2, loss=3.0, grad_norm=1.0, lr=1e-3)
+        processor.log(3, loss=2.5, grad_norm=1.0, lr=1e-3)
+        full["disk"] = False  # its partial folder was removed
+        processor.log(4, loss=2.0, grad_norm=1.0, lr=1e-3)
+        processor.log_validation(4, 2.2)
+    processor.close()
+    assert values["loss"] == 3.0  # the run goes on
+    assert caplog.text.count("TensorBoard writing to <dump_folder>/tb failed at step 2 ([Errno 28] No space left "
+                             "on device); its values are skipped until writing works again") == 1
+    assert "TensorBoard writing works again from step 4; steps 2-3 have no TensorBoard values" in caplog.text
+    events = EventAccumulator(os.path.join(str(tmp_path), "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 4]
+    assert [e.step for e in events.Scalars("val/loss")] == [4]

@@ -146,6 +146,8 @@ class MetricsProcessor(Configurable):
                                   else processes_on_node)
         self.console = self.rank == 0
         self.writer = self._build_writer(dump_folder)
+        self._tb_failed_since: int | None = None
+        """First step whose TensorBoard values could not be written, while writing fails; None when it works."""
         self.wandb_run = self._build_wandb(dump_folder)
         self.peak_flops = self._peak_flops() if (self.console or self.writer or self.wandb_run) else None
         color = sys.stdout.isatty() if config.enable_color is None else config.enable_color
@@ -172,11 +174,21 @@ class MetricsProcessor(Configurable):
         logger.info("TensorBoard scalars go to %s", folder)
         return _FirstWriteSummaryWriter(folder)
 
-    def _tensorboard_failed(self, error: OSError) -> None:
-        # A full or read-only disk must not end the run here, before it could resume or save.
-        logger.warning("TensorBoard writing to %s failed (%s); TensorBoard is off for the rest of this run",
-                       os.path.join("<dump_folder>", self.config.save_tb_folder), error)
-        self.writer = None
+    def _tensorboard_failed(self, error: OSError, step: int) -> None:
+        # A full or read-only disk must not end the run here, before it could resume or save; and a disk
+        # that was full for a moment (a failed checkpoint's partial folder, since removed) must not cost
+        # the rest of the run's values: each log step tries again.
+        if self._tb_failed_since is None:
+            self._tb_failed_since = step
+            logger.warning("TensorBoard writing to %s failed at step %s (%s); its values are skipped until "
+                           "writing works again", os.path.join("<dump_folder>", self.config.save_tb_folder),
+                           step, error)
+
+    def _tensorboard_works(self, step: int) -> None:
+        if self._tb_failed_since is not None:
+            logger.info("TensorBoard writing works again from step %s; steps %s-%s have no TensorBoard values",
+                        step, self._tb_failed_since, step - 1)
+            self._tb_failed_since = None
 
     def _build_wandb(self, dump_folder: str) -> Any:
         cfg = self.config
@@ -198,7 +210,9 @@ class MetricsProcessor(Configurable):
                     self.writer.add_scalar(tag, value, step)
                 self.writer.flush()
             except OSError as e:
-                self._tensorboard_failed(e)
+                self._tensorboard_failed(e, step)
+            else:
+                self._tensorboard_works(step)
         if self.wandb_run is not None:
             self.wandb_run.log(values, step=step)
 
@@ -409,8 +423,9 @@ class MetricsProcessor(Configurable):
 
 class _FirstWriteSummaryWriter:
     """A ``SummaryWriter`` created at the first scalar: a run refused before it trained (a resume that
-    does not fit, a full disk) leaves no event file in the dump folder. Opening errors (OSError) surface
-    from ``add_scalar``, where the caller turns TensorBoard off."""
+    does not fit, a full disk) leaves no event file in the dump folder. Errors (OSError) surface from
+    ``add_scalar`` and ``flush``; the failed ``SummaryWriter`` (whose writer thread keeps raising its
+    error once it had one) is dropped, and the next scalar opens a new event file."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
@@ -421,11 +436,24 @@ class _FirstWriteSummaryWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=self.folder)
-        self.writer.add_scalar(tag, value, step)
+        try:
+            self.writer.add_scalar(tag, value, step)
+        except OSError:
+            self._drop()
+            raise
 
     def flush(self) -> None:
         if self.writer is not None:
-            self.writer.flush()
+            try:
+                self.writer.flush()
+            except OSError:
+                self._drop()
+                raise
+
+    def _drop(self) -> None:
+        writer, self.writer = self.writer, None
+        with contextlib.suppress(Exception):
+            writer.close()
 
     def close(self) -> None:
         if self.writer is not None:

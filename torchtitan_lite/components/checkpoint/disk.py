@@ -71,42 +71,53 @@ def _existing_parent(path: str) -> str:
     return path
 
 
-def state_bytes(states: dict[str, Stateful]) -> int:
-    """Bytes of the tensors in ``states`` at their full (unsharded) sizes: what one checkpoint of them
-    holds over all ranks. Optimizers that create their moments at the first step count as empty."""
-    total = 0
+def state_sizes(states: dict[str, Stateful]) -> dict[str, int]:
+    """Bytes of each tensor in ``states`` at its full (unsharded) size, by its checkpoint key
+    (``<state>.<key>...``). Optimizers that create their moments at the first step count as empty."""
+    sizes: dict[str, int] = {}
 
-    def walk(value: Any) -> None:
-        nonlocal total
+    def walk(key: str, value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()  # a DTensor's numel is the global one
+            sizes[key] = value.numel() * value.element_size()  # a DTensor's numel is the global one
         elif isinstance(value, dict):
-            for item in value.values():
-                walk(item)
+            for name, item in value.items():
+                walk(f"{key}.{name}", item)
         elif isinstance(value, list | tuple):
-            for item in value:
-                walk(item)
+            for i, item in enumerate(value):
+                walk(f"{key}.{i}", item)
 
-    for state in states.values():
-        walk(state.state_dict())
-    return total
+    for name, state in states.items():
+        walk(name, state.state_dict())
+    return sizes
 
 
 ADAM_MOMENTS = 2
 """Optimizer tensors per parameter the storage check assumes (AdamW's exp_avg and exp_avg_sq)."""
 
 
-def expected_checkpoint_bytes(states: dict[str, Stateful]) -> int:
-    """Bytes one checkpoint of ``states`` will hold, from the start of training on.
+def expected_checkpoint_sizes(states: dict[str, Stateful]) -> dict[str, int]:
+    """Bytes each key of one checkpoint of ``states`` will hold from the start of training on, for the
+    part of the model this rank holds (a pipeline stage holds only its own layers).
 
     The optimizer is sized from the model, not asked: reading its state_dict before its first step makes
     DCP create its states with a zero-lr step, which advances Adam's step count and changes the whole run.
     """
-    others = {n: s for n, s in states.items() if n != "optimizer"}
-    expected = state_bytes(others)
+    sizes = state_sizes({n: s for n, s in states.items() if n != "optimizer"})
     if "optimizer" in states and "model" in states:
-        expected += ADAM_MOMENTS * state_bytes({"model": states["model"]})
-    return expected
+        for key, n in state_sizes({"model": states["model"]}).items():
+            sizes[f"optimizer.{key}"] = ADAM_MOMENTS * n
+    return sizes
+
+
+def whole_checkpoint_bytes(per_rank: list[dict[str, int]]) -> int:
+    """Bytes of the whole checkpoint from every rank's ``expected_checkpoint_sizes``: all ranks write into
+    the same folder. A key several ranks hold (replicas, or shards of one tensor, which are sized whole)
+    counts once; keys only some ranks hold (each pipeline stage's layers) all count."""
+    whole: dict[str, int] = {}
+    for sizes in per_rank:
+        for key, n in sizes.items():
+            whole[key] = max(whole.get(key, 0), n)
+    return sum(whole.values())
 
 
 def check_writable_with_space(folder: str, expected_bytes: int) -> str | None:

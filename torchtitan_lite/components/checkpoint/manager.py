@@ -52,7 +52,8 @@ from torchtitan_lite.components.checkpoint.checksums import ALGORITHM, Checksumm
 from torchtitan_lite.components.checkpoint.disk import (
     check_writable_with_space,
     describe_save_error,
-    expected_checkpoint_bytes,
+    expected_checkpoint_sizes,
+    whole_checkpoint_bytes,
 )
 from torchtitan_lite.components.checkpoint.followups import Followups
 from torchtitan_lite.components.checkpoint.key_accounting import check_loadable
@@ -209,8 +210,12 @@ class CheckpointManager(Configurable):
         # Background saves talk over their own gloo group so they never interleave with the
         # training loop's collectives on the default group.
         self._save_group = None
+        self._poll_group = None
         if config.enable and config.async_mode == "async" and dist.is_initialized():
             self._save_group = dist.new_group(backend="gloo")
+            # Each step's "has every rank's background save finished?" goes over a third group: the save
+            # group is busy inside the save, and the default group may be NCCL (a device sync each step).
+            self._poll_group = dist.new_group(backend="gloo")
         self._pending: Future | None = None
         self._pending_path: str | None = None
         self._loaded_step: int | None = None
@@ -462,12 +467,14 @@ class CheckpointManager(Configurable):
         return force or last_step or step % self.config.interval == 0
 
     def save(self, step: int, *, last_step: bool = False, force: bool = False, model_only: bool = False) -> bool:
-        """Save when ``step`` is a multiple of ``interval``, or ``last_step`` / ``force``; collective.
+        """Save when ``step`` is a multiple of ``interval``, or ``last_step`` / ``force``; collective, called at
+        every step (it also concludes a background save that has finished since).
 
         Returns whether a checkpoint was started. ``model_only`` saves only the model in export_dtype
         (the seed checkpoint); ``last_save_model_only`` applies it to the last step.
         """
         cfg = self.config
+        self._poll()
         if not self.due(step, last_step=last_step, force=force):
             return False
         model_only = model_only or (last_step and cfg.last_save_model_only)
@@ -556,6 +563,20 @@ class CheckpointManager(Configurable):
         upload.add_done_callback(finish)
         return done
 
+    def _poll(self) -> None:
+        """Conclude a background save as soon as it has finished on every rank (collective, called at every
+        step, does not block): a failed one stops the run (or warns) at the step it is noticed, not at the
+        next save, and its partial folder is removed at once."""
+        if self._pending is None:
+            return
+        done = self._pending.done()
+        if self._poll_group is not None and self.world_size > 1:
+            finished = torch.tensor([int(done)])
+            dist.all_reduce(finished, op=dist.ReduceOp.MIN, group=self._poll_group)
+            done = bool(finished.item())
+        if done:
+            self.wait()
+
     def wait(self) -> None:
         """Block until a background save has finished and its marker is written."""
         if self._pending is None:
@@ -587,10 +608,14 @@ class CheckpointManager(Configurable):
             shutil.rmtree(path, ignore_errors=True)
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()  # every rank then describes the folder without the partial save
-        message = (f"saving checkpoint {path} failed: {failed[0]}. The partial folder was removed; the previous "
-                   f"complete checkpoint is kept ({describe_steps(self.folder)})")
+        complete = scan_steps(self.folder)[0]
+        kept = (f"the previous complete checkpoint {step_dir(self.folder, complete[-1])} is kept" if complete
+                else f"there is no complete checkpoint in {self.folder}")
+        message = f"saving checkpoint {path} failed: {failed[0]}. The partial folder was removed; {kept}"
         if self.config.on_save_error == "stop":
-            raise CheckpointError(f"{message}. Free space or fix the folder, then rerun: the run resumes from it "
+            resume = (f"the run resumes from step {complete[-1]}" if complete
+                      else "the run starts again from step 0, nothing was saved")
+            raise CheckpointError(f"{message}. Free space or fix the folder, then rerun: {resume} "
                                   f"(checkpoint.on_save_error=warn trains on without checkpoints instead)") from error
         logger.warning("%s; training continues (checkpoint.on_save_error=warn)", message)
         return False
@@ -600,7 +625,13 @@ class CheckpointManager(Configurable):
         checks, every rank gets the verdict)."""
         if not self.config.enable:
             return
-        expected = expected_checkpoint_bytes({n: s for n, s in self.states.items() if n not in PER_RANK_STATES})
+        # Every rank writes its part into the same folder; under a pipeline each holds only its stage's layers.
+        own = expected_checkpoint_sizes({n: s for n, s in self.states.items() if n not in PER_RANK_STATES})
+        sizes: list[Any] = [own]
+        if dist.is_initialized() and self.world_size > 1:
+            sizes = [None] * self.world_size
+            dist.all_gather_object(sizes, own)
+        expected = whole_checkpoint_bytes(sizes)
         verdict = [check_writable_with_space(self.folder, expected) if self.rank == 0 else None]
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(verdict, src=0)
@@ -634,9 +665,10 @@ class CheckpointManager(Configurable):
     def close(self) -> None:
         """Wait for a background save; call once at the end of training (also after a seed save)."""
         self.wait()
-        if self._save_group is not None:
-            dist.destroy_process_group(self._save_group)
-            self._save_group = None
+        for group in (self._save_group, self._poll_group):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self._save_group = self._poll_group = None
 
 
 def _model_only(path: str) -> bool:
