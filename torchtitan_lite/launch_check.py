@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_lite.components.checkpoint.layout import Marker, scan_steps, step_dir
-from torchtitan_lite.components.checkpoint.written_model import check_same_model, written_model
+from torchtitan_lite.components.checkpoint.written_model import WrittenModel, check_same_model, written_model
 from torchtitan_lite.components.data.layout import DataLayout, resume_changes
 from torchtitan_lite.memory.estimate import GIB, MemoryEstimate, estimate_run_memory
 from torchtitan_lite.resolved_run import ResolvedRun
@@ -100,14 +100,21 @@ def check_resume(config: Trainer.Config, run: ResolvedRun) -> tuple[list[str], l
     resumed = resume_step(config)
     if resumed is None:
         return [], []
-    check_resumed_model(config, run)
+    written = check_resumed_model(config, run)
     folder, step = resumed
     marker = Marker.read(step_dir(folder, step))
     if marker is None or marker.model_only:
         return [], []
-    return resume_changes(DataLayout.from_record(marker.data_layout), run.data_layout(config.data), step=step,
-                          data_loaded="dataloader" in marker.states and "dataloader" not in ckpt.exclude_from_loading,
-                          global_batch_set=config.training.global_batch_size > 0)
+    try:
+        return resume_changes(DataLayout.from_record(marker.data_layout), run.data_layout(config.data), step=step,
+                              data_loaded="dataloader" in marker.states and "dataloader" not in ckpt.exclude_from_loading,
+                              global_batch_set=config.training.global_batch_size > 0)
+    except ValueError as e:
+        if written is None:
+            raise
+        # The same model, other data: whose run the folder holds is half of the choice between its fixes.
+        raise ValueError(f"job.dump_folder={config.job.dump_folder} holds a {written.family} flavor "
+                         f"{written.flavor!r} run; {e}") from None
 
 
 def resume_step(config: Trainer.Config) -> tuple[str, int] | None:
@@ -122,19 +129,21 @@ def resume_step(config: Trainer.Config) -> tuple[str, int] | None:
     return None if step is None or step not in complete else (folder, step)
 
 
-def check_resumed_model(config: Trainer.Config, run: ResolvedRun) -> None:
+def check_resumed_model(config: Trainer.Config, run: ResolvedRun) -> WrittenModel | None:
     """A ValueError, before anything is built, when the checkpoint the run would resume holds another model
-    (family, flavor, n_layers or vocabulary) than the run's: it names both, and the fix is another folder."""
+    (family, flavor, n_layers or vocabulary) than the run's: it names both, and the fix is another folder.
+    Otherwise the model the checkpoint records, None when it records none or the run resumes nothing."""
     resumed = resume_step(config)
-    if resumed is None or {"model", "optimizer"} <= set(config.checkpoint.exclude_from_loading):
-        return
+    if resumed is None:
+        return None
     folder, step = resumed
     written = written_model(step_dir(folder, step))
-    if written is None:
-        return
+    if written is None or {"model", "optimizer"} <= set(config.checkpoint.exclude_from_loading):
+        return written
     tokenizer_path = config.tokenizer.path
     check_same_model(written, config.model, run.model_args, step=step, dump_folder=config.job.dump_folder,
                      vocab_known=tokenizer_path is None or os.path.exists(os.path.expanduser(tokenizer_path)))
+    return written
 
 
 def seed_over_later_run(config: Trainer.Config) -> str | None:

@@ -127,3 +127,15 @@ def test_the_trainer_refuses_another_model_before_it_builds_one(tmp_path, monkey
     monkeypatch.setattr(dist_utils, "init_distributed", lambda: pytest.fail("built past the refusal"))
     with pytest.raises(ValueError, match=r"written by llama3 flavor 'debug' .*this run builds deepseek_v3 flavor"):
         config.build()
+
+
+def test_other_data_on_the_same_model_names_the_folders_run_and_both_fixes(tmp_path):
+    _write_checkpoint(tmp_path, 200, "--config", "llama3_debug")
+    with pytest.raises(ValueError) as err:
+        _check(tmp_path, "--config", "llama3_debug", "--data.dataset", "data/*.jsonl")
+    assert str(err.value) == (
+        f"job.dump_folder={tmp_path} holds a llama3 flavor 'debug' run; the data position of the checkpoint of step "
+        f"200 was saved with data.dataset='embedded', this run has 'data/*.jsonl': a position is only valid for the "
+        f"same data and seq_len. Restore it; start a new run in another folder with --job.dump_folder DIR; or keep "
+        f"the folder's weights and start the data from the beginning with --checkpoint.exclude_from_loading "
+        f"dataloader")
