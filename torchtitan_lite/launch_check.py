@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_lite.components.checkpoint.layout import Marker, scan_steps, step_dir
+from torchtitan_lite.components.checkpoint.manager import initial_weights_passed_over
 from torchtitan_lite.components.checkpoint.written_model import WrittenModel, check_same_model, written_model
 from torchtitan_lite.components.data.layout import DataLayout, resume_changes
 from torchtitan_lite.memory.estimate import GIB, MemoryEstimate, estimate_run_memory
@@ -102,19 +103,23 @@ def check_resume(config: Trainer.Config, run: ResolvedRun) -> tuple[list[str], l
         return [], []
     written = check_resumed_model(config, run)
     folder, step = resumed
+    passed_over = [] if ckpt.initial_load_path is None else [
+        initial_weights_passed_over(ckpt.initial_load_path, folder, step)]
     marker = Marker.read(step_dir(folder, step))
     if marker is None or marker.model_only:
-        return [], []
+        return [], passed_over
     try:
-        return resume_changes(DataLayout.from_record(marker.data_layout), run.data_layout(config.data), step=step,
-                              data_loaded="dataloader" in marker.states and "dataloader" not in ckpt.exclude_from_loading,
-                              global_batch_set=config.training.global_batch_size > 0)
+        notes, warnings = resume_changes(
+            DataLayout.from_record(marker.data_layout), run.data_layout(config.data), step=step,
+            data_loaded="dataloader" in marker.states and "dataloader" not in ckpt.exclude_from_loading,
+            global_batch_set=config.training.global_batch_size > 0)
     except ValueError as e:
         if written is None:
             raise
         # The same model, other data: whose run the folder holds is half of the choice between its fixes.
         raise ValueError(f"job.dump_folder={config.job.dump_folder} holds a {written.family} flavor "
                          f"{written.flavor!r} run; {e}") from None
+    return notes, passed_over + warnings
 
 
 def resume_step(config: Trainer.Config) -> tuple[str, int] | None:

@@ -139,3 +139,13 @@ def test_other_data_on_the_same_model_names_the_folders_run_and_both_fixes(tmp_p
         f"same data and seq_len. Restore it; start a new run in another folder with --job.dump_folder DIR; or keep "
         f"the folder's weights and start the data from the beginning with --checkpoint.exclude_from_loading "
         f"dataloader")
+
+
+def test_initial_weights_a_resume_passes_over_are_named_with_the_fix(tmp_path):
+    _write_checkpoint(tmp_path, 200, "--config", "llama3_debug")
+    seed = tmp_path / "seed_ckpt"
+    notes, warnings = _check(tmp_path, "--config", "llama3_debug", "--checkpoint.initial_load_path", str(seed))
+    assert warnings == [
+        f"checkpoint.initial_load_path={seed} is not read: {tmp_path}/checkpoint holds the checkpoint of step 200, "
+        f"which this run resumes (initial weights only start a folder without checkpoints); to start from {seed}, "
+        f"use another --job.dump_folder"]
