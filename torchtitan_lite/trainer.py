@@ -44,7 +44,7 @@ from torchtitan_lite.distributed.compile import compile_label, compile_stats, ma
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.pipeline.stats import gather_over_stages, read_part_stats
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
-from torchtitan_lite.launch_check import check_resumed_model, seed_over_later_run
+from torchtitan_lite.launch_check import seed_over_later_run
 from torchtitan_lite.loss_health import LossHealth
 from torchtitan_lite.model_parts import build_model_parts
 from torchtitan_lite.nonfinite import NonFiniteLossError, explain_nonfinite
@@ -118,8 +118,6 @@ class Trainer(Configurable):
         # checked here, before any process-group work.
         self.run = resolve_run(cfg, world_size=dist_utils.process_world_size(), device_type=dist_utils.device_type(),
                                vocab_size=self.tokenizer.vocab_size)
-        # A folder holding another model's checkpoint is refused here, not by the load after the build.
-        check_resumed_model(cfg, self.run)
         self.parallel_dims = self.run.parallel_dims
         self.model_args = self.run.model_args
         self.n_microbatches = self.run.n_microbatches

@@ -118,17 +118,6 @@ def test_a_seed_checkpoint_over_a_later_run_warns_that_the_run_resumes_from_the_
         [], [])
 
 
-def test_the_trainer_refuses_another_model_before_it_builds_one(tmp_path, monkeypatch):
-    """torchrun train.py runs no --check-config: the trainer's own check refuses before any process group."""
-    from torchtitan_lite.distributed import utils as dist_utils
-
-    _write_checkpoint(tmp_path, 200, "--config", "llama3_debug")
-    config = _config("--config", "deepseek_v3_debug", "--job.dump_folder", str(tmp_path))
-    monkeypatch.setattr(dist_utils, "init_distributed", lambda: pytest.fail("built past the refusal"))
-    with pytest.raises(ValueError, match=r"written by llama3 flavor 'debug' .*this run builds deepseek_v3 flavor"):
-        config.build()
-
-
 def test_other_data_on_the_same_model_names_the_folders_run_and_both_fixes(tmp_path):
     _write_checkpoint(tmp_path, 200, "--config", "llama3_debug")
     with pytest.raises(ValueError) as err:
@@ -149,3 +138,14 @@ def test_initial_weights_a_resume_passes_over_are_named_with_the_fix(tmp_path):
         f"checkpoint.initial_load_path={seed} is not read: {tmp_path}/checkpoint holds the checkpoint of step 200, "
         f"which this run resumes (initial weights only start a folder without checkpoints); to start from {seed}, "
         f"use another --job.dump_folder"]
+
+
+def test_the_trainer_warns_when_it_writes_a_seed_over_a_later_run(tmp_path, caplog):
+    _write_checkpoint(tmp_path, 200, "--config", "llama3_debug")
+    config = _config("--config", "llama3_debug", "--model.n_layers", "1", "--checkpoint.create_seed_checkpoint", "true",
+                     "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
+                     "--job.dump_folder", str(tmp_path))
+    config.build().train()
+    assert os.path.isdir(step_dir(str(tmp_path / "checkpoint"), 0))
+    assert (f"checkpoint.create_seed_checkpoint writes step 0 into {tmp_path}/checkpoint, which holds the checkpoints "
+            f"of steps [200] of a later run") in caplog.text

@@ -4,8 +4,8 @@ A checkpoint's ``step-N/config.toml`` names the family, flavor and n_layers of t
 its DCP ``.metadata`` the rows of its embedding (the vocabulary its tokenizer grew the model to): together
 they give the model arguments its weights have. A run whose own model differs cannot load them; unchecked,
 it would build its model and then stop inside the load on the first tensor of another shape, with advice
-about that tensor rather than about the folder. ``--check-config`` (which run_train.sh runs before every
-launch) and the trainer (before it builds anything) refuse it instead, naming the model in the folder.
+about that tensor rather than about the folder. ``--check-config``, which run_train.sh runs before every
+launch, refuses it instead, naming the model in the folder.
 """
 from __future__ import annotations
 
