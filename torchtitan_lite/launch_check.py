@@ -95,7 +95,7 @@ def check_resume(config: Trainer.Config, run: ResolvedRun) -> tuple[list[str], l
     checkpoint.load_step), from its recorded config and marker alone; a ValueError when it holds another
     model (check_resumed_model) or its data position cannot continue."""
     ckpt = config.checkpoint
-    if ckpt.enable and ckpt.create_seed_checkpoint:
+    if ckpt.create_seed_checkpoint:
         warning = seed_over_later_run(config)
         return [], [] if warning is None else [warning]
     resumed = resume_step(config)
