@@ -1,6 +1,6 @@
 """DCP checkpoint -> Hugging Face Llama folder (config.json, model.safetensors, tokenizer, generation_config.json).
 
-    python scripts/convert_to_hf.py --checkpoint outputs/checkpoint/step-200 --output llama3_debug_hf
+    python scripts/convert_to_hf.py --checkpoint outputs/llama3_debug/checkpoint/step-200 --output llama3_debug_hf
     python scripts/convert_to_hf.py --checkpoint ckpt/step-1000 --config llama3_8b --dtype bfloat16 --output llama3_8b_hf
 
 The model and tokenizer come from the config.toml saved in the checkpoint (overrides included; for

@@ -1,7 +1,7 @@
 """Check checkpoints offline: markers, .metadata, shard lengths and content checksums.
 
-    python scripts/verify_checkpoint.py outputs/checkpoint            every step-<N> in the folder
-    python scripts/verify_checkpoint.py outputs/checkpoint/step-500   one checkpoint
+    python scripts/verify_checkpoint.py outputs/llama3_debug/checkpoint            every step-<N> in the folder
+    python scripts/verify_checkpoint.py outputs/llama3_debug/checkpoint/step-200   one checkpoint
 
 Prints one line per checkpoint (OK, or what is wrong: file and tensor byte range); exits 1 when any
 checkpoint fails.

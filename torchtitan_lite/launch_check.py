@@ -3,8 +3,8 @@
 ``--check-config`` (which run_train.sh runs before every launch) resolves the run and then asks two
 questions the build itself would only answer by crashing: are the requested GPUs there, and does the
 estimated per-rank peak fit the memory each rank will have (GPU memory, or host RAM shared by the CPU
-processes of one node)? And, for a run that resumes, what the resume changes in how data is fed, read
-from the checkpoint's marker.
+processes of one node)? And, for a run that resumes, whether the checkpoint holds the run's model (its
+recorded config.toml) and what the resume changes in how data is fed, read from the checkpoint's marker.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_lite.components.checkpoint.layout import Marker, check_same_top_k, scan_steps, step_dir
+from torchtitan_lite.components.checkpoint.manager import initial_weights_passed_over
+from torchtitan_lite.components.checkpoint.written_model import WrittenModel, check_same_model, written_model
 from torchtitan_lite.components.data.layout import DataLayout, resume_changes
 from torchtitan_lite.memory.estimate import GIB, MemoryEstimate, estimate_run_memory
 from torchtitan_lite.resolved_run import ResolvedRun
@@ -91,25 +93,80 @@ def check_memory(run: ResolvedRun, *, processes_on_host: int) -> MemoryEstimate:
 
 def check_resume(config: Trainer.Config, run: ResolvedRun) -> tuple[list[str], list[str]]:
     """(notes, warnings) about the checkpoint a launch would resume from (the newest complete one, or
-    checkpoint.load_step), from its marker alone; a ValueError when its data position cannot continue."""
+    checkpoint.load_step), from its recorded config and marker alone; a ValueError when it holds another
+    model (check_resumed_model) or its data position cannot continue."""
     ckpt = config.checkpoint
-    if not ckpt.enable or ckpt.create_seed_checkpoint:
+    if ckpt.create_seed_checkpoint:
+        warning = seed_over_later_run(config)
+        return [], [] if warning is None else [warning]
+    resumed = resume_step(config)
+    if resumed is None:
         return [], []
-    folder = os.path.join(config.job.dump_folder, ckpt.folder)
-    complete, _ = scan_steps(folder)
-    step = ckpt.load_step if ckpt.load_step >= 0 else complete[-1] if complete else None
-    if step is None or step not in complete:  # nothing to resume, or a load_step the manager reports
-        return [], []
+    written = check_resumed_model(config, run)
+    folder, step = resumed
     check_steps_ahead(step, config.training.steps, folder)
+    passed_over = [] if ckpt.initial_load_path is None else [
+        initial_weights_passed_over(ckpt.initial_load_path, folder, step)]
     marker = Marker.read(step_dir(folder, step))
     if marker is not None:
         check_same_top_k(marker.moe_top_k, None if run.moe_facts is None else run.moe_facts.top_k,
                          step_dir(folder, step))
     if marker is None or marker.model_only:
-        return [], []
-    return resume_changes(DataLayout.from_record(marker.data_layout), run.data_layout(config.data), step=step,
-                          data_loaded="dataloader" in marker.states and "dataloader" not in ckpt.exclude_from_loading,
-                          global_batch_set=config.training.global_batch_size > 0)
+        return [], passed_over
+    try:
+        notes, warnings = resume_changes(
+            DataLayout.from_record(marker.data_layout), run.data_layout(config.data), step=step,
+            data_loaded="dataloader" in marker.states and "dataloader" not in ckpt.exclude_from_loading,
+            global_batch_set=config.training.global_batch_size > 0)
+    except ValueError as e:
+        if written is None:
+            raise
+        # The same model, other data: whose run the folder holds is half of the choice between its fixes.
+        raise ValueError(f"job.dump_folder={config.job.dump_folder} holds a {written.family} flavor "
+                         f"{written.flavor!r} run; {e}") from None
+    return notes, passed_over + warnings
+
+
+def resume_step(config: Trainer.Config) -> tuple[str, int] | None:
+    """(checkpoint folder, step) a launch would resume from: the newest complete checkpoint, or
+    checkpoint.load_step; None when there is none (or a load_step the manager reports)."""
+    ckpt = config.checkpoint
+    if not ckpt.enable or ckpt.create_seed_checkpoint:
+        return None
+    folder = os.path.join(config.job.dump_folder, ckpt.folder)
+    complete, _ = scan_steps(folder)
+    step = ckpt.load_step if ckpt.load_step >= 0 else complete[-1] if complete else None
+    return None if step is None or step not in complete else (folder, step)
+
+
+def check_resumed_model(config: Trainer.Config, run: ResolvedRun) -> WrittenModel | None:
+    """A ValueError, before anything is built, when the checkpoint the run would resume holds another model
+    (family, flavor, n_layers or vocabulary) than the run's: it names both, and the fix is another folder.
+    Otherwise the model the checkpoint records, None when it records none or the run resumes nothing."""
+    resumed = resume_step(config)
+    if resumed is None:
+        return None
+    folder, step = resumed
+    written = written_model(step_dir(folder, step))
+    if written is None or {"model", "optimizer"} <= set(config.checkpoint.exclude_from_loading):
+        return written
+    tokenizer_path = config.tokenizer.path
+    check_same_model(written, config.model, run.model_args, step=step, dump_folder=config.job.dump_folder,
+                     vocab_known=tokenizer_path is None or os.path.exists(os.path.expanduser(tokenizer_path)))
+    return written
+
+
+def seed_over_later_run(config: Trainer.Config) -> str | None:
+    """The warning for a seed checkpoint written into a folder that holds a later run's checkpoints: a run
+    there resumes from the newest of them, never from the seed."""
+    folder = os.path.join(config.job.dump_folder, config.checkpoint.folder)
+    later = [s for s in scan_steps(folder)[0] if s > 0]
+    if not later:
+        return None
+    return (f"checkpoint.create_seed_checkpoint writes step 0 into {folder}, which holds the checkpoints of steps "
+            f"{later} of a later run: a run in this folder resumes from step {later[-1]}, not from the seed. Write the "
+            f"seed to a folder of its own (--job.dump_folder DIR) and start from it with "
+            f"--checkpoint.initial_load_path DIR/{config.checkpoint.folder}/step-0")
 
 
 def _fixes(run: ResolvedRun) -> list[str]:

@@ -44,6 +44,7 @@ from torchtitan_lite.distributed.compile import compile_label, compile_stats, ma
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.pipeline.stats import gather_over_stages, read_part_stats
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
+from torchtitan_lite.launch_check import seed_over_later_run
 from torchtitan_lite.loss_health import LossHealth
 from torchtitan_lite.model_parts import build_model_parts
 from torchtitan_lite.nonfinite import NonFiniteLossError, explain_nonfinite
@@ -275,6 +276,8 @@ class Trainer(Configurable):
     def train(self) -> None:
         cfg = self.config
         if cfg.checkpoint.create_seed_checkpoint:
+            if (later_run := seed_over_later_run(cfg)) is not None:
+                logger.warning("%s", later_run)
             self.checkpointer.save(0, force=True, model_only=True)
             self._save_config()
             logger.info("seed checkpoint written to %s", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))

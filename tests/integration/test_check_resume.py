@@ -98,3 +98,39 @@ def test_a_direct_launch_shorter_than_its_checkpoint_is_refused_before_config_to
             f"train nothing") in result.stdout
     assert _snapshot(str(tmp_path / "checkpoint")) == checkpoints
     assert (tmp_path / "config.toml").read_bytes() == next(iter(config.values()), b"")
+
+
+def _folder_with_llama3_checkpoint(tmp_path) -> str:
+    """A folder as the default run leaves it, as far as the checks read it: step-200 with its config.toml
+    and marker (the embedded corpus on 1 process)."""
+    from config_registry import DEFAULT_REGISTRY
+    from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
+    from torchtitan_lite.config import config_to_toml, parse_cli
+
+    config = parse_cli(["--job.dump_folder", str(tmp_path)], registry=DEFAULT_REGISTRY).config
+    path = step_dir(str(tmp_path / "checkpoint"), 200)
+    os.makedirs(path)
+    with open(os.path.join(path, RUN_CONFIG_NAME), "w") as f:
+        f.write(config_to_toml(config))
+    layout = DataLayout(dp_degree=1, local_batch_size=16, n_microbatches=1, seq_len=128, dataset="embedded",
+                        streaming=False)
+    new_marker(200, 1, ["dataloader", "model", "optimizer"], False, layout.to_record()).write(path)
+    return str(tmp_path)
+
+
+def test_another_model_on_two_processes_is_refused_before_torchrun_naming_the_folders_model(cli, tmp_path):
+    folder = _folder_with_llama3_checkpoint(tmp_path)
+    before = _snapshot(folder)
+    args = ["--config", "qwen3_moe_debug", "--parallelism.dp_shard", "2", "--job.dump_folder", folder]
+    checked = cli([*args, "--check-config"], NPROC="2")
+    launched = cli(args, NPROC="2")
+    for result in (checked, launched):
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert (f"error: job.dump_folder={folder} holds the checkpoint of step 200, written by llama3 flavor 'debug' "
+                f"(recorded in {folder}/checkpoint/step-200/config.toml); this run builds qwen3_moe flavor 'debug', "
+                f"which cannot load its weights. Start this run in another folder with --job.dump_folder DIR"
+                ) in result.stderr
+        assert "reshard" not in result.stdout + result.stderr
+        assert "exclude_from_loading" not in result.stderr
+    assert "torch.distributed.run" not in launched.stderr  # torchrun never started
+    assert _snapshot(folder) == before

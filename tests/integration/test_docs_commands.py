@@ -33,7 +33,7 @@ LONG_RUNNING = {
     "NPROC=2 ./run_train.sh --config qwen3_moe_debug --parallelism.dp_shard 2": "trains on 2 processes",
     "./run_train.sh --config deepseek_v3_debug --training.steps 20":
         "trains (tests/unit/test_deepseek_v3_training.py trains the family through the trainer)",
-    "python scripts/convert_to_hf.py --checkpoint outputs/checkpoint/step-200 --output deepseek_v3_debug_hf":
+    "python scripts/convert_to_hf.py --checkpoint outputs/deepseek_v3_debug/checkpoint/step-20 --output deepseek_v3_debug_hf":
         "needs the trained run (tests/unit/test_deepseek_v3_export_run.py runs it on a small checkpoint)",
     "NPROC=2 ./run_train.sh --config deepseek_v3_debug --parallelism.tp 2 --training.steps 5":
         "trains on 2 processes (tests/distributed/test_deepseek_v3_tensor_parallel.py compares TP 2 with one process)",
@@ -51,7 +51,8 @@ LONG_RUNNING = {
         "needs the exported run (test_qwen3_moe_training.py samples it from both folders)",
     "python scripts/convert_from_hf.py --hf-dir qwen3_moe_hf --output qwen3_moe_seed":
         "needs the exported run (test_qwen3_moe_training.py compares the seed with the run bitwise)",
-    "./run_train.sh --config qwen3_moe_debug --checkpoint.enable true --checkpoint.initial_load_path qwen3_moe_seed":
+    "./run_train.sh --config qwen3_moe_debug --checkpoint.enable true --checkpoint.initial_load_path qwen3_moe_seed "
+    "--job.dump_folder outputs/qwen3_moe_from_seed":
         "trains from the seed",
     "./run_train.sh": "trains llama3_debug for 200 steps (minutes)",
     "scripts/run_tests.sh": "the whole test suite",
@@ -69,19 +70,22 @@ LONG_RUNNING = {
     "./run_train.sh --tokenizer.path tok.model --data.dataset 'data/*.jsonl' --validation.enable false":
         "trains; needs the user's data",
     "./run_train.sh --checkpoint.enable true --checkpoint.interval 100 --checkpoint.keep_latest_k 3": "trains",
-    "./run_train.sh --checkpoint.enable true --checkpoint.create_seed_checkpoint true": "builds a checkpoint",
+    "./run_train.sh --checkpoint.enable true --checkpoint.create_seed_checkpoint true --job.dump_folder outputs/seed":
+        "builds a checkpoint",
     "NPROC=2 ./run_train.sh --parallelism.dp_shard 2 --checkpoint.enable true --training.steps 20":
         "trains on 2 processes (tests/distributed/test_data_reshard_resume.py resumes such a run on TP 2)",
     "./run_train.sh --checkpoint.enable true --checkpoint.interval 100 --training.spike_policy.enable true "
     "--training.spike_policy.signals loss,grad_norm": "trains (tests/integration/test_spike_policy.py trains with the policy)",
-    "python scripts/generate.py --checkpoint outputs/checkpoint/step-200 --prompt \"def main(\" --max-new-tokens 64":
+    "python scripts/generate.py --checkpoint outputs/llama3_debug/checkpoint/step-200 --prompt \"def main(\" "
+    "--max-new-tokens 64":
         "needs the trained run (tests/unit/test_generation.py runs the script on a small checkpoint)",
-    "python scripts/convert_to_hf.py --checkpoint outputs/checkpoint/step-200 --output hf_out":
+    "python scripts/convert_to_hf.py --checkpoint outputs/llama3_debug/checkpoint/step-200 --output hf_out":
         "needs the trained run (tests/unit/test_hf_export_run.py runs it on a small checkpoint)",
     "python scripts/generate.py --hf-dir hf_out --prompt \"import \" --temperature 0.8 --top-p 0.9 --seed 1":
         "needs the exported run",
     "python scripts/convert_from_hf.py --hf-dir hf_out --output seed_ckpt": "needs the exported run",
-    "./run_train.sh --checkpoint.enable true --checkpoint.initial_load_path seed_ckpt": "trains",
+    "./run_train.sh --checkpoint.enable true --checkpoint.initial_load_path seed_ckpt --job.dump_folder outputs/from_seed":
+        "trains",
     "pip install -e .[wandb]": "installs packages",
     "python scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 llama3_debug_fp8_rowwise "
     "--last 20 --tolerance 0.05 --out loss.png --table loss_gap.md": "trains three configs",
@@ -89,11 +93,13 @@ LONG_RUNNING = {
         "trains two configs over three seeds",
     "python scripts/loss_compare.py --configs llama3_debug llama3_debug_fp8 --steps 50 "
     "-- --precision.param_dtype float32 --model.n_layers 2": "trains two configs",
-    "python scripts/loss_compare.py --runs outputs/bf16 outputs/fp8 --last 50": "needs finished runs",
+    "python scripts/loss_compare.py --runs outputs/loss_compare/llama3_debug_bf16 outputs/loss_compare/llama3_debug_fp8 "
+    "--last 50": "needs finished runs",
     "python scripts/fp8_sqnr.py --config llama3_debug_fp8": "runs the model on training batches (a minute)",
     "python train.py --config llama3_debug_fp8 --metrics.fp8_stats_freq 10":
         "trains 200 steps (tests/integration/test_fp8_stats_run.py runs it on a 2-layer model)",
-    "python scripts/fp8_sqnr.py --config llama3_debug_fp8_rowwise --checkpoint outputs/checkpoint --batches 4":
+    "python scripts/fp8_sqnr.py --config llama3_debug_fp8_rowwise --checkpoint outputs/llama3_debug_fp8_rowwise/checkpoint "
+    "--batches 4":
         "needs a trained run",
     "python scripts/fp8_sqnr.py --config llama3_debug_fp8 --precision.param_dtype float32 --min-fwd-sqnr 20":
         "runs the model on training batches (a minute)",
@@ -136,7 +142,7 @@ LONG_RUNNING = {
         "trains on 2 processes (tests/integration/test_train_pipeline.py compares such runs with one process)",
     "python scripts/convert_from_hf.py --hf-dir assets/hf/Llama-3.1-8B --config llama3_8b_fp8 --output seeds/llama3_8b":
         "needs the downloaded 8B weights",
-    "python scripts/verify_checkpoint.py outputs/checkpoint":
+    "python scripts/verify_checkpoint.py outputs/llama3_debug/checkpoint":
         "needs a trained run (tests/unit/test_checkpoint_integrity.py runs it on a small checkpoint)",
     "scripts/test_torch_versions.sh 2.11.0 2.14.1 [-- PYTEST_ARGS]": "installs two torch releases and runs the suite",
     "scripts/fetch_gpu_wheels.sh DIR": "downloads wheels (a template: DIR)",

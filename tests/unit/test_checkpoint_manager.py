@@ -298,7 +298,7 @@ def test_last_save_model_only_in_export_dtype(tmp_path):
     assert b.loader.pos == 0
 
 
-def test_seed_checkpoint_initialises_another_run(tmp_path):
+def test_seed_checkpoint_initialises_another_run(tmp_path, caplog):
     seed_run = Run(str(tmp_path / "seed"), seed=11, create_seed_checkpoint=True)
     assert seed_run.ckpt.load() == 0
     seed_run.ckpt.save(0, force=True, model_only=True)
@@ -307,10 +307,12 @@ def test_seed_checkpoint_initialises_another_run(tmp_path):
     run = Run(str(tmp_path / "run"), seed=12, initial_load_path=seed_path)
     assert run.ckpt.load() == 0
     assert all(torch.equal(p, q) for p, q in zip(seed_run.model.parameters(), run.model.parameters()))
-    # Once the run has its own checkpoint, initial_load_path is no longer consulted.
+    # Once the run has its own checkpoint, initial_load_path is no longer consulted, and the run says so.
     run.train(2)
     again = Run(str(tmp_path / "run"), seed=13, initial_load_path=seed_path)
     assert again.ckpt.load() == 2 and torch.equal(again.model.w1.weight, run.model.w1.weight)
+    assert (f"checkpoint.initial_load_path={seed_path} is not read: {tmp_path / 'run'}/checkpoint holds the checkpoint "
+            f"of step 2, which this run resumes") in caplog.text
 
 
 def test_initial_load_path_is_read_with_checkpointing_off(tmp_path):

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from torchtitan_lite.config.dump_folder import with_default_dump_folder
 from torchtitan_lite.config.errors import ConfigError, closest, did_you_mean
 
 ConfigFn = Callable[[], Any]
@@ -75,7 +76,8 @@ class ConfigRegistry:
                 del self._functions[name]
 
     def get(self, name: str) -> Any:
-        """A fresh config built by the function registered as ``name``."""
+        """A fresh config built by the function registered as ``name``, writing to its own dump folder
+        (``./outputs/<name>``) unless it names one (config/dump_folder.py)."""
         self._load()
         home = next((broken for broken in self._broken if name in broken.defines), None)
         if home is not None:
@@ -94,7 +96,7 @@ class ConfigRegistry:
         config = fn()
         if not dataclasses.is_dataclass(config) or isinstance(config, type):
             raise ConfigError(f"config function {_where(fn)} returned {type(config).__name__}, not a config dataclass")
-        return config
+        return with_default_dump_folder(config, name)
 
     def names(self) -> list[str]:
         """Registered config names, sorted."""

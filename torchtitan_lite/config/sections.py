@@ -5,13 +5,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchtitan_lite.config.dump_folder import OUTPUTS_ROOT
 from torchtitan_lite.spike_guard import SpikePolicyConfig
 
 
 @dataclass(kw_only=True)
 class JobConfig:
-    dump_folder: str = "./outputs"
-    """Root folder of the run's outputs: config.toml, tb/ (TensorBoard), checkpoint/, profiles/."""
+    dump_folder: str = OUTPUTS_ROOT
+    """Root folder of the run's outputs: config.toml, tb/ (TensorBoard), checkpoint/, profiles/. A registered
+    config that leaves it at ./outputs writes to ./outputs/<config name>: one folder per config, so a run never
+    resumes another config's checkpoints."""
     description: str = ""
     """Free text describing the run; saved with the config."""
     save_config: bool = True
@@ -20,7 +23,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         if not self.dump_folder:
-            raise ValueError("job.dump_folder='' is empty; give a folder, e.g. ./outputs")
+            raise ValueError(f"job.dump_folder='' is empty; give a folder, e.g. {OUTPUTS_ROOT}/my_run")
         if os.path.exists(self.dump_folder) and not os.path.isdir(self.dump_folder):
             raise ValueError(f"job.dump_folder={self.dump_folder} is a file, not a folder; choose another path")
 

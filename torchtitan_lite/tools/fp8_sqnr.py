@@ -1,7 +1,8 @@
 """Per-Linear FP8 numerics: SQNR (dB) of the FP8 forward output and gradients against high precision.
 
     python scripts/fp8_sqnr.py --config llama3_debug_fp8
-    python scripts/fp8_sqnr.py --config llama3_debug_fp8_rowwise --checkpoint outputs/checkpoint --batches 4
+    python scripts/fp8_sqnr.py --config llama3_debug_fp8_rowwise --batches 4 \
+        --checkpoint outputs/llama3_debug_fp8_rowwise/checkpoint
     python scripts/fp8_sqnr.py --config llama3_debug_fp8 --precision.param_dtype float32 --model.n_layers 2
     python scripts/fp8_sqnr.py --config llama3_debug_mxfp8
     python scripts/fp8_sqnr.py --config llama3_debug_fp8_blockwise

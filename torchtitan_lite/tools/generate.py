@@ -1,6 +1,6 @@
 """Sample text from a trained model (scripts/generate.py): a DCP checkpoint of a run, or a Hugging Face folder.
 
-    python scripts/generate.py --checkpoint outputs/checkpoint/step-200 --prompt "def main(" --max-new-tokens 64
+    python scripts/generate.py --checkpoint outputs/llama3_debug/checkpoint/step-200 --prompt "def main(" --max-new-tokens 64
     python scripts/generate.py --hf-dir llama3_debug_hf --prompt "def main(" --temperature 0.8 --top-p 0.9 --seed 0
 
 The architecture and tokenizer come from the config.toml saved in the checkpoint or exported folder (for

@@ -4,7 +4,7 @@
     python scripts/loss_compare.py --configs llama3_debug_bf16 llama3_debug_fp8 --seeds 3 --last 20
     python scripts/loss_compare.py --configs llama3_debug llama3_debug_fp8 --steps 50 \
         -- --precision.param_dtype float32 --model.n_layers 2
-    python scripts/loss_compare.py --runs outputs/bf16 outputs/fp8 --last 50
+    python scripts/loss_compare.py --runs outputs/loss_compare/llama3_debug_bf16 outputs/loss_compare/llama3_debug_fp8 --last 50
 
 With ``--configs`` each config trains in its own folder ``<dump-root>/<config>`` (train.py, or
 run_train.sh with ``--nproc`` > 1) with every step logged and checkpointing off (unless the overrides

@@ -101,6 +101,13 @@ RNGs differ per rank; the spike guard's statistics are the same on every rank bu
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def initial_weights_passed_over(initial_load_path: str, folder: str, step: int) -> str:
+    """Why checkpoint.initial_load_path is not read: the run's folder holds a checkpoint, which it resumes."""
+    return (f"checkpoint.initial_load_path={initial_load_path} is not read: {folder} holds the checkpoint of step "
+            f"{step}, which this run resumes (initial weights only start a folder without checkpoints); to start "
+            f"from {initial_load_path}, use another --job.dump_folder")
+
+
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """The checkpoint a run resumed (or was initialised) from, as far as it can be vouched for."""
@@ -278,6 +285,8 @@ class CheckpointManager(Configurable):
             logger.info("no checkpoint in %s: starting from step 0", self.folder)
             return 0
 
+        if cfg.initial_load_path is not None:
+            logger.warning("%s", initial_weights_passed_over(cfg.initial_load_path, self.folder, step))
         path = step_dir(self.folder, step)
         marker = Marker.read(path)
         if marker is None:  # scan_steps counts a step complete only when its marker exists

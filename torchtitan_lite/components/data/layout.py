@@ -105,7 +105,8 @@ def _check_position_applies(saved: DataLayout, now: DataLayout, step: int) -> No
         if getattr(saved, key) != getattr(now, key):
             raise ValueError(f"the data position of the checkpoint of step {step} was saved with {option}="
                              f"{getattr(saved, key)!r}, this run has {getattr(now, key)!r}: a position is only valid "
-                             f"for the same data and seq_len; restore it, or start the data from the beginning with "
-                             f"--checkpoint.exclude_from_loading dataloader")
+                             f"for the same data and seq_len. Restore it; start a new run in another folder with "
+                             f"--job.dump_folder DIR; or keep the folder's weights and start the data from the "
+                             f"beginning with --checkpoint.exclude_from_loading dataloader")
     if saved.streaming and saved.dp_degree != now.dp_degree:
         raise ValueError(f"step {step}: {reshard_refusal(saved.dp_degree, now.dp_degree)}")
