@@ -31,9 +31,9 @@ LONG_RUNNING = {
     "./run_train.sh --config qwen3_moe_debug --training.steps 20":
         "trains (tests/unit/test_qwen3_moe_training.py trains the family through the trainer)",
     "NPROC=2 ./run_train.sh --config qwen3_moe_debug --parallelism.dp_shard 2": "trains on 2 processes",
-    "./run_train.sh --config deepseek_v3_debug --training.steps 20":
+    "./run_train.sh --config deepseek_v3_debug --training.steps 20 --job.dump_folder outputs/deepseek_v3":
         "trains (tests/unit/test_deepseek_v3_training.py trains the family through the trainer)",
-    "python scripts/convert_to_hf.py --checkpoint outputs/checkpoint/step-200 --output deepseek_v3_debug_hf":
+    "python scripts/convert_to_hf.py --checkpoint outputs/deepseek_v3/checkpoint/step-20 --output deepseek_v3_debug_hf":
         "needs the trained run (tests/unit/test_deepseek_v3_export_run.py runs it on a small checkpoint)",
     "NPROC=2 ./run_train.sh --config deepseek_v3_debug --parallelism.tp 2 --training.steps 5":
         "trains on 2 processes (tests/distributed/test_deepseek_v3_tensor_parallel.py compares TP 2 with one process)",
