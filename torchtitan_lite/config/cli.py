@@ -125,7 +125,7 @@ def main_help_text(root_cls: type, config: Any = None, config_name: str | None =
 
 
 def list_configs_text(registry: ConfigRegistry) -> str:
-    """``name  first-docstring-line`` for every registered config, one per line."""
+    """``name  first docstring sentence`` for every registered config, one per line."""
     entries = registry.describe()
     warnings = [f"warning: {broken.summary()}" for broken in registry.broken_modules()]
     if not entries:
