@@ -18,7 +18,7 @@ from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrappe
 from torchtitan_lite.components.checkpoint.layout import write_text_atomically
 from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
 from torchtitan_lite.components.data import TextDataLoader
-from torchtitan_lite.components.data.layout import resume_changes
+from torchtitan_lite.components.data.layout import RESUME_REPORTED_ENV, resume_changes
 from torchtitan_lite.components.data.readiness import require_data
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
@@ -216,7 +216,7 @@ class Trainer(Configurable):
         return drawn[0]
 
     def _report_resumed_layout(self) -> None:
-        """What resuming changed in how data is fed (--check-config said so before launch, too)."""
+        """What resuming changed in how data is fed, unless run_train.sh's check said it before the launch."""
         cfg, saved = self.config, self.checkpointer.loaded_data_layout
         if saved is None:
             return
@@ -224,6 +224,8 @@ class Trainer(Configurable):
             saved, self.run.data_layout(cfg.data), step=self.train_state.step,
             data_loaded="dataloader" not in cfg.checkpoint.exclude_from_loading,
             global_batch_set=cfg.training.global_batch_size > 0)
+        if os.environ.get(RESUME_REPORTED_ENV) == "1":
+            return  # run_train.sh's check printed them before the launch
         for note in notes:
             logger.info("%s", note)
         for warning in warnings:
