@@ -273,8 +273,9 @@ class Float8BlockwiseConverter(LinearQuantizer):
             logger.info("%s: %s", _FIELD, self.fp8_all_gather_text(self.plan))
 
     def explain(self, model: nn.Module, *, seq_len: int | None = None,
-                total_flops_per_token: float | None = None) -> str:
-        text = super().explain(model, seq_len=seq_len, total_flops_per_token=total_flops_per_token)
+                total_flops_per_token: float | None = None, expert_fp8_flops_per_token: float = 0.0) -> str:
+        text = super().explain(model, seq_len=seq_len, total_flops_per_token=total_flops_per_token,
+                               expert_fp8_flops_per_token=expert_fp8_flops_per_token)
         return text + "\n" + self.fp8_all_gather_text(self.plan_rows(model))
 
     def swap(self, model: nn.Module, planned: set[str]) -> None:

@@ -239,6 +239,17 @@ class GroupedExpertsConverter(ModelConverter):
                          for sub, linear in module.named_modules() if isinstance(linear, nn.Linear)]
         return rows
 
+    def fp8_flops_per_token(self, model: nn.Module) -> float:
+        """Training FLOPs (forward + backward) per token of the expert grouped GEMMs this converter runs in low
+        precision: 6 * in * out per weight for each of the top_k experts a token is sent to (the model's own
+        FLOPs per token count its routed experts the same way, on the active parameters)."""
+        facts_fn = getattr(model, "moe_facts", None)
+        facts = facts_fn() if callable(facts_fn) else None
+        if facts is None:
+            return 0.0
+        return float(sum(6 * row.in_features * row.out_features * facts.top_k
+                         for row in self._rows(model) if row.experts and row.recipe is not None))
+
     def _shape_reason(self, in_features: int, out_features: int) -> str:
         align = self.alignment
         if self.config.recipe_name == "blockwise" and (in_features % BLOCK or out_features % BLOCK):
