@@ -13,7 +13,7 @@ if [ -n "${CONFIG:-}" ]; then extra+=(--config "$CONFIG"); fi
 # Help-like flags need no process group: run them in-process for a quick answer.
 for a in "$@"; do
   case "$a" in
-    --help|-h|--print-config|--list-configs|--print-fp8-plan|--estimate-memory|--check-config|--dry-run)
+    --help|-h|--print-config|--list-configs|--print-fp8-plan|--estimate-memory|--check-config|--dry-run|--dry-run-detail)
       exec "$py" "$root/train.py" "${extra[@]}" "$@";;
   esac
 done

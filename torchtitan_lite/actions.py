@@ -157,7 +157,8 @@ def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
 def _dry_run(cli: CliResult, registry: ConfigRegistry) -> str:
     from torchtitan_lite.dry_run import dry_run_text
 
-    return dry_run_text(launch_run(cli.config, nnodes=cli.nnodes), cli.config.precision)
+    return dry_run_text(launch_run(cli.config, nnodes=cli.nnodes), cli.config.precision,
+                        detail=cli.action == "dry_run_detail")
 
 
 def _estimate_memory(cli: CliResult, registry: ConfigRegistry) -> str:
@@ -184,4 +185,5 @@ _ACTIONS: dict[str, Callable[[CliResult, ConfigRegistry], str]] = {
     "estimate_memory": _estimate_memory,
     "check_config": _check_config,
     "dry_run": _dry_run,
+    "dry_run_detail": _dry_run,
 }

@@ -32,7 +32,7 @@ def expert_quantizer(converters: Sequence[ModelConverter]) -> GroupedExpertsConv
 
 def low_precision_plan(converters: Sequence[ModelConverter], model: nn.Module, *, seq_len: int,
                        total_flops_per_token: float | None = None) -> str | None:
-    """--print-fp8-plan's (and --dry-run's) tables: the Linears' plan, then the experts' plan; None without a
+    """--print-fp8-plan's (and --dry-run-detail's) tables: the Linears' plan, then the experts' plan; None without a
     converter for either."""
     quantizer, experts = linear_quantizer(converters), expert_quantizer(converters)
     expert_flops = experts.fp8_flops_per_token(model) if experts is not None else 0.0
@@ -51,7 +51,7 @@ def low_precision_plan(converters: Sequence[ModelConverter], model: nn.Module, *
 
 def fp8_plan_summary(converters: Sequence[ModelConverter], model: nn.Module) -> str | None:
     """What the run's FP8 converters did to ``model`` (after ``convert``) in a few lines for the launch log, or
-    None without one. The full table is --print-fp8-plan's (and --dry-run's)."""
+    None without one. The full table is --print-fp8-plan's (and --dry-run-detail's); --dry-run prints this summary."""
     experts = expert_quantizer(converters)
     expert_line = experts.summary() if experts is not None else None
     quantizer = linear_quantizer(converters)
