@@ -69,14 +69,16 @@ def test_one_refusal_names_every_cut_module_and_its_filter_keeps_exactly_those(m
     assert f"config '{CONFIG}' is valid for 2 process(es) (TP 2)" in out
 
 
-def test_print_fp8_plan_refuses_with_every_converter_at_once(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("action", ["--print-fp8-plan", "--estimate-memory", "--dry-run"])
+def test_every_inspecting_action_refuses_with_every_converter_at_once(action, monkeypatch, capsys, tmp_path):
     for name in ("WORLD_SIZE", "NGPU"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NPROC", "2")
     cli = parse_cli(["--config", CONFIG, "--parallelism.tp", "2", "--job.dump_folder", str(tmp_path / "run"),
-                     "--print-fp8-plan"], registry=DEFAULT_REGISTRY)
+                     action], registry=DEFAULT_REGISTRY)
     assert run_action(cli, registry=DEFAULT_REGISTRY) == 2
     err = capsys.readouterr().err
+    assert "parallelism.tp=2 would cut 22 module(s)" in err
     assert "converters[float8_blockwise]: layers.{0,1,2,3}.attention.wo" in err
     assert "converters[moe_experts]: layers.{1,2,3}.moe.experts.w1" in err
 
