@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from _cli import TINY
 
 from torchtitan_lite.components.checkpoint.layout import new_marker, step_dir
@@ -54,6 +55,7 @@ def test_a_streaming_position_on_another_degree_is_refused_before_torchrun(cli, 
     assert _snapshot(folder) == before
 
 
+@pytest.mark.slow
 def test_a_resume_through_run_train_says_each_change_once(cli, tmp_path):
     # The check before torchrun prints what the resume changes; the workers, loading the checkpoint, do not
     # print it a second time.
