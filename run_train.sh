@@ -13,7 +13,7 @@ if [ -n "${CONFIG:-}" ]; then extra+=(--config "$CONFIG"); fi
 # Help-like flags need no process group: run them in-process for a quick answer.
 for a in "$@"; do
   case "$a" in
-    --help|-h|--print-config|--list-configs|--print-fp8-plan|--estimate-memory|--check-config|--dry-run)
+    --help|-h|--print-config|--list-configs|--print-fp8-plan|--estimate-memory|--check-config|--dry-run|--dry-run-detail)
       exec "$py" "$root/train.py" "${extra[@]}" "$@";;
   esac
 done
@@ -25,6 +25,8 @@ TORCHTITAN_LITE_PREFLIGHT=1 TORCHTITAN_LITE_CLEAN_RECORDS_OUT="$clean_records" W
   "$py" "$root/train.py" "${extra[@]}" "$@" --check-config >/dev/null
 TORCHTITAN_LITE_CLEAN_RECORDS="$(cat "$clean_records")"
 export TORCHTITAN_LITE_CLEAN_RECORDS
+# The check printed what resuming the folder's checkpoint changes: the workers do not print it again.
+export TORCHTITAN_LITE_RESUME_REPORTED=1
 rm -f "$clean_records"
 trap - EXIT
 # SIGTERM / SIGUSR1 to this script (or its process group) make the workers save and exit 0.

@@ -40,7 +40,7 @@ def names() -> list[str]:
 
 
 def describe() -> list[tuple[str, str]]:
-    """(name, first docstring line) of every registered config, sorted by name."""
+    """(name, first docstring sentence) of every registered config, sorted by name."""
     return DEFAULT_REGISTRY.describe()
 
 

@@ -67,12 +67,14 @@ def deepseek_v3_16b() -> Trainer.Config:
 
 @register
 def deepseek_v3_671b_fp8() -> Trainer.Config:
-    """DeepSeek-V3 671B (37.6B active) + compile + its FP8 recipe: blockwise Linears (torchao's kernels on sm_90,
-    float32 scales as they compute them) and blockwise routed experts (power-of-2 scales, emulated: no grouped
-    blockwise FP8 GEMM exists in torch / torchao, so they cost BF16 grouped GEMMs plus the tiles' casts), router
-    gates and output head high precision; BF16, 4k sequence, peak lr 2.2e-4 as published, full activation
-    checkpointing. Needs expert parallelism to fit 80 GB
-    GPUs: on 256 GPUs run it with --parallelism.ep 8 (README, DeepSeek-V3)."""
+    """DeepSeek-V3 671B (37.6B active) + compile + its FP8 recipe (blockwise Linears and routed experts), BF16,
+    4k sequence, full activation checkpointing; needs expert parallelism (--parallelism.ep 8 on 256 GPUs).
+
+    The recipe: blockwise Linears (torchao's kernels on sm_90, float32 scales as they compute them) and blockwise
+    routed experts (power-of-2 scales, emulated: no grouped blockwise FP8 GEMM exists in torch / torchao, so they
+    cost BF16 grouped GEMMs plus the tiles' casts), router gates and output head high precision; peak lr 2.2e-4
+    as published. Needs expert parallelism to fit 80 GB GPUs: on 256 GPUs run it with --parallelism.ep 8 (README,
+    DeepSeek-V3)."""
     cfg = _llama3_large("671B", lr=2.2e-4)
     cfg.model = ModelConfig(name="deepseek_v3", flavor="671B")
     cfg.training.seq_len = 4096

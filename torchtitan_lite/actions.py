@@ -91,6 +91,7 @@ def _print_fp8_plan(cli: CliResult, registry: ConfigRegistry) -> str:
                 f"moe_experts for the routed experts of an MoE model)")
     with torch.device("meta"):
         model = run.model_spec.model_cls(run.model_args)
+    run.converters.check_tp_shards(model)  # every converter's misfits in one error, before any plan table
     text = low_precision_plan(converters, model, seq_len=run.training.seq_len,
                               total_flops_per_token=model.flops_per_token(run.training.seq_len)) or ""
     if not run.parallel_dims.tp_enabled:
@@ -156,7 +157,8 @@ def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
 def _dry_run(cli: CliResult, registry: ConfigRegistry) -> str:
     from torchtitan_lite.dry_run import dry_run_text
 
-    return dry_run_text(launch_run(cli.config, nnodes=cli.nnodes), cli.config.precision)
+    return dry_run_text(launch_run(cli.config, nnodes=cli.nnodes), cli.config.precision,
+                        detail=cli.action == "dry_run_detail")
 
 
 def _estimate_memory(cli: CliResult, registry: ConfigRegistry) -> str:
@@ -183,4 +185,5 @@ _ACTIONS: dict[str, Callable[[CliResult, ConfigRegistry], str]] = {
     "estimate_memory": _estimate_memory,
     "check_config": _check_config,
     "dry_run": _dry_run,
+    "dry_run_detail": _dry_run,
 }

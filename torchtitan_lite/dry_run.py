@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_lite.components.quantization import low_precision_plan
+from torchtitan_lite.components.quantization import fp8_plan_summary, low_precision_plan
 from torchtitan_lite.distributed.pipeline import StageLayout, build_stage_modules
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_pipeline_ranks, estimate_run_memory
@@ -45,9 +45,10 @@ if TYPE_CHECKING:
     from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 
-def dry_run_text(run: ResolvedRun, precision_config: Precision.Config) -> str:
+def dry_run_text(run: ResolvedRun, precision_config: Precision.Config, *, detail: bool = False) -> str:
     """Build and parallelize ``run`` for rank 0 of its world (under a pipeline: one rank of every pipeline
-    coordinate) over a fake process group; the report."""
+    coordinate) over a fake process group; the report. The FP8 plan in a few summary lines, or with ``detail``
+    (--dry-run-detail) its tables: a row per Linear and expert weight, hundreds of lines for a large model."""
     start = time.perf_counter()
     plan = run.model_spec.parallel_plan
     with _fake_world(run.world_size):
@@ -55,7 +56,7 @@ def dry_run_text(run: ResolvedRun, precision_config: Precision.Config) -> str:
         with torch.device("meta"):
             model = run.model_spec.model_cls(run.model_args)
         run.converters.convert(model)
-        plan_text = _float8_text(run, model)
+        plan_text = _float8_text(run, model, detail=detail)
         counts = param_counts(model, run.moe_facts, blocks=plan.blocks, embedding=plan.embedding)
         context = run.parallelize_context(mp_policy=precision_config.build(device="cpu",
                                                                             resolved=run.precision).mp_policy())
@@ -145,9 +146,16 @@ def _shard_bytes(parts: list[nn.Module], run: ResolvedRun) -> dict[str, int]:
     }
 
 
-def _float8_text(run: ResolvedRun, model: nn.Module) -> str:
-    """The FP8 plan of the converted model and, under TP, what each communication region moves."""
-    text = low_precision_plan(run.converters.converters, model, seq_len=run.training.seq_len)
+def _float8_text(run: ResolvedRun, model: nn.Module, *, detail: bool) -> str:
+    """The FP8 plan of the converted model (its summary, or with ``detail`` its tables) and, under TP, what each
+    communication region moves."""
+    converters = run.converters.converters
+    if detail:
+        text = low_precision_plan(converters, model, seq_len=run.training.seq_len)
+    else:
+        summary = fp8_plan_summary(converters, model)
+        # The summary points at the tables; here they are one flag away, inside this same report.
+        text = None if summary is None else summary.replace(": --print-fp8-plan", ": --dry-run-detail")
     if text is None:
         return "no FP8 converter: every Linear runs in the precision above"
     if run.parallel_dims.tp_enabled:

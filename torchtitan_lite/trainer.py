@@ -18,7 +18,7 @@ from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrappe
 from torchtitan_lite.components.checkpoint.layout import write_text_atomically
 from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
 from torchtitan_lite.components.data import TextDataLoader
-from torchtitan_lite.components.data.layout import resume_changes
+from torchtitan_lite.components.data.layout import RESUME_REPORTED_ENV, resume_changes
 from torchtitan_lite.components.data.readiness import require_data
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
@@ -40,7 +40,7 @@ from torchtitan_lite.config.sections import (
     TrainingConfig,
 )
 from torchtitan_lite.distributed import utils as dist_utils
-from torchtitan_lite.distributed.compile import compile_label, compile_stats, maybe_compile_loss
+from torchtitan_lite.distributed.compile import compile_stats, first_step_compile_label, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.pipeline.stats import gather_over_stages, read_part_stats
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
@@ -217,7 +217,7 @@ class Trainer(Configurable):
         return drawn[0]
 
     def _report_resumed_layout(self) -> None:
-        """What resuming changed in how data is fed (--check-config said so before launch, too)."""
+        """What resuming changed in how data is fed, unless run_train.sh's check said it before the launch."""
         cfg, saved = self.config, self.checkpointer.loaded_data_layout
         if saved is None:
             return
@@ -225,6 +225,8 @@ class Trainer(Configurable):
             saved, self.run.data_layout(cfg.data), step=self.train_state.step,
             data_loaded="dataloader" not in cfg.checkpoint.exclude_from_loading,
             global_batch_set=cfg.training.global_batch_size > 0)
+        if os.environ.get(RESUME_REPORTED_ENV) == "1":
+            return  # run_train.sh's check printed them before the launch
         for note in notes:
             logger.info("%s", note)
         for warning in warnings:
@@ -307,6 +309,7 @@ class Trainer(Configurable):
                 if cfg.training.gc_freq > 0 and step % cfg.training.gc_freq == 0:
                     gc.collect(1)
                 t0 = time.perf_counter()
+                compiled_before = compile_stats() if step == first_step and cfg.compile.enable else None
                 # Labelled so profiler traces show the data time per step (tokenisation is on demand).
                 with torch.profiler.record_function("data_loading"):
                     if self.spikes is not None:
@@ -320,9 +323,10 @@ class Trainer(Configurable):
                 # The loss and norm stay on the device until a log step (or a save, validation, rollback) reads them.
                 values = self._settle() if logged else None
                 if step == first_step:
-                    compiled = f", {compile_label(compile_stats())}" if cfg.compile.enable else ""
-                    logger.info("first step took %.1fs (%.1fs loading data%s)", time.perf_counter() - t0,
-                                data_s, compiled)
+                    step_s = time.perf_counter() - t0
+                    compiled = ("" if compiled_before is None else
+                                f", {first_step_compile_label(compiled_before, compile_stats(), step_s=step_s)}")
+                    logger.info("first step took %.1fs (%.1fs loading data%s)", step_s, data_s, compiled)
                 if values is not None:
                     model_scalars, model_summary = self._model_stats()
                     self.metrics.log(step, loss=values.loss, grad_norm=values.grad_norm,

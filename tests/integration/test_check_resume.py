@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+import pytest
+from _cli import TINY
+
 from torchtitan_lite.components.checkpoint.layout import new_marker, step_dir
 from torchtitan_lite.components.data.layout import DataLayout
 
@@ -134,3 +137,18 @@ def test_another_model_on_two_processes_is_refused_before_torchrun_naming_the_fo
         assert "exclude_from_loading" not in result.stderr
     assert "torch.distributed.run" not in launched.stderr  # torchrun never started
     assert _snapshot(folder) == before
+
+
+@pytest.mark.slow
+def test_a_resume_through_run_train_says_each_change_once(cli, tmp_path):
+    # The check before torchrun prints what the resume changes; the workers, loading the checkpoint, do not
+    # print it a second time.
+    run = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
+    first = cli([*run, "--training.steps", "2"])
+    assert first.returncode == 0, first.stderr
+    resumed = cli([*run, "--training.steps", "3"], NPROC="2")
+    assert resumed.returncode == 0, resumed.stderr
+    said = resumed.stdout + resumed.stderr
+    assert said.count("the data position of step 2 reshards from 1 to 2 data-parallel rank(s)") == 1, said
+    assert said.count("the global batch changes on resume from step 2") == 1, said
+

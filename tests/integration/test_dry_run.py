@@ -22,8 +22,8 @@ def _peak_gib(stdout: str) -> float:
     return float(match.group(1))
 
 
-def _dry_run(cli, config: str, ngpu: int, *extra: str):
-    result = cli(["--config", config, *extra, "--dry-run"], launcher="train.py", NGPU=str(ngpu), timeout=900)
+def _dry_run(cli, config: str, ngpu: int, *extra: str, action: str = "--dry-run"):
+    result = cli(["--config", config, *extra, action], launcher="train.py", NGPU=str(ngpu), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     # The estimate sizes exactly the shards the real parallelize step produced.
     for label in ("parameters", "gradients", "optimizer states"):
@@ -48,7 +48,7 @@ def test_8b_fp8_on_8_gpus_with_tp_2_uses_float8_tp_for_the_ffn_and_wo(cli):
 
 @pytest.mark.slow
 def test_8b_mxfp8_on_8_gpus_with_tp_2_keeps_tp_communication_in_bfloat16(cli):
-    out = _dry_run(cli, "llama3_8b_mxfp8", 8, "--parallelism.tp", "2")
+    out = _dry_run(cli, "llama3_8b_mxfp8", 8, "--parallelism.tp", "2", action="--dry-run-detail")
     assert "dry run: rank 0 of 8, FSDP 4 + TP 2" in out
     assert "FP8 plan: 224 of 225 Linear layers run in FP8" in out
     assert re.search(r"^output\s+4096\s+128256\s+-\s+output projection \(keep_output_hp\)$", out, re.M)
@@ -71,6 +71,9 @@ def test_405b_fp8_on_512_gpus_with_tp_8_and_hsdp_fits_80_gib(cli):
     assert "dry run: rank 0 of 512, HSDP 4x16 + TP 8" in out
     assert "FP8 plan: 882 of 883 Linear layers run in FP8" in out
     assert _peak_gib(out) < 80
+    # A summary, not 883 table rows: the tables come with --dry-run-detail.
+    assert len(out.splitlines()) < 80 and "skipped because" not in out
+    assert "every Linear with its recipe or skip reason: --dry-run-detail" in out
 
 
 def test_qwen3_moe_with_fsdp_2_x_tp_2_sizes_the_expert_shards_it_builds(cli):
@@ -80,3 +83,22 @@ def test_qwen3_moe_with_fsdp_2_x_tp_2_sizes_the_expert_shards_it_builds(cli):
     assert "dry run: rank 0 of 4, FSDP 2 + TP 2" in out
     params, _ = _bytes(out, "parameters")
     assert params == 2_304_768  # 4 layers of 8 experts [8, 128, 128] x 3 and the rest, over 4 ranks, in fp32
+
+
+def test_a_dry_run_prints_a_summary_and_the_detail_flag_adds_the_fp8_tables(cli):
+    """The FP8 plan's tables (a row per Linear and expert weight: hundreds of lines for a large model) come with
+    --dry-run-detail; --dry-run prints their summary."""
+    args = ("--parallelism.dp_shard", "2", "--parallelism.tp", "2")
+    summary = _dry_run(cli, "qwen3_moe_debug_fp8", 4, *args)
+    detail = _dry_run(cli, "qwen3_moe_debug_fp8", 4, *args, action="--dry-run-detail")
+    assert len(summary.splitlines()) < 60, summary
+    assert "skipped because" not in summary and "high precision because" not in summary
+    assert "FP8 plan: 16 of 21 Linear layers run in FP8" in summary
+    assert "moe_experts converter (rowwise, emulated): 12 of 12 expert grouped GEMMs in rowwise" in summary
+    assert summary.count("--dry-run-detail") == 2  # the Linears' line and the experts' line
+    # The detail: every Linear and expert weight in a row of its own, then the same rest of the report.
+    for row in (r"^layers\.0\.attention\.wq\s+128\s+128\s+rowwise$", r"^layers\.0\.moe\.experts\.w1\s+8\s+128\s+128\s+rowwise"):
+        assert re.search(row, detail, re.M) and not re.search(row, summary, re.M), row
+    assert len(detail.splitlines()) > len(summary.splitlines()) + 21 + 12
+    assert summary.splitlines()[-10:] == detail.splitlines()[-10:]  # the memory estimate, in both
+

@@ -3,6 +3,7 @@ others are not, in the plan and the launch log; tensor-parallel shards that woul
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -81,10 +82,13 @@ def test_gather_turned_off_says_so_for_every_linear(config, kernel, why):
 
 
 def test_tensor_parallel_shard_that_cuts_a_block_is_an_error_naming_linear_dims_tp_and_fix():
-    with pytest.raises(ValueError, match=r"converters\[float8_blockwise\]: layers.0.attention.wk \(256 -> 128\) is "
-                                         r"column-wise \(splits out_features\) under parallelism.tp=2: "
-                                         r"out_features=128 / 2 is not a multiple of 128, .* Keep it in high precision "
-                                         r"\(add 'wk' to filter_fqns\) or use parallelism.tp in \[1\]"):
+    with pytest.raises(ValueError, match=re.escape(
+            "parallelism.tp=2 would cut 4 module(s) whose shards must hold whole 1x128 tiles and 128x128 weight blocks "
+            "(the split dim / tp a multiple of 128): model_converters.converters[float8_blockwise]: "
+            "layers.{0,1}.attention.wk (256 -> 128, column-wise: out_features 128 / 2 = 64); layers.{0,1}.attention.wv "
+            "(256 -> 128, column-wise: out_features 128 / 2 = 64). Fix: use parallelism.tp in [1], or keep exactly these "
+            "in high precision: add 'attention.wk', 'attention.wv' to model_converters.converters[float8_blockwise]."
+            "filter_fqns")):
         _converter(tp=2).convert(_meta_llama())
 
 

@@ -19,6 +19,7 @@ from torchtitan_lite.distributed.compile import (
     compile_seconds,
     compile_stats,
     compiled_graphs,
+    first_step_compile_label,
     maybe_compile_loss,
 )
 
@@ -133,6 +134,18 @@ def test_shared_block_graph_trains_bitwise_like_one_graph_per_block():
 ])
 def test_the_first_step_says_whether_its_compile_was_cold_or_cached(hits, misses, label):
     assert compile_label(CompileStats(seconds=73.0, graphs=2, cache_hits=hits, cache_misses=misses)) == label
+
+
+def test_the_first_step_is_charged_only_its_own_compile_and_never_more_than_its_time():
+    # Read once at the end, the process's counters gave "first step took 36.7s (... 63.5s cold compile ...)": the
+    # step-0 validation had compiled the forward before the step began.
+    before = CompileStats(seconds=27.0, graphs=1, cache_hits=0, cache_misses=1)
+    after = CompileStats(seconds=63.5, graphs=3, cache_hits=0, cache_misses=4)
+    assert first_step_compile_label(before, after, step_s=36.7) == (
+        "36.5s cold compile of 2 graph(s) (nothing in inductor's cache); 27.0s compiling 1 graph(s) before the step")
+    # torch's phase sums can run past the wall clock: the step's share stops at the step's own time.
+    label = first_step_compile_label(CompileStats(0.0, 0, 0, 0), after, step_s=36.7)
+    assert label == "36.7s cold compile of 3 graph(s) (nothing in inductor's cache)"
 
 
 def test_compile_stats_count_inductor_cache_lookups(monkeypatch):

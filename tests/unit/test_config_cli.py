@@ -42,7 +42,7 @@ def error_of(parse, *argv) -> str:
 
 def test_actions_are_the_documented_set():
     assert set(ACTIONS) == {"train", "help", "print_config", "list_configs", "print_fp8_plan", "estimate_memory",
-                            "check_config", "dry_run"}
+                            "check_config", "dry_run", "dry_run_detail"}
 
 
 def test_default_config_and_train_action(parse):
@@ -117,7 +117,8 @@ def test_action_flag_takes_no_value(parse):
 def test_unknown_flag_lists_valid_flags(parse):
     assert error_of(parse, "--foo") == (
         "unknown flag '--foo'; valid flags: --help, --config, --config-file, --nnodes, --list-configs, --print-config, "
-        "--print-fp8-plan, --estimate-memory, --check-config, --dry-run, and --section.field VALUE to set a config "
+        "--print-fp8-plan, --estimate-memory, --check-config, --dry-run, --dry-run-detail, and --section.field VALUE to "
+        "set a config "
         "field (see --help)")
     assert error_of(parse, "--confg", "x").startswith("unknown flag '--confg'; did you mean '--config'?")
 

@@ -26,7 +26,9 @@ def _resolve(world_size: int, *argv: str):
     (2, ["--parallelism.ep", "2", "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option",
          "op"], "use --activation_checkpoint.mode full, or --activation_checkpoint.selective_option 2"),
     # ep larger than the data-parallel ranks (ParallelDims, before any model is looked at).
-    (2, ["--parallelism.ep", "4"], "parallelism.ep=4 must divide parallelism.dp_shard=2"),
+    (2, ["--parallelism.ep", "4"], "parallelism.ep=4 splits the experts over data-parallel (FSDP) ranks, and 2 "
+                                   "process(es) leave parallelism.dp_shard=2 after pp x dp_replicate x tp = 1 x 1 x 1 "
+                                   "= 1: this layout needs 4 processes"),
 ])
 def test_layouts_expert_parallelism_cannot_train_are_refused_with_the_fix(world_size, argv, message):
     with pytest.raises(ValueError) as error:

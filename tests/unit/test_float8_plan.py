@@ -266,6 +266,10 @@ def test_converting_logs_no_plan_and_a_dry_run_prints_the_table_once(caplog):
     cfg = parse_cli(["--config", "llama3_debug_fp8", "--model.n_layers", "1"], registry=DEFAULT_REGISTRY).config
     run = resolve_run(cfg, world_size=2, device_type="cpu")
     with caplog.at_level(logging.INFO):
-        text = dry_run_text(run, cfg.precision)
+        text = dry_run_text(run, cfg.precision, detail=True)
     assert "FP8 plan:" not in caplog.text
     assert text.count("FP8 plan: 7 of 8 Linear layers run in FP8") == 1 and text.count("skipped because") == 1
+    # Without detail, the plan's summary: no table, and the flag that brings it.
+    summary = dry_run_text(run, cfg.precision)
+    assert summary.count("FP8 plan: 7 of 8 Linear layers run in FP8") == 1 and "skipped because" not in summary
+    assert "every Linear with its recipe or skip reason: --dry-run-detail" in summary

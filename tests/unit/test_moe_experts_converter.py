@@ -210,10 +210,12 @@ def test_blockwise_refuses_an_expert_tensor_parallel_split_that_cuts_its_tiles()
     converter = GroupedExpertsConverter.Config(recipe_name="blockwise").build(context=ctx)
     model = _model()
     with pytest.raises(ValueError, match=re.escape(
-            "model_converters.converters[moe_experts]: layers.0.moe.experts.w1 (8 experts, 128 -> 128) is split along "
-            "the experts' hidden dim under expert tensor parallelism (parallelism.tp=2): out_features=128 / 2 is not a "
-            "multiple of 128, so a TP shard would cut its 1x128 tiles and 128x128 weight blocks. Use parallelism.tp in "
-            "[1], or keep the experts in high precision (add 'moe.experts' to filter_fqns)")):
+            "parallelism.tp=2 would cut 6 module(s) whose shards must hold whole 1x128 tiles and 128x128 weight blocks "
+            "(the split dim / tp a multiple of 128): model_converters.converters[moe_experts]: layers.{0,1}.moe.experts.w1 "
+            "(8 experts, 128 -> 128, expert TP splits out_features 128 / 2 = 64); layers.{0,1}.moe.experts.w3 (8 experts, "
+            "128 -> 128, expert TP splits out_features 128 / 2 = 64); layers.{0,1}.moe.experts.w2 (8 experts, 128 -> 128, "
+            "expert TP splits in_features 128 / 2 = 64). Fix: use parallelism.tp in [1], or keep exactly these in high "
+            "precision: add 'moe.experts' to model_converters.converters[moe_experts].filter_fqns")):
         converter.convert(model)
     # Filtered out, the experts are not checked; rowwise has no such rule.
     GroupedExpertsConverter.Config(recipe_name="blockwise", filter_fqns=["moe.experts"]).build(context=ctx).convert(

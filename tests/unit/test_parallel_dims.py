@@ -32,6 +32,16 @@ def test_dp_shard_minus_one_takes_the_remaining_ranks():
     (dict(dp_replicate=1, dp_shard=2, tp=1, world_size=2, ep=4),
      "parallelism.ep=4 must divide parallelism.dp_shard=2: expert parallelism splits the experts over"),
     (dict(dp_replicate=1, dp_shard=-1, tp=1, world_size=2, ep=0), "parallelism.ep=0 must be a positive integer"),
+    # pp 2 x ep 2 on 2 processes: dp_shard fills to 1, and the fix is 4 processes, not a bigger dp_shard.
+    (dict(dp_replicate=1, dp_shard=-1, tp=1, world_size=2, ep=2, pp=2),
+     "parallelism.ep=2 splits the experts over data-parallel (FSDP) ranks, and 2 process(es) leave "
+     "parallelism.dp_shard=1 after pp x dp_replicate x tp = 2 x 1 x 1 = 2: this layout needs 4 processes (pp x "
+     "dp_replicate x dp_shard x tp = 2 x 1 x 2 x 1); launch 4 (NPROC=4, or NGPU=4 on GPUs) or drop expert "
+     "parallelism (ep=1)"),
+    (dict(dp_replicate=1, dp_shard=-1, tp=2, world_size=12, ep=4, pp=1),
+     "this layout needs 16 processes (pp x dp_replicate x dp_shard x tp = 1 x 1 x 8 x 2; any multiple of 8 runs); "
+     "launch 16 (NPROC=16, or "
+     "NGPU=16 on GPUs) or use an ep that divides 6"),
 ])
 def test_bad_degrees_name_the_numbers(kwargs, message):
     with pytest.raises(ValueError) as e:

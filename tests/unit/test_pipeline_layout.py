@@ -92,6 +92,20 @@ def test_zbv_takes_any_microbatch_count():
     assert layout(schedule="ZBVZeroBubble", local_batch_size=1).n_microbatches == 1
 
 
+def test_interleaved_takes_the_microbatch_counts_the_readme_states():
+    """README (Pipeline parallelism): 'at pp 2: 1, 2, 3 and every even number; at pp 4: 1 to 8, 10, 12, 15, 16, 20'
+    -- torch's rule (max(1, n // pp) rounds of equal size), not 'a multiple of pp, or fewer than pp'."""
+    def takes(n: int, pp: int) -> bool:
+        try:
+            layout(pp=pp, schedule="Interleaved1F1B", local_batch_size=n, n_layers=16)
+        except ValueError:
+            return False
+        return True
+
+    assert [n for n in range(1, 15) if takes(n, 2)] == [1, 2, 3, 4, 6, 8, 10, 12, 14]
+    assert [n for n in range(1, 21) if takes(n, 4)] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 15, 16, 20]
+
+
 REFUSALS = [
     (dict(schedule="1F1B", stages_per_rank=2),
      "parallelism.pipeline_schedule=1F1B runs exactly 1 stage(s) per rank, got 2; use Interleaved1F1B for several "
@@ -112,9 +126,13 @@ REFUSALS = [
      "the DualPipeV schedule needs at least as many micro-batches as stages (4): change training.local_batch_size "
      "or parallelism.pipeline_microbatch_size=1 (3 micro-batches now)"),
     (dict(schedule="Interleaved1F1B", local_batch_size=5),
-     "the Interleaved1F1B schedule runs micro-batches in rounds of pp=2, so their number must be a multiple of the "
-     "2 rounds (a multiple of 2, or fewer than 2): change training.local_batch_size or "
-     "parallelism.pipeline_microbatch_size=1 (5 micro-batches now)"),
+     "the Interleaved1F1B schedule cuts its micro-batches into n // pp = 5 // 2 = 2 rounds of equal size, and 5 is "
+     "not a multiple of 2: it takes any count below 4 (2 pp) and, from 4 on, a multiple of n // pp, such as 4 or 6: "
+     "change training.local_batch_size or parallelism.pipeline_microbatch_size=1 (5 micro-batches now)"),
+    (dict(schedule="Interleaved1F1B", pp=4, local_batch_size=13, n_layers=16),
+     "the Interleaved1F1B schedule cuts its micro-batches into n // pp = 13 // 4 = 3 rounds of equal size, and 13 is "
+     "not a multiple of 3: it takes any count below 8 (2 pp) and, from 8 on, a multiple of n // pp, such as 12 or 15: "
+     "change training.local_batch_size or parallelism.pipeline_microbatch_size=1 (13 micro-batches now)"),
     (dict(local_batch_size=6, microbatch_size=4),
      "training.local_batch_size=6 must be a multiple of parallelism.pipeline_microbatch_size=4: the pipeline cuts "
      "each local batch into micro-batches of that size"),

@@ -53,9 +53,29 @@ def test_names_are_sorted(registry):
     assert registry.names() == ["llama3_8b", "llama3_debug", "undocumented"]
 
 
-def test_describe_gives_first_docstring_line(registry):
+def test_describe_gives_first_docstring_sentence(registry):
     assert registry.describe() == [("llama3_8b", "Big model."), ("llama3_debug", "Small debug model."),
                                    ("undocumented", "")]
+
+
+def wrapped() -> Cfg:
+    """A first sentence that the source wraps (1.5B params, e.g. wq and wo) over
+    two lines. A second sentence --list-configs leaves out."""
+    return Cfg()
+
+
+def test_a_wrapped_first_sentence_is_shown_whole():
+    reg = ConfigRegistry(package=None)
+    reg.register(wrapped)
+    assert reg.describe() == [("wrapped", "A first sentence that the source wraps (1.5B params, e.g. wq and wo) over "
+                                          "two lines.")]
+
+
+def test_every_listed_config_description_is_a_whole_sentence():
+    for name, doc in config_registry.describe():
+        assert doc.endswith((".", "!", "?")), f"{name}: {doc!r} stops mid-sentence"
+        # Short enough to read as one line of --list-configs: a longer first sentence belongs in a second one.
+        assert len(doc) <= 240, f"{name}: the first sentence of its docstring has {len(doc)} characters"
 
 
 def test_unknown_name_suggests_and_points_to_list_configs(registry):

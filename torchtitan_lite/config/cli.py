@@ -32,7 +32,9 @@ ACTION_FLAGS = {
                                        "for the launch (WORLD_SIZE, or NGPU / NPROC x --nnodes) and check its data, "
                                        "then exit: 0 ready, 1 valid but a launch would stop, 2 invalid"),
     "--dry-run": ("dry_run", "build and parallelize rank 0 of NGPU (x --nnodes) ranks on meta over a fake process "
-                             "group; print per-rank bytes, the fp8 plan and the memory estimate; exit"),
+                             "group; print per-rank bytes, the fp8 plan's summary and the memory estimate; exit"),
+    "--dry-run-detail": ("dry_run_detail", "--dry-run with the fp8 plan's tables (a row per Linear and expert "
+                                           "weight) in place of its summary; exit"),
 }
 ACTIONS = ("train", "help", *(action for action, _ in ACTION_FLAGS.values()))
 
@@ -125,7 +127,7 @@ def main_help_text(root_cls: type, config: Any = None, config_name: str | None =
 
 
 def list_configs_text(registry: ConfigRegistry) -> str:
-    """``name  first-docstring-line`` for every registered config, one per line."""
+    """``name  first docstring sentence`` for every registered config, one per line."""
     entries = registry.describe()
     warnings = [f"warning: {broken.summary()}" for broken in registry.broken_modules()]
     if not entries:

@@ -104,9 +104,9 @@ class ConfigRegistry:
         return sorted(self._functions)
 
     def describe(self) -> list[tuple[str, str]]:
-        """(name, first docstring line) of every registered config, sorted by name."""
+        """(name, first docstring sentence) of every registered config, sorted by name."""
         self._load()
-        return [(name, _first_line(self._functions[name])) for name in sorted(self._functions)]
+        return [(name, _first_sentence(self._functions[name])) for name in sorted(self._functions)]
 
     def broken_modules(self) -> list[BrokenModule]:
         """The package's modules that failed to import, in import order."""
@@ -163,6 +163,13 @@ def _where(fn: ConfigFn) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
-def _first_line(fn: ConfigFn) -> str:
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+"""A full stop (or ! ?) followed by a capital: where the first sentence ends ('e.g. wq' and '4.8M' do not)."""
+
+
+def _first_sentence(fn: ConfigFn) -> str:
+    """The first sentence of the docstring's first paragraph, its lines joined: a docstring's first line often
+    stops mid-sentence where the source wraps it."""
     doc = inspect.getdoc(fn) or ""
-    return doc.splitlines()[0] if doc else ""
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    return _SENTENCE_END.split(paragraph, maxsplit=1)[0]

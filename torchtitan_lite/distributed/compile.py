@@ -115,3 +115,19 @@ def compile_label(stats: CompileStats) -> str:
     if stats.cache_misses:
         return f"{stats.seconds:.1f}s cold {what} (nothing in inductor's cache)"
     return f"{stats.seconds:.1f}s {what} (no inductor cache involved)"
+
+
+def first_step_compile_label(before: CompileStats, after: CompileStats, *, step_s: float) -> str:
+    """The first step's share of the compile: what was compiled between ``before`` (read as the step starts) and
+    ``after`` (as it ends), named apart from what was compiled before the step (the step-0 validation's forward).
+
+    The counters are cumulative over the process, so reading them once at the step's end charged the step with
+    every earlier compile. Their seconds are torch's sums of its compile phases, not a wall clock: a step's share
+    is bounded by the step's own ``step_s``, which it cannot exceed."""
+    inside = CompileStats(seconds=min(max(after.seconds - before.seconds, 0.0), step_s),
+                          graphs=after.graphs - before.graphs, cache_hits=after.cache_hits - before.cache_hits,
+                          cache_misses=after.cache_misses - before.cache_misses)
+    text = compile_label(inside)
+    if before.graphs:
+        text += f"; {before.seconds:.1f}s compiling {before.graphs} graph(s) before the step"
+    return text

@@ -10,6 +10,7 @@ layout fails before any process group exists.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch.distributed as dist
@@ -33,6 +34,7 @@ class ParallelDims:
                 f"parallelism.dp_shard={dp_shard!r} must be a positive integer, or -1 to use the ranks left "
                 "after pp, dp_replicate and tp"
             )
+        filled = dp_shard == -1
         if dp_shard == -1:
             others = pp * dp_replicate * tp
             if world_size % others != 0:
@@ -48,6 +50,18 @@ class ParallelDims:
                 f"parallelism degrees pp x dp_replicate x dp_shard x tp = {pp} x {dp_replicate} x {dp_shard} x "
                 f"{tp} = {product} must equal the world size {world_size}; change the degrees (dp_shard=-1 takes "
                 "the rest) or launch with that many processes"
+            )
+        if dp_shard % ep != 0 and filled:
+            # dp_shard took what the processes left: more processes are the fix, so name how many.
+            others = pp * dp_replicate * tp
+            need = others * math.ceil(dp_shard / ep) * ep
+            step = "" if need == others * ep else f"; any multiple of {others * ep} runs"
+            raise ValueError(
+                f"parallelism.ep={ep} splits the experts over data-parallel (FSDP) ranks, and {world_size} process(es) "
+                f"leave parallelism.dp_shard={dp_shard} after pp x dp_replicate x tp = {pp} x {dp_replicate} x {tp} = "
+                f"{others}: this layout needs {need} processes (pp x dp_replicate x dp_shard x tp = {pp} x "
+                f"{dp_replicate} x {need // others} x {tp}{step}); launch {need} (NPROC={need}, or NGPU={need} on GPUs) or "
+                + ("drop expert parallelism (ep=1)" if dp_shard == 1 else f"use an ep that divides {dp_shard}")
             )
         if dp_shard % ep != 0:
             raise ValueError(

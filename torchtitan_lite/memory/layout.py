@@ -136,7 +136,9 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     with torch.device("meta"):
         model = run.model_spec.model_cls(args)
 
-    # What the run's low-precision Linear converter (if any) does is the converter's to say.
+    # What the run's low-precision Linear converter (if any) does is the converter's to say; a TP split that
+    # some converter cannot run is refused here with every converter's modules at once, as the build would.
+    run.converters.check_tp_shards(model)
     quantizer = linear_quantizer(run.converters.converters)
     converted: set[str] = set()
     if quantizer is not None:

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from torchtitan_lite.config import Configurable
 from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.protocols.tp_misfits import TpMisfits, tp_misfits_message
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,11 @@ class ModelConverter(Configurable):
     def explain(self, model: nn.Module) -> str:
         raise NotImplementedError
 
+    def tp_misfits(self, model: nn.Module) -> TpMisfits | None:
+        """The modules of ``model`` (not yet converted) whose TP shards this converter's recipe cannot take, or
+        None when it has no such rule."""
+        return None
+
 
 class ModelConvertersContainer(Configurable):
     """Applies the configured converters in order and forwards the post-optimizer hook to each."""
@@ -134,7 +140,17 @@ class ModelConvertersContainer(Configurable):
         _check_converters(config.converters)
         self.converters = [c.build(context=context) for c in config.converters]
 
+    def check_tp_shards(self, model: nn.Module) -> None:
+        """Refuse, naming every module of every converter at once, when tensor parallelism would cut a module
+        that its converter cannot run on a shard (``model`` not yet converted)."""
+        reports = [(i, report) for i, converter in enumerate(self.converters)
+                   if (report := converter.tp_misfits(model)) is not None and report.misfits]
+        if reports:
+            tp = self.converters[reports[0][0]].context.tp
+            raise ValueError(tp_misfits_message(reports, tp=tp))
+
     def convert(self, model: nn.Module) -> None:
+        self.check_tp_shards(model)
         for converter in self.converters:
             converter.convert(model)
         if self.converters and self.config.print_after_conversion and dist_utils.is_rank0():

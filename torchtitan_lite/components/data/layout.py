@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+RESUME_REPORTED_ENV = "TORCHTITAN_LITE_RESUME_REPORTED"
+"""Set by run_train.sh for its workers: its check before launch has printed what resuming changes, so the
+trainer does not print the same notes and warnings again when it loads the checkpoint."""
+
 
 @dataclass(frozen=True)
 class DataLayout:

@@ -25,7 +25,8 @@ on torchao's kernels (their GEMM takes a high-precision weight), is gathered in 
 and the launch log say which and why.
 
 Tensor parallelism: column-wise and row-wise shards must hold whole 128-element tiles and blocks (the TP-split
-dim / tp a multiple of 128), else an error names the Linear and the fix. TP communication stays in the
+dim / tp a multiple of 128), else one error names every Linear (and routed expert) a shard would cut, the degrees
+that fit them all and the filter_fqns entries that keep exactly those in high precision. TP communication stays in the
 parameter dtype (the 1x128 activation tiles are quantized inside the Linear, after the gather).
 
 Not there yet: float16 compute (refused).
@@ -49,6 +50,7 @@ from torchtitan_lite.components.quantization.blockwise_weight import (
 from torchtitan_lite.components.quantization.float8_plan import PlanRow, check_edge_fields, check_filter_fqns
 from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer, replace_linears
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
+from torchtitan_lite.protocols.tp_misfits import TpMisfit, TpMisfits, exact_filter_entries, tp_misfits_message
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ NATIVE_CAPABILITY = (9, 0)
 """torchao's blockwise prototype asserts sm_90 and is written for Hopper; newer GPUs are not assumed."""
 _FIELD = "model_converters.converters[float8_blockwise]"
 _FP8_BLOCKS = "E4M3 + a float32 scale per block"
+_TP_RULE = f"whole 1x{BLOCK} tiles and {BLOCK}x{BLOCK} weight blocks (the split dim / tp a multiple of {BLOCK})"
 
 BlockwiseKernel = Literal["auto", "native", "emulated"]
 
@@ -195,27 +198,37 @@ class Float8BlockwiseConverter(LinearQuantizer):
 
     def plan_rows(self, model: nn.Module) -> list[PlanRow]:
         rows = super().plan_rows(model)
-        if self.context.tp > 1:
-            for row in rows:
-                if row.recipe is not None:
-                    self._check_tp_alignment(row)
+        report = self._tp_misfits(rows)
+        if report is not None:
+            raise ValueError(tp_misfits_message([(None, report)], tp=self.context.tp))
         return rows
 
-    def _check_tp_alignment(self, row: PlanRow) -> None:
-        dim = self.context.tp_shard_dim(row.fqn)
-        if dim is None:
-            return
+    def tp_misfits(self, model: nn.Module) -> TpMisfits | None:
+        return self._tp_misfits(super().plan_rows(model))
+
+    def _tp_misfits(self, rows: list[PlanRow]) -> TpMisfits | None:
+        """Every converted Linear whose column-wise or row-wise TP shard would cut its tiles and blocks, or None."""
         tp = self.context.tp
-        split, name = (row.out_features, "out_features") if dim == 0 else (row.in_features, "in_features")
-        fits = tp_degrees_keeping_blocks(split, tp)
-        if fits is None:
-            return
-        style = "column-wise (splits out_features)" if dim == 0 else "row-wise (splits in_features)"
-        raise ValueError(
-            f"{_FIELD}: {row.fqn} ({row.in_features} -> {row.out_features}) is {style} under parallelism.tp={tp}: "
-            f"{name}={split} / {tp} is not a multiple of {BLOCK}, so a TP shard would cut its 1x{BLOCK} tiles and "
-            f"{BLOCK}x{BLOCK} weight blocks. Keep it in high precision (add {row.fqn.rsplit('.', 1)[-1]!r} to "
-            f"filter_fqns) or use parallelism.tp in {fits}")
+        if tp == 1:
+            return None
+        misfits = []
+        for row in rows:
+            dim = self.context.tp_shard_dim(row.fqn) if row.recipe is not None else None
+            if dim is None:
+                continue
+            split, name = (row.out_features, "out_features") if dim == 0 else (row.in_features, "in_features")
+            fits = tp_degrees_keeping_blocks(split, tp)
+            if fits is not None:
+                style = "column-wise" if dim == 0 else "row-wise"
+                misfits.append(TpMisfit(row.fqn, f"{row.in_features} -> {row.out_features}, {style}: {name} {split} "
+                                                 f"/ {tp} = {split / tp:g}", tuple(fits)))
+        if not misfits:
+            return None
+        names = {m.fqn for m in misfits}
+        return TpMisfits(_FIELD, _TP_RULE, tuple(misfits),
+                         exact_filter_entries([m.fqn for m in misfits],
+                                              [r.fqn for r in rows if r.recipe is not None and r.fqn not in names]),
+                         tuple(self.config.filter_fqns))
 
     def fp8_all_gather_reasons(self, rows: list[PlanRow]) -> dict[str, str]:
         """Converted Linear FQN -> why FSDP gathers its weight in the parameter dtype ('': as FP8 blocks).
@@ -260,8 +273,9 @@ class Float8BlockwiseConverter(LinearQuantizer):
             logger.info("%s: %s", _FIELD, self.fp8_all_gather_text(self.plan))
 
     def explain(self, model: nn.Module, *, seq_len: int | None = None,
-                total_flops_per_token: float | None = None) -> str:
-        text = super().explain(model, seq_len=seq_len, total_flops_per_token=total_flops_per_token)
+                total_flops_per_token: float | None = None, expert_fp8_flops_per_token: float = 0.0) -> str:
+        text = super().explain(model, seq_len=seq_len, total_flops_per_token=total_flops_per_token,
+                               expert_fp8_flops_per_token=expert_fp8_flops_per_token)
         return text + "\n" + self.fp8_all_gather_text(self.plan_rows(model))
 
     def swap(self, model: nn.Module, planned: set[str]) -> None:

@@ -181,19 +181,22 @@ def _edge_reason(fqn: str, edges: dict[str, str]) -> str:
     return ""
 
 
-def fp8_flops_share(rows: list[PlanRow], *, total_flops_per_token: float | None = None) -> float:
+def fp8_flops_share(rows: list[PlanRow], *, total_flops_per_token: float | None = None,
+                    expert_fp8_flops_per_token: float = 0.0) -> float:
     """Fraction of training FLOPs per token that run in FP8.
 
     Relative to ``total_flops_per_token`` (the model's total forward+backward FLOPs per token,
     attention included) when given, else relative to the FLOPs of all Linear layers.
+    ``expert_fp8_flops_per_token``: the routed experts' grouped GEMMs that run in FP8 (the moe_experts
+    converter's, per token over the top_k experts it visits); they are in the model's total but no Linear.
     """
-    fp8 = sum(r.train_flops_per_token for r in rows if r.recipe is not None)
+    fp8 = sum(r.train_flops_per_token for r in rows if r.recipe is not None) + expert_fp8_flops_per_token
     total = total_flops_per_token if total_flops_per_token else sum(r.train_flops_per_token for r in rows)
     return fp8 / total if total else 0.0
 
 
 def format_float8_plan(rows: list[PlanRow], *, seq_len: int | None = None,
-                       total_flops_per_token: float | None = None) -> str:
+                       total_flops_per_token: float | None = None, expert_fp8_flops_per_token: float = 0.0) -> str:
     """A table of every Linear with its FP8 recipe or skip reason, and the FP8 share of FLOPs."""
     converted = sum(r.recipe is not None for r in rows)
     header = ("fqn", "in", "out", "fp8 recipe", "skipped because")
@@ -205,12 +208,13 @@ def format_float8_plan(rows: list[PlanRow], *, seq_len: int | None = None,
 
     lines = [f"FP8 plan: {converted} of {len(rows)} Linear layers run in FP8", fmt(header)]
     lines += [fmt(line) for line in body]
-    lines.append(_share_line(rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token))
+    lines.append(_share_line(rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token,
+                             expert_fp8_flops_per_token=expert_fp8_flops_per_token))
     return "\n".join(lines)
 
 
 def format_plan_summary(rows: list[PlanRow], *, seq_len: int | None = None,
-                        total_flops_per_token: float | None = None) -> str:
+                        total_flops_per_token: float | None = None, expert_fp8_flops_per_token: float = 0.0) -> str:
     """The plan in four lines, for the launch log: Linears per recipe, the others per skip reason, the
     high-precision edges and the FP8 share (the table of every Linear is --print-fp8-plan's, hundreds of
     lines for a large model)."""
@@ -223,7 +227,8 @@ def format_plan_summary(rows: list[PlanRow], *, seq_len: int | None = None,
     lines = [f"FP8 plan: {converted} of {len(rows)} Linear layers run in FP8" + (f" ({per_recipe})" if per_recipe else "")
              + (f"; high precision: {kept}" if kept else ""),
              f"high-precision edges: {', '.join(edges) if edges else 'none'}",
-             _share_line(rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token),
+             _share_line(rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token,
+                         expert_fp8_flops_per_token=expert_fp8_flops_per_token),
              "every Linear with its recipe or skip reason: --print-fp8-plan"]
     return "\n".join(lines)
 
@@ -246,11 +251,19 @@ def _edge_module(row: PlanRow) -> str:
     return row.fqn if "(keep_output_hp)" in row.reason else ".".join(row.fqn.split(".")[:2])
 
 
-def _share_line(rows: list[PlanRow], *, seq_len: int | None, total_flops_per_token: float | None) -> str:
-    share = fp8_flops_share(rows, total_flops_per_token=total_flops_per_token)
+def _share_line(rows: list[PlanRow], *, seq_len: int | None, total_flops_per_token: float | None,
+                expert_fp8_flops_per_token: float = 0.0) -> str:
+    share = fp8_flops_share(rows, total_flops_per_token=total_flops_per_token,
+                            expert_fp8_flops_per_token=expert_fp8_flops_per_token)
     if total_flops_per_token:
         at = f" at seq_len {seq_len}" if seq_len is not None else ""
         basis = f"of the model's training FLOPs per token{at} (attention included)"
     else:
         basis = "of all Linear matmul FLOPs (attention and other ops not counted)"
-    return f"FP8 share: {100 * share:.1f}% {basis}; Linear FLOPs counted as 6*in*out per token (fwd+bwd)"
+    counted = "Linear FLOPs counted as 6*in*out per token (fwd+bwd)"
+    if expert_fp8_flops_per_token:
+        linears = sum(r.train_flops_per_token for r in rows if r.recipe is not None)
+        total = total_flops_per_token or sum(r.train_flops_per_token for r in rows)
+        counted = (f"FP8 Linears {100 * linears / total:.1f}% + FP8 routed experts "
+                   f"{100 * expert_fp8_flops_per_token / total:.1f}% (6*in*out x top_k per token); " + counted)
+    return f"FP8 share: {100 * share:.1f}% {basis}; {counted}"

@@ -95,7 +95,7 @@ class LinearQuantizer(ModelConverter):
         """Nothing to refresh unless the recipe keeps state across steps."""
 
     def explain(self, model: nn.Module, *, seq_len: int | None = None,
-                total_flops_per_token: float | None = None) -> str:
+                total_flops_per_token: float | None = None, expert_fp8_flops_per_token: float = 0.0) -> str:
         """The plan of ``model`` as a table, with the FP8 share of training FLOPs.
 
         ``seq_len`` defaults to training.seq_len; ``total_flops_per_token`` (forward + backward) to
@@ -107,7 +107,8 @@ class LinearQuantizer(ModelConverter):
         if total_flops_per_token is None and callable(flops_fn):
             total_flops_per_token = flops_fn(seq_len)
         text = f"{self.kind} converter ({self.settings()})\n" + format_float8_plan(
-            rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token)
+            rows, seq_len=seq_len, total_flops_per_token=total_flops_per_token,
+            expert_fp8_flops_per_token=expert_fp8_flops_per_token)
         parts_fn = getattr(model, "high_precision_parts", None)
         parts = parts_fn() if callable(parts_fn) else []
         if parts:

@@ -42,6 +42,7 @@ from torchtitan_lite.components.quantization.grouped_gemm import (
 )
 from torchtitan_lite.protocols.grouped_experts import grouped_gemm_experts, high_precision_reason
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
+from torchtitan_lite.protocols.tp_misfits import TpMisfit, TpMisfits, exact_filter_entries, tp_misfits_message
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ _RECIPE_TEXT = {"rowwise": "FP8 rowwise (e4m3, power-of-2 scales per token and p
                 "mxfp8": "MXFP8 (e4m3, 32-element blocks with e8m0 scales)",
                 "blockwise": f"blockwise FP8 (e4m3, 1x{BLOCK} activation / gradient tiles, {BLOCK}x{BLOCK} blocks of "
                              f"each expert's weight"}
+_TP_RULE = f"whole 1x{BLOCK} tiles and {BLOCK}x{BLOCK} weight blocks (the split dim / tp a multiple of {BLOCK})"
 NO_BLOCKWISE_KERNEL = (f"torch {torch.__version__.split('+')[0]} and torchao have no grouped blockwise FP8 GEMM "
                        f"(torchao's blockwise kernels are dense Linears only)")
 
@@ -208,6 +210,16 @@ class GroupedExpertsConverter(ModelConverter):
     def plan_rows(self, model: nn.Module) -> list[ExpertPlanRow]:
         """Every expert weight of ``model`` with its recipe or why it stays in high precision, then every Linear
         its modules keep in high precision (the router gates)."""
+        rows = self._rows(model)
+        report = self._tp_misfits(rows)
+        if report is not None:
+            raise ValueError(tp_misfits_message([(None, report)], tp=self.context.tp))
+        return rows
+
+    def tp_misfits(self, model: nn.Module) -> TpMisfits | None:
+        return self._tp_misfits(self._rows(model))
+
+    def _rows(self, model: nn.Module) -> list[ExpertPlanRow]:
         rows = []
         for fqn, module in grouped_gemm_experts(model):
             for name in type(module).grouped_gemm_weights:  # type: ignore[attr-defined]
@@ -219,8 +231,6 @@ class GroupedExpertsConverter(ModelConverter):
                           or self._shape_reason(in_features, out_features))
                 rows.append(ExpertPlanRow(weight_fqn, experts, in_features, out_features,
                                           None if reason else self.config.recipe_name, reason))
-                if not reason and self.config.recipe_name == "blockwise" and self.context.tp > 1:
-                    self._check_tp_alignment(rows[-1])
         for fqn, module in model.named_modules():
             reason = high_precision_reason(module)
             if reason:
@@ -228,6 +238,17 @@ class GroupedExpertsConverter(ModelConverter):
                                        None, reason)
                          for sub, linear in module.named_modules() if isinstance(linear, nn.Linear)]
         return rows
+
+    def fp8_flops_per_token(self, model: nn.Module) -> float:
+        """Training FLOPs (forward + backward) per token of the expert grouped GEMMs this converter runs in low
+        precision: 6 * in * out per weight for each of the top_k experts a token is sent to (the model's own
+        FLOPs per token count its routed experts the same way, on the active parameters)."""
+        facts_fn = getattr(model, "moe_facts", None)
+        facts = facts_fn() if callable(facts_fn) else None
+        if facts is None:
+            return 0.0
+        return float(sum(6 * row.in_features * row.out_features * facts.top_k
+                         for row in self._rows(model) if row.experts and row.recipe is not None))
 
     def _shape_reason(self, in_features: int, out_features: int) -> str:
         align = self.alignment
@@ -237,24 +258,31 @@ class GroupedExpertsConverter(ModelConverter):
             return f"dims not divisible by {align} ({self.config.recipe_name} grouped GEMM alignment)"
         return ""
 
-    def _check_tp_alignment(self, row: ExpertPlanRow) -> None:
+    def _tp_misfits(self, rows: list[ExpertPlanRow]) -> TpMisfits | None:
         """Expert tensor parallelism splits every expert's hidden dim (the family's shard dim of the weight, 1: out
-        or 2: in): each rank's slice must hold whole 1x128 tiles and 128x128 blocks."""
-        dim = self.context.tp_shard_dim(row.fqn)
-        if dim is None:
-            return
+        or 2: in): each rank's slice must hold whole 1x128 tiles and 128x128 blocks. Every blockwise expert weight
+        whose slice would not, or None. An experts module runs all its weights in one recipe, so the filter keeps
+        whole modules out."""
         tp = self.context.tp
-        split, name = (row.out_features, "out_features") if dim == 1 else (row.in_features, "in_features")
-        fits = tp_degrees_keeping_blocks(split, tp)
-        if fits is None:
-            return
-        module = row.fqn.rsplit(".", 1)[0]
-        raise ValueError(
-            f"{_FIELD}: {row.fqn} ({row.experts} experts, {row.in_features} -> {row.out_features}) is split along "
-            f"the experts' hidden dim under expert tensor parallelism (parallelism.tp={tp}): {name}={split} / {tp} "
-            f"is not a multiple of {BLOCK}, so a TP shard would cut its 1x{BLOCK} tiles and {BLOCK}x{BLOCK} weight "
-            f"blocks. Use parallelism.tp in {fits}, or keep the experts in high precision (add "
-            f"{module.split('.', 2)[-1]!r} to filter_fqns)")
+        if tp == 1 or self.config.recipe_name != "blockwise":
+            return None
+        misfits = []
+        for row in rows:
+            dim = self.context.tp_shard_dim(row.fqn) if row.experts and row.recipe is not None else None
+            if dim is None:
+                continue
+            split, name = (row.out_features, "out_features") if dim == 1 else (row.in_features, "in_features")
+            fits = tp_degrees_keeping_blocks(split, tp)
+            if fits is not None:
+                misfits.append(TpMisfit(row.fqn, f"{row.experts} experts, {row.in_features} -> {row.out_features}, "
+                                                 f"expert TP splits {name} {split} / {tp} = {split / tp:g}",
+                                        tuple(fits)))
+        if not misfits:
+            return None
+        modules = list(dict.fromkeys(m.fqn.rsplit(".", 1)[0] for m in misfits))
+        others = [r.fqn for r in rows if r.experts and r.recipe is not None and r.fqn.rsplit(".", 1)[0] not in modules]
+        return TpMisfits(_FIELD, _TP_RULE, tuple(misfits), exact_filter_entries(modules, others),
+                         tuple(self.config.filter_fqns))
 
     # ----------------------------------------------------------------------------------------------
     # Converter protocol

@@ -215,11 +215,18 @@ def _check_microbatches(schedule: str, n: int, *, pp: int, n_stages: int, microb
     if schedule == "DualPipeV" and n < n_stages:
         raise ValueError(f"the DualPipeV schedule needs at least as many micro-batches as stages ({n_stages}): {fix}")
     # ZBVZeroBubble takes any count: its order is built for max(2 pp - 1, n) micro-batches and cut to n.
-    if schedule == "Interleaved1F1B":
-        rounds = max(1, n // pp)
-        if n % rounds != 0:
-            raise ValueError(f"the {schedule} schedule runs micro-batches in rounds of pp={pp}, so their number must be "
-                             f"a multiple of the {rounds} rounds (a multiple of {pp}, or fewer than {pp}): {fix}")
+    if schedule == "Interleaved1F1B" and not interleaved_microbatches_fit(n, pp=pp):
+        below = max(m for m in range(1, n) if interleaved_microbatches_fit(m, pp=pp))
+        above = next(m for m in range(n + 1, 2 * n + 1) if interleaved_microbatches_fit(m, pp=pp))
+        raise ValueError(f"the {schedule} schedule cuts its micro-batches into n // pp = {n} // {pp} = {n // pp} rounds "
+                         f"of equal size, and {n} is not a multiple of {n // pp}: it takes any count below {2 * pp} "
+                         f"(2 pp) and, from {2 * pp} on, a multiple of n // pp, such as {below} or {above}: {fix}")
+
+
+def interleaved_microbatches_fit(n: int, *, pp: int) -> bool:
+    """Whether torch's Interleaved1F1B takes ``n`` micro-batches on ``pp`` ranks: it runs them in max(1, n // pp)
+    rounds of equal size, so any n below 2 pp (one round), else a multiple of n // pp."""
+    return n % max(1, n // pp) == 0
 
 
 def _even_split(n_layers: int, n_stages: int) -> list[list[int]]:
