@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model, DeepSeekV3ModelArgs
+from models.deepseek_v3.hf_args import deepseek_v3_args_from_hf
 from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN, check_deepseek_v3_run, parallelize_deepseek_v3
 from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from models.llama3 import LLAMA3_FLAVORS, Llama3ModelArgs, Transformer
@@ -10,6 +11,7 @@ from models.llama3.kv_cache import Llama3KVCache
 from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN, parallelize_llama
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel, Qwen3MoeModelArgs
+from models.qwen3_moe.hf_args import qwen3_moe_args_from_hf
 from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, check_qwen3_moe_run, parallelize_qwen3_moe
 from models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
 from torchtitan_lite.protocols.model_spec import (
@@ -41,6 +43,7 @@ QWEN3_MOE_SPEC = register_model_spec(ModelSpec(
     state_dict_adapter_cls=Qwen3MoeStateDictAdapter,
     moe_facts=Qwen3MoeModelArgs.moe_facts,
     check_run=check_qwen3_moe_run,
+    args_from_hf=qwen3_moe_args_from_hf,
 ))
 
 DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
@@ -53,6 +56,7 @@ DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
     state_dict_adapter_cls=DeepSeekV3StateDictAdapter,
     moe_facts=DeepSeekV3ModelArgs.moe_facts,
     check_run=check_deepseek_v3_run,
+    args_from_hf=deepseek_v3_args_from_hf,
 ))
 
 MODEL_SPECS: dict[str, ModelSpec] = model_specs()
