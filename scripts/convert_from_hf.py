@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -45,8 +46,12 @@ def main(argv: list[str] | None = None) -> None:
     def convert() -> None:
         cfg = config_for_checkpoint(args.hf_dir, registry=config_registry.DEFAULT_REGISTRY, config_name=args.config)
         spec, model_args = resolve_hf_model(args.hf_dir, cfg)
-        hf_to_dcp(args.hf_dir, spec, model_args, args.output,
-                  run_config=import_config(cfg, spec, model_args, args.output))
+        run_config = import_config(cfg, spec, model_args, args.output)
+        hf_to_dcp(args.hf_dir, spec, model_args, args.output, run_config=run_config)
+        if run_config.model.hf_config is not None:
+            logging.info("no %s flavor has this shape: its config.toml sets model.hf_config=%s; train from it with "
+                         "--config-file %s --checkpoint.initial_load_path %s", spec.name, run_config.model.hf_config,
+                         os.path.join(args.output, "config.toml"), args.output)
 
     refusing_in_one_line(convert)
 

@@ -13,6 +13,7 @@ import torchtitan_lite.tools.script_start  # noqa: E402, F401  (before torchao p
 import models  # noqa: E402, F401  (registers the model families)
 from config_registry import DEFAULT_REGISTRY  # noqa: E402
 from torchtitan_lite.tools.generate import main  # noqa: E402
+from torchtitan_lite.tools.one_line_refusal import refusing_in_one_line  # noqa: E402
 
 if __name__ == "__main__":
-    main(sys.argv[1:], registry=DEFAULT_REGISTRY)
+    refusing_in_one_line(lambda: main(sys.argv[1:], registry=DEFAULT_REGISTRY))

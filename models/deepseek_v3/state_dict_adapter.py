@@ -109,6 +109,9 @@ class DeepSeekV3StateDictAdapter:
     values a bfloat16 would round by ~1e-5, which could flip near-tied expert choices."""
 
     hf_aliases = HF_ALIASES
+    hf_unused_keys = ("num_nextn_predict_layers",)
+    """config.json fields that do not change the model's logits: the multi-token prediction layers are extra heads
+    (transformers builds none, and writes 1 by default); their weights, where a checkpoint has them, are refused."""
 
     def __init__(self, args: DeepSeekV3ModelArgs) -> None:
         self.args = args

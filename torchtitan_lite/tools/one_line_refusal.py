@@ -1,4 +1,4 @@
-"""Conversion scripts refuse bad input in one ``error:`` line (exit 2), not with a traceback."""
+"""Conversion and generation scripts refuse bad input in one ``error:`` line (exit 2), not with a traceback."""
 from __future__ import annotations
 
 import sys
@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 from torchtitan_lite.components.checkpoint.verify import CheckpointError
 
-REFUSALS = (ValueError, KeyError, TypeError, OSError, CheckpointError)
-"""What the conversion code raises for input it cannot use: each names the file and the fix."""
+REFUSALS = (ValueError, KeyError, OSError, CheckpointError)
+"""What the conversion code raises for input it cannot use (a config.json, weights, tokenizer or checkpoint it
+cannot read or build): each names the file and the fix. Other errors keep their traceback."""
 
 
 def refusing_in_one_line(run: Callable[[], None]) -> None:

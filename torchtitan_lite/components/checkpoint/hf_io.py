@@ -149,6 +149,9 @@ def check_hf_config(hf_dir: str, config: dict[str, Any], expected: dict[str, Any
     transformers 5's rope_parameters) each side uses; other keys ``config`` lacks, and those in ``ignore``, are
     not compared; ``aliases`` (the adapter's ``hf_aliases``) name the other names of a field."""
     where = os.path.join(hf_dir, CONFIG_NAME)
+    if config.get("model_type", expected.get("model_type")) != expected.get("model_type"):  # first: another family
+        raise ValueError(f"{where}: model_type={config['model_type']!r} but {what} model_type="
+                         f"{expected.get('model_type')!r}; pick the --config of the model's family")
     try:
         config = canonical_names(config, aliases or {})
         difference = rope_difference(read_rope(config), read_rope(expected))
