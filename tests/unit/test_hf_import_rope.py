@@ -81,9 +81,15 @@ def test_deepseek_v3_rope_parameters_are_the_files(tmp_path, capsys, no_tokenize
     assert_imports_as_transformers(tmp_path, capsys, hf, "deepseek_v3_debug")
 
 
+# The debug flavor's own YaRN settings, as DeepSeek-V3 publishes its file (no beta_fast / beta_slow: defaults).
+FLAVOR_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+               "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def test_deepseek_v3_published_type_yarn_form_is_accepted(tmp_path, capsys, no_tokenizer):
-    # DeepSeek-V3's own config.json: top-level rope_theta and rope_scaling {"type": "yarn", ...}, no rope_type.
-    hf = saved(tmp_path, flavor_config("deepseek_v3_debug", rope_parameters=DEEPSEEK_YARN))
+    # DeepSeek-V3's own config.json: top-level rope_theta and rope_scaling {"type": "yarn", ...}, no rope_type,
+    # with the flavor's values (other values in transformers 5's form: the test above).
+    hf = saved(tmp_path, flavor_config("deepseek_v3_debug", rope_parameters=FLAVOR_YARN))
     config = read_config(tmp_path / "hf")
     rope = config.pop("rope_parameters")
     config["rope_theta"] = rope.pop("rope_theta")
