@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from torchtitan_lite.components.checkpoint.verify import CheckpointError
 
@@ -11,7 +12,7 @@ REFUSALS = (ValueError, KeyError, OSError, CheckpointError)
 cannot read or build): each names the file and the fix. Other errors keep their traceback."""
 
 
-def refusing_in_one_line(run: Callable[[], None]) -> None:
+def refusing_in_one_line(run: Callable[[], Any]) -> None:
     """``run()``; a refusal it raises is printed as one line on stderr and exits 2."""
     try:
         run()
