@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model, DeepSeekV3ModelArgs
+from models.deepseek_v3.hf_args import deepseek_v3_args_from_hf
 from models.deepseek_v3.kv_cache import DeepSeekV3KVCache
 from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN, check_deepseek_v3_run, parallelize_deepseek_v3
 from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
@@ -11,6 +12,7 @@ from models.llama3.kv_cache import Llama3KVCache
 from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN, parallelize_llama
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel, Qwen3MoeModelArgs
+from models.qwen3_moe.hf_args import qwen3_moe_args_from_hf
 from models.qwen3_moe.kv_cache import Qwen3MoeKVCache
 from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, check_qwen3_moe_run, parallelize_qwen3_moe
 from models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
@@ -44,6 +46,7 @@ QWEN3_MOE_SPEC = register_model_spec(ModelSpec(
     kv_cache_cls=Qwen3MoeKVCache,
     moe_facts=Qwen3MoeModelArgs.moe_facts,
     check_run=check_qwen3_moe_run,
+    args_from_hf=qwen3_moe_args_from_hf,
 ))
 
 DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
@@ -57,6 +60,7 @@ DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
     kv_cache_cls=DeepSeekV3KVCache,
     moe_facts=DeepSeekV3ModelArgs.moe_facts,
     check_run=check_deepseek_v3_run,
+    args_from_hf=deepseek_v3_args_from_hf,
 ))
 
 MODEL_SPECS: dict[str, ModelSpec] = model_specs()

@@ -12,7 +12,7 @@ import torchtitan_lite.tools.script_start  # noqa: E402, F401  (before torchao p
 # isort: split
 import models  # noqa: E402, F401  (registers the model families)
 from config_registry import DEFAULT_REGISTRY  # noqa: E402
-from torchtitan_lite.tools.generate import main  # noqa: E402
+from torchtitan_lite.tools.generate import cli  # noqa: E402
 
 if __name__ == "__main__":
-    main(sys.argv[1:], registry=DEFAULT_REGISTRY)
+    cli(sys.argv[1:], registry=DEFAULT_REGISTRY)

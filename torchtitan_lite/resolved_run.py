@@ -145,7 +145,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
             f"from {embedding_rows} on would have no embedding. Use the tokenizer those weights were trained with, "
             f"or train from scratch (unset checkpoint.initial_load_path)")
     args = build_model_args(spec, config.model.flavor, n_layers=config.model.n_layers, vocab_size=embedding_rows,
-                            min_vocab_size=vocab_size)
+                            min_vocab_size=vocab_size, hf_config=config.model.hf_config)
     if vocab_size is None:
         logger.info("tokenizer.path=%r does not exist yet: planning with the %s flavor's vocabulary of %d; a training "
                     "launch needs the tokenizer (--check-config says how to fetch it)", config.tokenizer.path,

@@ -50,6 +50,8 @@ _MOE = {
 }
 _ALL = {**_ATTENTION, **hf_names.BLOCK_NORMS, **_DENSE, **_MOE}
 _FROM_HF = {hf: ours for ours, hf in _ALL.items()}
+HF_ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
+"""Other config.json names transformers reads for the fields this adapter writes."""
 
 
 def hf_config_dict(args: DeepSeekV3ModelArgs, *, torch_dtype: str = "bfloat16", bos_token_id: int | None = None,
@@ -105,6 +107,11 @@ class DeepSeekV3StateDictAdapter:
     float32_suffixes = ("moe.expert_bias", "mlp.gate.e_score_correction_bias")
     """Exported in float32 whatever the weights' dtype (hf_io.export_dtype): the bias moves in 1e-3 steps around
     values a bfloat16 would round by ~1e-5, which could flip near-tied expert choices."""
+
+    hf_aliases = HF_ALIASES
+    hf_unused_keys = ("num_nextn_predict_layers",)
+    """config.json fields that do not change the model's logits: the multi-token prediction layers are extra heads
+    (transformers builds none, and writes 1 by default); their weights, where a checkpoint has them, are refused."""
 
     def __init__(self, args: DeepSeekV3ModelArgs) -> None:
         self.args = args

@@ -39,6 +39,8 @@ _PER_LAYER = {
     "moe.router.gate.weight": "mlp.gate.weight",
 }
 _EXPERT_BIAS = "moe.expert_bias"
+HF_ALIASES = {"num_local_experts": "num_experts"}
+"""config.json names transformers 5 writes -> the names this adapter writes (both versions read either)."""
 
 
 def hf_config_dict(args: Qwen3MoeModelArgs, *, torch_dtype: str = "bfloat16", bos_token_id: int | None = None,
@@ -76,6 +78,11 @@ def hf_config_dict(args: Qwen3MoeModelArgs, *, torch_dtype: str = "bfloat16", bo
 class Qwen3MoeStateDictAdapter:
     """Renames, splits / stacks experts and re-permutes q/k between our full state dict and HF's. Tensors must
     be whole: gather DTensor-sharded state (get_model_state_dict with full_state_dict=True) first."""
+
+    hf_aliases = HF_ALIASES
+    hf_unused_keys = ("intermediate_size",)
+    """config.json fields transformers reads only for what this model never has: intermediate_size sizes the dense
+    MLP of the layers in mlp_only_layers (compared: none), so a file may hold any value."""
 
     def __init__(self, args: Qwen3MoeModelArgs) -> None:
         self.args = args

@@ -115,12 +115,20 @@ def test_scripts_convert_both_ways(tmp_path, monkeypatch):
         seen.append((cfg.model.flavor, vocab_size))
         return SPEC, build_model_args(SPEC, "debug", n_layers=1, vocab_size=vocab_size)
 
+    def resolve_hf(hf_dir, cfg):  # the import reads config.json: the same model, with the 1-layer override
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=1))
+        spec, args = convert.resolve_hf_model(hf_dir, cfg)
+        seen.append((cfg.model.flavor, args.vocab_size))
+        return spec, args
+
     original = model(0)
     ckpt = save_dcp(tmp_path / "run", original)
     to_hf, from_hf = _script("convert_to_hf"), _script("convert_from_hf")
     monkeypatch.setattr(to_hf, "resolve_model", resolve)
-    monkeypatch.setattr(from_hf, "resolve_model", resolve)
-    to_hf.main(["--checkpoint", ckpt, "--config", "llama3_debug", "--dtype", "float32", "--output", str(tmp_path / "hf")])
+    monkeypatch.setattr(from_hf, "resolve_hf_model", resolve_hf)
+    # The 512-row model has no tokenizer of its vocabulary (llama3_debug's has 2048 ids): weights alone.
+    to_hf.main(["--checkpoint", ckpt, "--config", "llama3_debug", "--dtype", "float32", "--no-tokenizer",
+                "--output", str(tmp_path / "hf")])
     from_hf.main(["--hf-dir", str(tmp_path / "hf"), "--config", "llama3_debug", "--output", str(tmp_path / "seed")])
     assert seen == [("debug", 512), ("debug", 512)]  # llama3_debug's flavor, the weights' vocabulary
     fresh = model(1)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan_lite.components.checkpoint import hf_io
-from torchtitan_lite.components.checkpoint.convert import checkpoint_vocab_size, resolve_model
+from torchtitan_lite.components.checkpoint.convert import checkpoint_vocab_size, resolve_hf_model, resolve_model
 from torchtitan_lite.components.checkpoint.verify import WeightsOnlyLoadPlanner, check_compatible, read_metadata
 from torchtitan_lite.components.sampling import SamplingConfig, sample_next
 from torchtitan_lite.components.tokenizer import Tokenizer
@@ -49,14 +49,10 @@ def load_from_dcp(checkpoint_dir: str, cfg: Any) -> GenerationModel:
 
 
 def load_from_hf(hf_dir: str, cfg: Any) -> GenerationModel:
-    """A Hugging Face Llama folder (e.g. from scripts/convert_to_hf.py) in a float32 model; ``cfg`` gives
-    the architecture, checked against config.json, and the folder's own tokenizer is used."""
-    hf_config = hf_io.read_hf_config(hf_dir)
-    spec, args = resolve_model(cfg, vocab_size=hf_config["vocab_size"])
-    if spec.state_dict_adapter_cls is None:
-        raise ValueError(f"model family {spec.name!r} has no Hugging Face adapter, so {hf_dir} cannot be read")
-    adapter = spec.state_dict_adapter_cls(args)
-    hf_io.check_hf_config(hf_dir, hf_config, adapter.hf_config_dict())
+    """A Hugging Face folder (e.g. from scripts/convert_to_hf.py) in a float32 model: the architecture as
+    convert.resolve_hf_model reads it (config.json checked, rotary settings included), the folder's own tokenizer."""
+    spec, args = resolve_hf_model(hf_dir, cfg)
+    adapter = spec.state_dict_adapter_cls(args)  # type: ignore[misc]  # resolve_hf_model checked it is not None
     model = _empty_model(spec, args)
     state = adapter.from_hf(hf_io.load_hf(hf_dir))
     model.load_state_dict({k: v.float() for k, v in state.items()})

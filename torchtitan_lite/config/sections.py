@@ -36,6 +36,10 @@ class ModelConfig:
     """Size preset from the family's flavor table (debug, 1B, 3B, 8B, 70B, 405B for llama3)."""
     n_layers: int | None = None
     """Override the flavor's number of transformer blocks (e.g. an 8B-width model that fits one GPU)."""
+    hf_config: str | None = None
+    """A Hugging Face config.json (qwen3_moe, deepseek_v3) whose architecture replaces the flavor's: its widths,
+    depth, experts and rotary settings; the flavor still gives what the file has no field for (balancing, init).
+    scripts/convert_from_hf.py sets it in the config.toml of a model no flavor has the shape of."""
 
     def __post_init__(self) -> None:
         if self.n_layers is not None and self.n_layers < 1:

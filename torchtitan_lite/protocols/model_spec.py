@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -221,6 +222,11 @@ class ModelSpec:
     check_run: RunCheck | None = None
     """Refuses a run the family cannot train (raises ValueError naming the fix). resolve_run calls it, so
     --check-config refuses before launch what the family's build would refuse after it; None: no rule."""
+    args_from_hf: Callable[[dict[str, Any], Any], Any] | None = None
+    """The family's args for a Hugging Face config.json of any size the family supports, called as
+    args_from_hf(config, flavor_args): the architecture (shapes, experts, rotary settings) comes from the file,
+    what it has no field for (balancing, init) from the flavor's args; raises ValueError naming a feature the
+    family cannot build. None: the family's models are only built from its flavors."""
 
 
 _MODEL_SPECS: dict[str, ModelSpec] = {}
@@ -240,6 +246,23 @@ def model_specs() -> dict[str, ModelSpec]:
     return dict(_MODEL_SPECS)
 
 
+def args_from_hf_file(spec: ModelSpec, flavor: str, path: str) -> Any:
+    """``spec.args_from_hf`` of the config.json at ``path``, the flavor giving what the file does not."""
+    if spec.args_from_hf is None:
+        raise ValueError(f"model.hf_config={path!r}: model family {spec.name!r} builds its models from its flavors "
+                         f"only ({', '.join(spec.flavors)}); unset model.hf_config")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.hf_config={path!r} is not a readable config.json ({e}); give the config.json of the "
+                         "Hugging Face model, or unset model.hf_config to build the flavor") from None
+    try:
+        return spec.args_from_hf(config, spec.flavors[flavor])
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 def _unknown(kind: str, name: str, valid: list[str]) -> ValueError:
     close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
@@ -257,19 +280,22 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def build_model_args(spec: ModelSpec, flavor: str, *, vocab_size: int | None = None, n_layers: int | None = None,
-                     max_seq_len: int | None = None, min_vocab_size: int | None = None) -> Any:
+                     max_seq_len: int | None = None, min_vocab_size: int | None = None,
+                     hf_config: str | None = None) -> Any:
     """A fresh copy of ``spec.flavors[flavor]`` with overrides applied and validated again.
 
-    vocab_size / n_layers / max_seq_len replace the flavor's value when not None. min_vocab_size (the
-    tokenizer's vocabulary) grows vocab_size when the flavor's is smaller, so that every token id has an
+    hf_config (a Hugging Face config.json, model.hf_config) replaces the flavor's architecture by the file's
+    (``spec.args_from_hf``). vocab_size / n_layers / max_seq_len replace the value when not None. min_vocab_size
+    (the tokenizer's vocabulary) grows vocab_size when the flavor's is smaller, so that every token id has an
     embedding row; a larger flavor vocabulary is kept (HF-compatible shapes, unused rows are harmless).
     """
     if flavor not in spec.flavors:
         raise _unknown(f"model.flavor for {spec.name}", flavor, list(spec.flavors))
     overrides = {k: v for k, v in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_seq_len", max_seq_len))
                  if v is not None}
+    base = spec.flavors[flavor] if hf_config is None else args_from_hf_file(spec, flavor, hf_config)
     try:
-        args = dataclasses.replace(spec.flavors[flavor], **overrides)  # re-runs __post_init__ validation
+        args = dataclasses.replace(base, **overrides)  # re-runs __post_init__ validation
     except ValueError as e:
         raise ValueError(f"{spec.name} flavor {flavor!r} with overrides {overrides}: {e}") from None
     if min_vocab_size is not None:

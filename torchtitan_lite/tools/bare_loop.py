@@ -165,7 +165,8 @@ def _model_and_data(cfg: Any, device: torch.device) -> tuple[nn.Module, Iterator
 
     tokenizer = cfg.tokenizer.build()
     spec = get_model_spec(cfg.model.name)
-    args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=tokenizer.vocab_size)
+    args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=tokenizer.vocab_size,
+                            hf_config=cfg.model.hf_config)
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to_empty(device=device)

@@ -261,7 +261,8 @@ def build_model(cfg: Any, device: torch.device, vocab_size: int) -> nn.Module:
     from torchtitan_lite.protocols.model_spec import build_model_args, get_model_spec
 
     spec = get_model_spec(cfg.model.name)
-    args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=vocab_size)
+    args = build_model_args(spec, cfg.model.flavor, n_layers=cfg.model.n_layers, min_vocab_size=vocab_size,
+                            hf_config=cfg.model.hf_config)
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to_empty(device=device)

@@ -48,3 +48,9 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> str:
     print(text)
     return text
 
+
+def cli(argv: list[str], *, registry: ConfigRegistry) -> None:
+    """scripts/generate.py: ``main``, a checkpoint, folder or prompt it cannot use refused in one line."""
+    from torchtitan_lite.tools.one_line_refusal import refusing_in_one_line
+
+    refusing_in_one_line(lambda: main(argv, registry=registry))

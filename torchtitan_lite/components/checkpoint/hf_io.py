@@ -20,10 +20,14 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from torchtitan_lite.components.checkpoint.hf_rope import ROPE_KEYS, read_rope, rope_difference
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
+# config.json fields that change neither the weights' meaning nor the function the model computes.
+_NOT_ARCHITECTURE = ("torch_dtype", "architectures", "transformers_version", "initializer_range", "use_cache")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -122,14 +126,44 @@ def load_hf(hf_dir: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def check_hf_config(hf_dir: str, config: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Fail on the first architecture field of ``config.json`` that differs from ``expected``."""
+def canonical_names(config: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """``config`` with each alias key (transformers' ``attribute_map``: transformers 5 writes num_local_experts
+    where 4 wrote num_experts) renamed to the name our adapter writes; a file giving both must agree."""
+    out = dict(config)
+    for alias, name in aliases.items():
+        if alias in out:
+            value = out.pop(alias)
+            if name in out and out[name] != value:
+                raise ValueError(f"config.json gives {alias}={value!r} and {name}={out[name]!r}, two names of one "
+                                 "field; keep one")
+            out[name] = value
+    return out
+
+
+def check_hf_config(hf_dir: str, config: dict[str, Any], expected: dict[str, Any], *, ignore: tuple[str, ...] = (),
+                    aliases: dict[str, str] | None = None, what: str = "the chosen model configuration has",
+                    fix: str = "pick the --config that matches this model") -> None:
+    """Fail on the first architecture field of ``config.json`` that differs from ``expected`` (a config.json our
+    adapter writes), the message saying "<key>=<file's> but <what> <key>=<ours>; <fix>". The rotary settings are
+    compared by the function they compute, whichever form (transformers 4's rope_theta / rope_scaling,
+    transformers 5's rope_parameters) each side uses; other keys ``config`` lacks, and those in ``ignore``, are
+    not compared; ``aliases`` (the adapter's ``hf_aliases``) name the other names of a field."""
+    where = os.path.join(hf_dir, CONFIG_NAME)
+    if config.get("model_type", expected.get("model_type")) != expected.get("model_type"):  # first: another family
+        raise ValueError(f"{where}: model_type={config['model_type']!r} but {what} model_type="
+                         f"{expected.get('model_type')!r}; pick the --config of the model's family")
+    try:
+        config = canonical_names(config, aliases or {})
+        difference = rope_difference(read_rope(config), read_rope(expected))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if difference is not None:
+        raise ValueError(f"{where}: the rotary settings differ from those {what}: {difference}; {fix}")
     for key, want in expected.items():
-        if key in ("torch_dtype", "architectures", "transformers_version") or key not in config:
+        if key in (*_NOT_ARCHITECTURE, *ROPE_KEYS, *ignore) or key not in config:
             continue
         if config[key] != want:
-            raise ValueError(f"{os.path.join(hf_dir, CONFIG_NAME)}: {key}={config[key]!r} but the chosen model "
-                             f"configuration has {key}={want!r}; pick the --config that matches this model")
+            raise ValueError(f"{where}: {key}={config[key]!r} but {what} {key}={want!r}; {fix}")
 
 
 def _weight_files(hf_dir: str) -> list[str]:
