@@ -61,13 +61,16 @@ LONG_RUNNING = {
     "NPROC=2 ./run_train.sh --config llama3_debug_fp8 --parallelism.dp_shard 2": "trains on 2 processes",
     "NGPU=8 ./run_train.sh --config llama3_8b_fp8": "needs 8 GPUs",
     "torchrun --nproc_per_node 8 train.py --config llama3_8b_fp8": "needs 8 GPUs",
-    "./run_train.sh --data.dataset 'data/train-*.jsonl' --data.validation_files data/val.jsonl --job.dump_folder outputs/my_data":
+    "./run_train.sh --data.dataset 'data/train-*.jsonl' --data.validation_files data/val.jsonl "
+    "--job.dump_folder outputs/my_data":
         "trains; needs the user's data (tests/unit/test_data_held_out.py checks its files are held out)",
-    "./run_train.sh --data.dataset my_org/my_corpus --data.streaming true --data.shuffle false --job.dump_folder outputs/my_corpus":
+    "./run_train.sh --data.dataset my_org/my_corpus --data.streaming true --data.shuffle false "
+    "--job.dump_folder outputs/my_corpus":
         "trains; downloads a hub data set",
     "python scripts/train_tokenizer.py --input 'data/*.jsonl' --vocab-size 32000 --output tok.model":
         "needs the user's data",
-    "./run_train.sh --tokenizer.path tok.model --data.dataset 'data/*.jsonl' --validation.enable false --job.dump_folder outputs/my_tokenizer":
+    "./run_train.sh --tokenizer.path tok.model --data.dataset 'data/*.jsonl' --validation.enable false "
+    "--job.dump_folder outputs/my_tokenizer":
         "trains; needs the user's data",
     "./run_train.sh --checkpoint.enable true --checkpoint.interval 100 --checkpoint.keep_latest_k 3": "trains",
     "./run_train.sh --checkpoint.enable true --checkpoint.create_seed_checkpoint true --job.dump_folder outputs/seed":
