@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import torchtitan_lite.components.quantization  # noqa: F401  (registers the built-in converter kinds)
+from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
 from torchtitan_lite.components.checkpoint.layout import write_text_atomically
 from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
@@ -365,7 +366,9 @@ class Trainer(Configurable):
         global_tokens = self._global_target_tokens(batches)
         loss_total = torch.zeros((), device=self.device)
         fp8_stats_step = self.fp8_stats is not None and self.fp8_stats.due(self.train_state.step)
-        self._set_aux_loss_scale(n_forwards=len(batches) * (self.pipeline.layout.n_microbatches if self.pipeline else 1))
+        set_aux_loss_weight(self.model_parts, n_batches=len(batches), pipeline=self.pipeline,
+                            parallel_dims=self.parallel_dims,
+                            loss_scale=self.grad_scaler.scale_value if self.grad_scaler is not None else 1.0)
         for i, (inputs, labels) in enumerate(batches):
             # non_blocking: a blocking host-to-device copy waits for the device to finish all queued work.
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
@@ -441,13 +444,6 @@ class Trainer(Configurable):
         if vouched:
             self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
         return read[-1] if read else None
-
-    def _set_aux_loss_scale(self, n_forwards: int) -> None:
-        """The models' auxiliary loss (MoE balancing) enters each of this step's ``n_forwards`` forwards per rank
-        as its share of the global mean, FP16-scaled as the loss is; the logged loss stays the LM loss alone."""
-        scale = self.grad_scaler.scale_value if self.grad_scaler is not None else 1.0
-        for part in self.model_parts:
-            part.set_aux_loss_scale(scale / (n_forwards * self.parallel_dims.dp_degree))
 
     def _global_target_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # Counted where the labels are (the host) and sent to the device without reading anything back.

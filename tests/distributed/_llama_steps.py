@@ -64,7 +64,7 @@ class Run:
     """torchao recipe name, or None for no float8."""
     float8_keep_hp: tuple[str, ...] = ()
     """Linears (FQN substrings) that stay in high precision besides the output projection, as
-    auto_filter_small_kn keeps attention.wk / wv on 8B shapes."""
+    auto_filter_small_kn keeps attention.wk / wv on 8B shapes (float8 and blockwise: their filter_fqns)."""
     mx: str | None = None
     """mx converter recipe (MXFP8, emulated on CPU), or None."""
     blockwise: bool = False
@@ -270,7 +270,7 @@ def blockwise_converter(run: Run, dims: ParallelDims, plan=None):
                                 fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=run.compile,
                                 seq_len=SEQ, output_module="output", dp_shard=dims.dp_shard if dims.fsdp_enabled else 1,
                                 tp=dims.tp, tp_shard_dim=(plan or LLAMA3_PARALLEL_PLAN).tp_shard_dim)
-    return Float8BlockwiseConverter.Config(power_of_2_scales=True,
+    return Float8BlockwiseConverter.Config(power_of_2_scales=True, filter_fqns=list(run.float8_keep_hp),
                                            enable_fsdp_float8_all_gather=run.blockwise_fp8_all_gather).build(context=context)
 
 

@@ -1,13 +1,13 @@
 """A tiny Qwen3-MoE trained for a few steps under a data / expert-parallel layout: the shared body of the
 expert-parallelism tests.
 
-Every layout trains from the same initial weights (made on one process, then loaded into the parallel
-model) on the same global batches with the trainer's loss semantics: each rank sums the token losses of
-its share of the global batch and divides by the target tokens of the whole batch, weights its balance loss
-by 1 / the number of shares, and FSDP sums gradients over the data-parallel ranks; the expert bias
-moves after each step from the loads summed over the data-parallel ranks. The single-process reference
-runs the shares of each global batch in turn (``Run.single_process``), so it computes what the ranks
-compute and only the order of float sums differs.
+Every layout trains from the same initial weights (made on one process, then loaded into the parallel model) on the
+same global batches with the trainer's loss semantics: each rank sums the token losses of its share of the global
+batch and divides by the target tokens of the whole batch, weights its balance loss by 1 / the number of shares
+(through the trainer's set_aux_loss_weight), and FSDP sums gradients over the data-parallel ranks; the expert bias
+moves after each step from the loads summed over the data-parallel ranks. The single-process reference runs the
+shares of each global batch in turn (``Run.single_process``), so it computes what the ranks compute and only the
+order of float sums differs.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from models.common.moe_hooks import moe_layers
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 from models.qwen3_moe.model import Qwen3MoeModel
 from models.qwen3_moe.parallelize import EP_COMPILE_REGIONS, parallelize_qwen3_moe
+from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
@@ -152,7 +153,7 @@ def train(run: Run, model, dims: ParallelDims, precision: Precision, optimizer, 
     for step, (global_inputs, global_labels) in enumerate(batches, start=first):
         global_tokens = (global_labels != IGNORE_INDEX).sum().float()
         total = torch.zeros(())
-        model.set_aux_loss_scale(1 / shares)
+        set_aux_loss_weight([model], n_batches=run.shares, pipeline=None, parallel_dims=dims)  # 1 / shares
         for share in range(first_share, first_share + run.shares):
             inputs, labels = (t[share * rows:(share + 1) * rows] for t in (global_inputs, global_labels))
             with precision.autocast():

@@ -4,8 +4,8 @@ body of the MoE pipeline tests.
 The stages are cut, parallelized and run as the trainer does (build_stage_modules, the family's parallelize
 function per stage, PipelineRunner), from the same initial weights as the single-process reference, on the
 same global batches, with the trainer's loss semantics: every micro-batch's language-model loss divided by the
-global target tokens, the balance loss weighted 1 / (pipeline micro-batches x data-parallel ranks) through the
-layers' own aux_loss_scale, the grad norm over the pipeline, the expert bias moved after each step from the
+global target tokens, the balance loss weighted by the trainer's set_aux_loss_weight (1 / (pipeline
+micro-batches x data-parallel ranks)), the grad norm over the pipeline, the expert bias moved after each step from the
 loads summed over the data-parallel ranks. The reference runs the whole batch in one forward on one process:
 routing is per token and the balance loss a mean over sequences, so only the order of float sums differs.
 """
@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from models.common.router_stats import named_moe_layers
 from models.qwen3_moe.model import Qwen3MoeModel
 from models.qwen3_moe.parallelize import parallelize_qwen3_moe
+from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig
@@ -105,13 +106,14 @@ def train(rank: int, world_size: int, run: PPRun) -> dict:
     dp_group = dims.dp_mesh.get_group() if dims.dp_mesh is not None else None
     pp_group = dims.pp_mesh.get_group() if dims.pp_mesh is not None else None
     rows = GLOBAL_BATCH // dims.dp_degree
-    forwards = runner.layout.n_microbatches if runner is not None else 1
     out: dict = {"losses": [], "grad_norms": [], "dp_rank": dims.dp_rank}
     for global_inputs, global_labels in global_batches(run.steps):
         global_tokens = (global_labels != IGNORE_INDEX).sum().float()
         inputs, labels = (t[dims.dp_rank * rows:(dims.dp_rank + 1) * rows] for t in (global_inputs, global_labels))
-        for part in parts:
-            part.set_aux_loss_scale(run.aux_weight / (forwards * dims.dp_degree))
+        weight = set_aux_loss_weight(parts, n_batches=1, pipeline=runner, parallel_dims=dims)
+        if run.aux_weight != 1.0:
+            for part in parts:
+                part.set_aux_loss_scale(run.aux_weight * weight)
         if runner is not None:
             loss = runner.step(inputs, labels, global_tokens=global_tokens)
             dist.all_reduce(loss, group=pp_group)

@@ -1,12 +1,12 @@
 """A tiny Qwen3-MoE trained for a few steps under a given layout: the body of the MoE tensor-parallel tests.
 
-As _llama_steps (whose Run, batches, tolerances and reference rules it reuses): every layout trains from the
-same initial weights on the same global batches with the training loop's loss semantics, so every layout
-must reproduce the single-process losses. On top of the language-model loss each step adds the MoE layers'
-balance loss (its share of the global mean, as the trainer does) and, after the optimizer step, updates the
-expert bias from the loads summed over the data-parallel ranks only (``post_optimizer_step(dp_group)``):
-the tensor-parallel ranks route the same gathered tokens, so a correct layout leaves every bias as the
-single process's.
+As _llama_steps (whose Run, batches, tolerances and reference rules it reuses): every layout trains from the same
+initial weights on the same global batches with the training loop's loss semantics, so every layout must reproduce
+the single-process losses. On top of the language-model loss each step adds the MoE layers' balance loss (its share
+of the global mean, weighted by the trainer's set_aux_loss_weight) and, after the optimizer step, updates the
+expert bias from the loads summed over the data-parallel ranks only (``post_optimizer_step(dp_group)``): the
+tensor-parallel ranks route the same gathered tokens, so a correct layout leaves every bias as the single
+process's.
 
 The tiny model has one shared expert, which no published Qwen3-MoE flavor has, so that the shared experts'
 split is trained too. ``MoERun.ep`` adds expert parallelism to a layout (EP x TP). ``Run.model`` picks the
@@ -39,6 +39,7 @@ from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN, parallelize_deepseek_v3
 from models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs
 from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, parallelize_qwen3_moe
+from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
@@ -177,7 +178,7 @@ def train_step(run: Run, model: BaseModel, optimizer: torch.optim.Optimizer, dim
     first_share = dims.dp_rank * run.dp_micro_batches
     global_tokens = (global_labels != IGNORE_INDEX).sum().float()
     share_losses = []
-    model.set_aux_loss_scale(1 / shares)
+    set_aux_loss_weight([model], n_batches=run.dp_micro_batches, pipeline=None, parallel_dims=dims)  # 1 / shares
     for share in range(first_share, first_share + run.dp_micro_batches):
         inputs = global_inputs[share * rows:(share + 1) * rows]
         labels = global_labels[share * rows:(share + 1) * rows]

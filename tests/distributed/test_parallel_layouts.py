@@ -7,7 +7,8 @@ process (see _llama_steps), so it rounds where the ranks round.
 
 Every low-precision comparison is two-sided: the run is closer to its reference than the precision's own
 effect (that reference against the same run in float32 without float8), and the same layout's run with the
-precision switched off, taken from the same launch, must fail the same tolerance. Measured on a 2-core AMD
+precision switched off, taken from the same launch, must fail the same tolerance (the first gradients, where TP
+rounds them as much as the precision moves them, are bounded one-sided: GRAD_BOUND). Measured on a 2-core AMD
 EPYC (Zen 5) CPU, 10 AdamW steps; "layout" is the run against its reference, "effect" the reference
 against float32 (losses: max relative difference per step; grads: max over parameters of the relative norm
 difference of the first gradients).
@@ -16,7 +17,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _llama_steps import LAYOUTS, Tolerance, check_two_sided, layout_results, layout_runs, single_process_results
+from _llama_steps import (
+    LAYOUTS,
+    Tolerance,
+    check_two_sided,
+    differences,
+    layout_results,
+    layout_runs,
+    single_process_results,
+)
 
 # fp32: a layout only changes the order of float32 sums (reduce-scatter of per-rank partial gradients,
 # TP partial products); measured differences stay below 3e-7 relative over 10 AdamW steps, so 1e-5
@@ -49,6 +58,19 @@ FP8 = {
 }
 
 
+# Where TP's own rounding is as large as the precision's effect on a gradient (the entries above without grads), the
+# first gradients cannot be judged two-sided; they are bounded one-sided instead, a few times above the layout's
+# measured difference and far below what a real error does (a gradient counted twice, scaled by the TP or data-
+# parallel degree, or missed is off by 0.5 to 1 relative), which the losses alone do not show: AdamW's first steps
+# hardly depend on a gradient's scale.
+GRAD_BOUND = {
+    ("fsdp2_tp2", "bf16"): 3e-2,  # measured 7.1e-3
+    ("tp2", "bf16"): 3e-2,  # 5.4e-3
+    ("fsdp2_tp2", "fp8"): 0.2,  # 6.2e-2
+    ("fsdp2_tp2", "fp8_wk_wv_hp"): 0.2,  # 5.2e-2
+}
+
+
 def _rel_diff(values, reference) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
 
@@ -72,7 +94,11 @@ def _two_sided(layout: str, variant: str, off_variant: str, tol: Tolerance) -> N
     results = layout_results(layout)
     got, off = results[variant], results[off_variant]
     assert all(torch.isfinite(torch.tensor(got["losses"])))
-    check_two_sided(got, single_process_results(layout_runs(layout)[variant].single_process()), off, tol)
+    ref = single_process_results(layout_runs(layout)[variant].single_process())
+    check_two_sided(got, ref, off, tol)
+    if tol.grads is None:
+        grads = differences(got, ref)["grads"]
+        assert grads < GRAD_BOUND[layout, variant], (layout, variant, grads)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

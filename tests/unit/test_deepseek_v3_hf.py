@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from _transformers import import_transformers
 from safetensors.torch import save_file
 
 from models import get_model_spec
@@ -12,7 +13,7 @@ from models.common.yarn import YarnScaling
 from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter, hf_config_dict
 
-transformers = pytest.importorskip("transformers")
+transformers = import_transformers()
 
 DEBUG = DEEPSEEK_V3_FLAVORS["debug"]
 # The other branches: full-rank Q (16B's form), one expert group, a YaRN table factor != 1 (mscale differs from

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchtitan_lite.components.quantization import grouped_gemm
 from torchtitan_lite.components.quantization.blockwise_fp8 import (
     dequantize_1x128,
     dequantize_128x128,
@@ -209,6 +210,55 @@ def test_padding_puts_every_group_on_an_aligned_start_and_round_trips(alignment)
         torch.testing.assert_close(padded[start:start + c], rows, rtol=0, atol=0)
     assert int(torch.count_nonzero(padded[:, 0])) == sum(counts)  # everything else is zero padding
     torch.testing.assert_close(unpad_rows(padded, layout), x, rtol=0, atol=0)
+
+
+KERNEL_ROW_ALIGNMENT = {"rowwise": 16, "mxfp8": 32, "blockwise": 128}
+"""What the kernels need of each token group, stated apart from GROUP_ALIGNMENT: torch._scaled_grouped_mm's FP8
+groups start at multiples of 16 rows; MXFP8's weight-gradient scale blocks hold 32 tokens and blockwise's tiles 128,
+which must not straddle two experts."""
+
+
+@pytest.mark.parametrize("recipe, emulate", [("rowwise", True), ("rowwise", False), ("mxfp8", True), ("mxfp8", False),
+                                             ("blockwise", True)])
+def test_every_grouped_gemm_sees_its_groups_padded_to_the_kernels_row_alignment(monkeypatch, recipe, emulate):
+    """The operands that reach the GEMMs (the torchao kernels' on a GPU; here a stand-in receives what they would)
+    hold each expert's rows at a start that is a multiple of the kernel's alignment, zeros in between, and the
+    unpadded result is the GEMM of the unpadded groups."""
+    counts, k, n = _shape(recipe)
+    x, w_t, grad, offsets = _operands(dtype=torch.float32 if emulate else torch.bfloat16, shape=(counts, k, n))
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    grouped_mm = torch._grouped_mm
+
+    def recording(a, b, offs=None):
+        seen.append((a.detach(), offs))
+        return grouped_mm(a, b, offs=offs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", recording)
+    if not emulate:  # torchao's kernels need CUDA
+        monkeypatch.setattr(grouped_gemm, "native_grouped_mm", lambda a, b, offs, _recipe: torch._grouped_mm(a, b, offs=offs))
+    x_in, w_in = x.clone().requires_grad_(), w_t.detach().clone().requires_grad_()
+    out = quantized_grouped_mm(x_in, w_in, offsets, recipe=recipe, emulate=emulate)
+    torch.autograd.grad(out, (x_in, w_in), grad)
+    align = KERNEL_ROW_ALIGNMENT[recipe]
+    # The emulation's output, input-gradient and weight-gradient GEMMs; the stand-in kernel's own backward is autograd's.
+    assert len(seen) == (3 if emulate else 1)
+    (padded_x, _), padded_ends = seen[0], seen[0][1].tolist()
+    for _, offs in seen:
+        assert offs is not None and not (offs % align).any(), f"group ends {offs.tolist()} not multiples of {align}"
+    assert padded_x.shape[0] % align == 0
+    starts, padded_starts = [0, *offsets.tolist()[:-1]], [0, *padded_ends[:-1]]
+    for count, start, padded_start, padded_end in zip(counts, starts, padded_starts, padded_ends, strict=True):
+        assert padded_end - padded_start == -(-count // align) * align  # no more rows than the alignment asks
+        rows = padded_x[padded_start:padded_end]
+        # The group's rows as the emulation's forward tiles or the kernel read them, then zero rows.
+        want = x[start:start + count] if not emulate else grouped_gemm.grouped_tiles(recipe).forward_input(padded_x)[
+            padded_start:padded_start + count]
+        torch.testing.assert_close(rows[:count], want.to(rows.dtype), rtol=0, atol=0)
+        assert torch.count_nonzero(rows[count:]) == 0
+    assert torch.count_nonzero(padded_x[padded_ends[-1]:]) == 0
+    if not emulate:
+        # The padding changes no row of the product and comes off again: the plain GEMM of the unpadded groups.
+        torch.testing.assert_close(out, grouped_mm(x, w_t, offs=offsets), rtol=0, atol=0)
 
 
 def test_every_token_in_the_last_group_or_none_at_all():

@@ -178,12 +178,21 @@ def test_state_dict_round_trip_over_two_parts_resumes_identically():
 
     clones = copy.deepcopy(parts)
     restored = OptimizersContainer.Config(lr=1.0).build(model_parts=clones)
-    # A copy, as a checkpoint load provides: state_dict() returns the live state tensors.
+    # A copy, as a load that does not write into the live tensors provides (state_dict() returns the live state
+    # tensors, which a DCP resume fills in place, so a resume through the checkpoint manager alone would not see
+    # a load_state_dict that restored nothing): only load_state_dict can bring these moments back.
     restored.load_state_dict(copy.deepcopy(state))
     assert restored.lrs() == container.lrs()
-    for original, clone in zip(container.optimizers, restored.optimizers):
-        for p, q in zip(original.param_groups[0]["params"], clone.param_groups[0]["params"]):
-            torch.testing.assert_close(clone.state[q]["exp_avg_sq"], original.state[p]["exp_avg_sq"], rtol=0, atol=0)
+    compared = 0
+    for original, clone in zip(container.optimizers, restored.optimizers, strict=True):
+        originals = [p for group in original.param_groups for p in group["params"]]
+        for p, q in zip(originals, [q for group in clone.param_groups for q in group["params"]], strict=True):
+            assert set(clone.state[q]) == set(original.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert clone.state[q][key] is not original.state[p][key]
+                torch.testing.assert_close(clone.state[q][key], original.state[p][key], rtol=0, atol=0)
+            compared += 1
+    assert compared == sum(len(list(part.parameters())) for part in parts)
 
     for part, clone in zip(parts, clones):
         _backward(part, seed=1)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from _transformers import import_transformers
 from safetensors.torch import save_file
 
 from models import get_model_spec
@@ -11,7 +12,7 @@ from models.common.moe import MoEArgs
 from models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs
 from models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter, hf_config_dict
 
-transformers = pytest.importorskip("transformers")
+transformers = import_transformers()
 
 # head_dim 16 with dim 48 and 4 heads: n_heads * head_dim (64) != dim, as in the published Qwen3 shapes.
 ARGS = Qwen3MoeModelArgs(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=96, max_seq_len=64,
