@@ -7,8 +7,8 @@ import json
 import os
 from typing import Any
 
-import pytest
 import torch
+from _transformers import import_transformers
 
 import config_registry
 from torchtitan_lite.components.checkpoint.run_config import config_for_checkpoint
@@ -36,7 +36,7 @@ def hf_model(config: dict[str, Any], seed: int = 0) -> Any:
     """A random transformers model of ``config`` (config.json fields), float32, every weight and norm randomised
     (transformers starts norms at 1 and routers at 0). Weight noise stays small for deepseek_v3: larger weights
     grow the rounding of transformers' float32 cos / sin table (test_deepseek_v3_hf.py)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = import_transformers()
     kind = config["model_type"]
     fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")}
     hf_config = getattr(transformers, CONFIG_CLASSES[kind])(**fields)

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from _transformers import import_transformers
 from safetensors import safe_open
 
 from models import build_model_args, get_model_spec
@@ -140,7 +141,7 @@ def test_scripts_convert_both_ways(tmp_path, monkeypatch):
 def test_transformers_logits_match(tmp_path):
     # Enable with `pip install -e .[hf]`. fp32 on both sides; 1e-4 allows for the different (but
     # equivalent) rotary formulation and attention kernels reordering float32 sums.
-    transformers = pytest.importorskip("transformers")
+    transformers = import_transformers()
     ours = model(0).eval()
     convert.dcp_to_hf(save_dcp(tmp_path, ours), SPEC, ARGS, str(tmp_path / "hf"), "float32")
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()

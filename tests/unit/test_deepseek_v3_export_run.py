@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from _transformers import import_transformers
 
 import config_registry
 from models import build_model_args, get_model_spec
@@ -49,7 +50,7 @@ def _save_run(dump) -> str:
 
 
 def test_scripts_export_import_and_generate(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
+    transformers = import_transformers()
     safetensors = pytest.importorskip("safetensors")
     ckpt = _save_run(tmp_path / "run")
     ours = load_from_dcp(ckpt, config_for_checkpoint(ckpt, registry=config_registry.DEFAULT_REGISTRY))

@@ -22,3 +22,10 @@ def test_without_transformers_the_hf_comparisons_fail_in_ci(tmp_path):
     assert result.returncode != 0, out
     for name in COMPARISONS:
         assert f"ERROR {name} - Failed: CI=true but transformers does not import (no transformers here)" in out, out
+
+
+def test_every_test_that_needs_transformers_asks_through_the_ci_aware_import():
+    # A bare importorskip would turn a broken install in CI back into silent skips.
+    direct = sorted(str(path.relative_to(TESTS)) for path in TESTS.rglob("*.py")
+                    if path.name != "_transformers.py" and 'importorskip("transformers")' in path.read_text())
+    assert direct == [], f"use _transformers.import_transformers() instead of pytest.importorskip in {direct}"

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from _transformers import import_transformers
 from test_generation import save_run
 
 import config_registry
@@ -74,7 +75,7 @@ def _json_source(post_processor: str):
                          ids=["sentencepiece", "json_bos", "json_plain", "json_bos_eos", "json_byte_level"])
 def test_the_exported_tokenizer_encodes_exactly_as_the_run_did(tmp_path, source):
     # AutoTokenizer on the export gives the ids of the run's tokenizer with BOS (training and generate.py).
-    transformers = pytest.importorskip("transformers")
+    transformers = import_transformers()
     path = source(tmp_path / "source")
     ours = Tokenizer.Config(path=path).build()
     out = tmp_path / "out"
@@ -100,7 +101,7 @@ def test_convert_to_hf_writes_the_configs_export_dtype_unless_told_otherwise(tmp
 
 
 def test_run_exports_with_only_the_checkpoint_and_transformers_generates_the_same(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = import_transformers()
     ckpt = save_run(tmp_path / "run", n_layers=2)  # trained with --model.n_layers 2
     out = tmp_path / "hf"
     _script("convert_to_hf").main(["--checkpoint", ckpt, "--dtype", "float32", "--output", str(out)])

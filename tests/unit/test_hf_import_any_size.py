@@ -19,13 +19,14 @@ from _hf_import import (
     script,
     write_config,
 )
+from _transformers import import_transformers
 
 import config_registry
 from torchtitan_lite.components.checkpoint.convert import IMPORTED_HF_CONFIG
 from torchtitan_lite.components.checkpoint.run_config import config_for_checkpoint
 from torchtitan_lite.resolved_run import resolve_run
 
-transformers = pytest.importorskip("transformers")
+transformers = import_transformers()
 
 # A custom Qwen3-MoE: head_dim 16 with 4 heads over dim 48 (n_heads * head_dim != dim, as Qwen3's published
 # shapes), 6 experts top-2, unnormalised top-k (transformers' default), rope theta 1e4.

@@ -21,12 +21,13 @@ from _hf_import import (
     save,
     write_config,
 )
+from _transformers import import_transformers
 
 import config_registry
 from torchtitan_lite.components import generation
 from torchtitan_lite.components.checkpoint.convert import resolve_model
 
-pytest.importorskip("transformers")
+import_transformers()
 
 FLAVOR_VOCAB = 2048  # the debug flavors' vocabulary
 

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from _transformers import import_transformers
 
 from config_registry import DEFAULT_REGISTRY
 from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel
@@ -122,7 +123,7 @@ def trained_checkpoint(tmp_path_factory) -> str:
 def test_a_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_path, trained_checkpoint):
     """scripts/convert_to_hf.py on a qwen3_moe run: the folder loads in Qwen3MoeForCausalLM and its float32
     logits equal our model's from the DCP checkpoint (tolerance as in test_qwen3_moe_hf: rounding only)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = import_transformers()
     from tests.unit.test_hf_export_run import _script
     from torchtitan_lite.components.checkpoint.run_config import config_for_checkpoint
     from torchtitan_lite.components.generation import load_from_dcp

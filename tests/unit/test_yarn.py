@@ -4,11 +4,12 @@ import math
 
 import pytest
 import torch
+from _transformers import import_transformers
 
 from models.common.rope import rope_cache, rope_frequencies
 from models.common.yarn import YarnScaling
 
-transformers = pytest.importorskip("transformers")
+transformers = import_transformers()
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 
