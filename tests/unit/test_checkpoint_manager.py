@@ -373,7 +373,8 @@ def test_truncated_metadata_is_named(tmp_path):
 def test_shape_mismatch_names_key_and_both_shapes(tmp_path):
     _saved(tmp_path)
     with pytest.raises(CheckpointError, match=r"shape mismatch for 'model\.w1\.weight': checkpoint has "
-                                              r"\(128, 64\), this run expects \(96, 64\)"):
+                                              r"\(128, 64\), this run expects \(96, 64\).* or start this run in a "
+                                              r"folder of its own with --job\.dump_folder DIR"):
         Run(str(tmp_path), seed=1, model=Tiny(hidden=96)).ckpt.load()
 
 

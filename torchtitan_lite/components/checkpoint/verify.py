@@ -69,7 +69,8 @@ def check_compatible(path: str, metadata: Metadata, state: dict[str, Any], *, ex
             raise CheckpointError(
                 f"checkpoint {path}: shape mismatch for {key!r}: checkpoint has {tuple(entry.size)}, this run "
                 f"expects {tuple(value.shape)}. The checkpoint was written for another model configuration "
-                f"(flavor, vocabulary or n_layers); load it with the configuration that wrote it")
+                f"(flavor, vocabulary or n_layers); load it with the configuration that wrote it (its config.toml), "
+                f"or start this run in a folder of its own with --job.dump_folder DIR")
     missing = [k for k in flat if k not in saved]
     if missing:
         raise CheckpointError(
