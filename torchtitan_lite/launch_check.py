@@ -16,6 +16,7 @@ import torch
 
 from torchtitan_lite.components.checkpoint.layout import Marker, check_same_top_k, scan_steps, step_dir
 from torchtitan_lite.components.checkpoint.manager import initial_weights_passed_over
+from torchtitan_lite.components.checkpoint.seed_warning import seed_over_later_run
 from torchtitan_lite.components.checkpoint.written_model import WrittenModel, check_same_model, written_model
 from torchtitan_lite.components.data.layout import DataLayout, resume_changes
 from torchtitan_lite.memory.estimate import GIB, MemoryEstimate, estimate_run_memory
@@ -97,7 +98,7 @@ def check_resume(config: Trainer.Config, run: ResolvedRun) -> tuple[list[str], l
     model (check_resumed_model) or its data position cannot continue."""
     ckpt = config.checkpoint
     if ckpt.create_seed_checkpoint:
-        warning = seed_over_later_run(config)
+        warning = seed_over_later_run(config.job.dump_folder, config.checkpoint.folder)
         return [], [] if warning is None else [warning]
     resumed = resume_step(config)
     if resumed is None:
@@ -154,19 +155,6 @@ def check_resumed_model(config: Trainer.Config, run: ResolvedRun) -> WrittenMode
     check_same_model(written, config.model, run.model_args, step=step, dump_folder=config.job.dump_folder,
                      vocab_known=tokenizer_path is None or os.path.exists(os.path.expanduser(tokenizer_path)))
     return written
-
-
-def seed_over_later_run(config: Trainer.Config) -> str | None:
-    """The warning for a seed checkpoint written into a folder that holds a later run's checkpoints: a run
-    there resumes from the newest of them, never from the seed."""
-    folder = os.path.join(config.job.dump_folder, config.checkpoint.folder)
-    later = [s for s in scan_steps(folder)[0] if s > 0]
-    if not later:
-        return None
-    return (f"checkpoint.create_seed_checkpoint writes step 0 into {folder}, which holds the checkpoints of steps "
-            f"{later} of a later run: a run in this folder resumes from step {later[-1]}, not from the seed. Write the "
-            f"seed to a folder of its own (--job.dump_folder DIR) and start from it with "
-            f"--checkpoint.initial_load_path DIR/{config.checkpoint.folder}/step-0")
 
 
 def _fixes(run: ResolvedRun) -> list[str]:

@@ -18,6 +18,7 @@ from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
 from torchtitan_lite.components.checkpoint.layout import write_text_atomically
 from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
+from torchtitan_lite.components.checkpoint.seed_warning import seed_over_later_run
 from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.data.layout import RESUME_REPORTED_ENV, resume_changes
 from torchtitan_lite.components.data.readiness import require_data
@@ -45,7 +46,6 @@ from torchtitan_lite.distributed.compile import compile_stats, first_step_compil
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.pipeline.stats import gather_over_stages, read_part_stats
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
-from torchtitan_lite.launch_check import seed_over_later_run
 from torchtitan_lite.loss_health import LossHealth
 from torchtitan_lite.model_parts import build_model_parts
 from torchtitan_lite.nonfinite import NonFiniteLossError, explain_nonfinite
@@ -279,7 +279,7 @@ class Trainer(Configurable):
     def train(self) -> None:
         cfg = self.config
         if cfg.checkpoint.create_seed_checkpoint:
-            if (later_run := seed_over_later_run(cfg)) is not None:
+            if (later_run := seed_over_later_run(cfg.job.dump_folder, cfg.checkpoint.folder)) is not None:
                 logger.warning("%s", later_run)
             self.checkpointer.save(0, force=True, model_only=True)
             self._save_config()

@@ -177,8 +177,11 @@ def test_module_level_functions_use_the_package_registry(monkeypatch):
 def registry_with_broken_files(tmp_path, monkeypatch):
     """A package of one good config file and three broken ones: a syntax error, a missing import and an
     exception after one of its configs was registered."""
-    package = tmp_path / "ttl_broken_configs"
-    package.mkdir()
+    # Outside the working directory, so the messages name the files by their absolute paths.
+    package = tmp_path / "lib" / "ttl_broken_configs"
+    package.mkdir(parents=True)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
     (package / "__init__.py").write_text(
         "from config_registry import ConfigRegistry\nREGISTRY = ConfigRegistry(__name__)\n")
     (package / "good.py").write_text(TOY_MODULE.format(package=package.name, name="alpha"))
@@ -186,7 +189,7 @@ def registry_with_broken_files(tmp_path, monkeypatch):
     (package / "missing.py").write_text("import ttl_no_such_module\n\n\ndef gamma():\n    pass\n")
     (package / "raises.py").write_text(TOY_MODULE.format(package=package.name, name="delta")
                                        + "\nraise ValueError('bad value in my config file')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
     import ttl_broken_configs
 
     yield ttl_broken_configs.REGISTRY, package
