@@ -82,8 +82,11 @@ def test_workers_stop_when_the_launchers_process_group_is_killed(tmp_path):
 
 
 FAILS_ON_RANK_1 = """
-import os, sys, time
+import os, signal, sys, time
 
+# The launcher starts workers with SIGTERM ignored (the trainer installs its own save-and-exit handler): a
+# stand-in without that handler takes the default, so torchrun's SIGTERM ends it at once, not 30 s later.
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 if os.environ["RANK"] == "1":
     for i in range(30):
         print(f"rank 1 line {i}", flush=True)
