@@ -99,15 +99,20 @@ time.sleep(60)  # rank 0 trains on until torchrun stops it
 """
 
 
-@pytest.mark.parametrize("how", ["error", "abort"])
-def test_a_failed_rank_whose_output_is_not_shown_has_its_last_lines_printed(tmp_path, how):
-    proc = _launch(tmp_path, FAILS_ON_RANK_1, 2, how, log_rank="0")
+def _finished(proc: subprocess.Popen) -> tuple[str, str]:
+    """(stdout, stderr) of a launch once it ended; one still running after 180 s is killed with its group."""
     try:
-        _, err = proc.communicate(timeout=180)
+        return proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("how", ["error", "abort"])
+def test_a_failed_rank_whose_output_is_not_shown_has_its_last_lines_printed(tmp_path, how):
+    proc = _launch(tmp_path, FAILS_ON_RANK_1, 2, how, log_rank="0")
+    _, err = _finished(proc)
     assert proc.returncode != 0
     assert "rank 1's output is not shown (LOG_RANK); the last 20 lines of its stdout:" in err, err
     assert "[rank1]:rank 1 line 29\n" in err and "[rank1]:rank 1 line 10\n" in err
@@ -120,12 +125,7 @@ def test_a_failed_rank_whose_output_is_not_shown_has_its_last_lines_printed(tmp_
 
 def test_a_failed_rank_whose_output_is_shown_is_not_printed_twice(tmp_path):
     proc = _launch(tmp_path, FAILS_ON_RANK_1, 2, "error", log_rank="0,1")
-    try:
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=30)
+    out, err = _finished(proc)
     assert proc.returncode != 0
     assert "output is not shown" not in err
     assert (out + err).count("rank 1 gives up: a planted failure") == 1

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from torchtitan_lite.components import device_peaks
+from torchtitan_lite.components.tensorboard_writer import FirstWriteSummaryWriter
 from torchtitan_lite.config import Configurable
 from torchtitan_lite.distributed import utils as dist_utils
 
@@ -172,7 +173,7 @@ class MetricsProcessor(Configurable):
         if not cfg.rank_0_only:
             folder = os.path.join(folder, f"rank_{self.rank}")
         logger.info("TensorBoard scalars go to %s", folder)
-        return _FirstWriteSummaryWriter(folder)
+        return FirstWriteSummaryWriter(folder)
 
     def _tensorboard_failed(self, error: OSError, step: int) -> None:
         # A full or read-only disk must not end the run here, before it could resume or save; and a disk
@@ -419,45 +420,6 @@ class MetricsProcessor(Configurable):
         if eta_s is not None:
             parts.append(f"eta {format_duration(eta_s)}")
         return "  ".join(parts)
-
-
-class _FirstWriteSummaryWriter:
-    """A ``SummaryWriter`` created at the first scalar: a run refused before it trained (a resume that
-    does not fit, a full disk) leaves no event file in the dump folder. Errors (OSError) surface from
-    ``add_scalar`` and ``flush``; the failed ``SummaryWriter`` (whose writer thread keeps raising its
-    error once it had one) is dropped, and the next scalar opens a new event file."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self.writer: Any = None
-
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=self.folder)
-        try:
-            self.writer.add_scalar(tag, value, step)
-        except OSError:
-            self._drop()
-            raise
-
-    def flush(self) -> None:
-        if self.writer is not None:
-            try:
-                self.writer.flush()
-            except OSError:
-                self._drop()
-                raise
-
-    def _drop(self) -> None:
-        writer, self.writer = self.writer, None
-        with contextlib.suppress(Exception):
-            writer.close()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 def format_duration(seconds: float) -> str:
