@@ -26,11 +26,13 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -242,6 +244,15 @@ def format_table(rows: list[tuple[Shape, dict[str, float]]], recipes: list[str],
     return "\n".join(lines)
 
 
+def write_json(path: Path, shapes: list[Shape], measured: list[dict[str, tuple[float, float]]], *, device: str,
+               dtype: str) -> None:
+    """The shapes measured so far with their median seconds per variant (see ``--json-out``)."""
+    rows = [{"name": s.name, "m": s.m, "k": s.k, "n": s.n, "count": s.count,
+             "seconds": {key: median for key, (median, _) in times.items()}}
+            for s, times in zip(shapes, measured) if times]
+    path.write_text(json.dumps({"device": device, "dtype": dtype, "rows": rows}, indent=2) + "\n")
+
+
 def describe_device(device: torch.device) -> str:
     """GPU name with its compute capability, or the CPU thread count."""
     if device.type == "cuda":
@@ -277,6 +288,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first (compilation happens here)")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations; the median is reported")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--json-out", type=Path, default=None,
+                        help="also write every measured shape here, rewritten after each one (so a run cut short "
+                             "keeps what it measured): name, m, k, n, count and seconds per variant ('hp' = the "
+                             "--dtype Linear)")
     args = parser.parse_args(argv)
     for name in ("tokens", "iters"):
         if getattr(args, name) < 1:
@@ -325,6 +340,8 @@ def main(argv: list[str]) -> int:
                                   iters=args.iters)
             times.update(timed)
             print(progress_line(shape, timed, args.dtype, times["hp"][0]), flush=True)
+            if args.json_out is not None:
+                write_json(args.json_out, shapes, measured, device=describe_device(device), dtype=args.dtype)
     print()
     rows = [(shape, {key: median for key, (median, _) in times.items()}) for shape, times in zip(shapes, measured)]
     print(format_table(rows, args.recipes, args.dtype))

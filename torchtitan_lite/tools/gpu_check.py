@@ -1,44 +1,35 @@
-"""GPU acceptance run: the CUDA tests, FP8 layer speed, 8B-width training throughput, an FP8 loss check and,
-with 2+ GPUs, pipeline parallelism.
+"""GPU acceptance run that fits the device time it gets: stages by priority within ``--budget`` seconds,
+each stage's figure written the moment it ends.
 
-    scripts/gpu_check.sh                        # everything, into gpu_check/<date>-<commit>/
-    scripts/gpu_check.sh --plan                 # print the commands and exit (works without a GPU)
-    TTL_PYTHON=/opt/py/bin/python scripts/gpu_check.sh --wheels /data/wheels --out /data/gpu_run
+    scripts/gpu_check.sh --plan                        # expected time per stage, what fits (no GPU needed)
+    scripts/gpu_check.sh --budget 540 --wheels gpu_wheels --out /tmp/gc
+    scripts/gpu_check.sh --stages a --out /tmp/gc      # one stage, merged into an earlier run's report
 
-Stages, in order (each in its own process with its own time limit; a failed stage does not stop the
-next; the exit status is 1 if any failed). Stages a-e need one GPU; their limits come from their times on
-an H200 and add up to ~18 minutes, so on a machine lent for 10-minute commands they run as two commands,
-``--stages ade`` then ``--stages bc``, into one ``--out`` folder: results of stages already in that folder
-are kept in the report, so the two give the same report as one run. f and g need two GPUs and add their
-own limits; on a machine with fewer GPUs than a stage needs, the stage is skipped, says why, and does not
-fail the run. Stages chosen with ``--stages`` whose limits leave part of 9 minutes unused share it out.
+Stages run in priority order (``PRIORITY``), each in its own process. Before a stage starts, its expected
+time (``EXPECTED_S``, from recorded runs) must fit in what is left of the budget, otherwise it is *cut*:
+not started, and the report says so with the time it needed. A started stage may run to its limit or to the
+end of the budget, whichever comes first; one stopped there is reported as cut mid-way with what it wrote.
+After every stage, summary.json and BENCHMARKS_section.md are rewritten, so a run stopped from outside keeps
+every finished stage's figure (SIGTERM stops the running stage and writes the report first).
 
-a. ``pytest -m gpu tests/gpu``: the tests that exist only for CUDA (real ``_scaled_mm`` vs emulation,
-   compiled FP8, FSDP2 float8 all-gather, TP float8 styles, DCP, FP16 scaler, memory estimate, MoE grouped
-   experts: bf16 against the per-expert loop, torchao's FP8 rowwise / MXFP8 grouped GEMMs against emulation;
-   torchao's blockwise FP8 kernels vs the blockwise emulation on sm_90).
-b. ``scripts/float8_layer_bench.py --shapes llama3_8b``: each Linear shape of an 8B block, BF16 vs each FP8
-   recipe, compiled, then blockwise FP8 (DeepSeek-V3 tiles; eager: torchao's Triton quantization and
-   cuBLAS's blockwise GEMM on sm_90, emulated elsewhere, which the log's header says). Blockwise's first
-   call per shape autotunes torchao's Triton kernels (~100 s for one shape on an H200), hence the limit.
-c. ``scripts/benchmark.py``: an 8B-width model cut to 4 layers at seq 8192, BF16, FP8 tensorwise and
-   FP8 rowwise, all compiled: tokens/s, TFLOP/s, MFU, peak memory, cold compile time, speedup.
-d. ``scripts/loss_compare.py --seeds 3 --parallel 6``: 200 steps of llama3_debug_bf16 vs llama3_debug_fp8
-   on CUDA over three seeds, the six runs side by side: FP8's mean gap ± standard error against BF16's
-   seed-to-seed spread (one seed's gap is mostly trajectory noise at this scale).
-e. ``scripts/benchmark.py`` on the MoE family: Qwen3-30B-A3B's width (128 experts, top-8) cut to 2 blocks
-   so that it fits one GPU, seq 4096, BF16 grouped experts vs FP8 rowwise experts (torchao's grouped
-   GEMM kernels on Hopper), eager, on the embedded corpus with the byte tokenizer: tokens/s per config.
-f. ``NGPU=2 ./run_train.sh --config llama3_debug --parallelism.pp 2``: 20 steps of the 1F1B pipeline on two
-   GPUs (NCCL), validation included: the first and last loss.
-g. ``scripts/pipeline_bubble.py --device cuda --pp 2``: each schedule's idle share of a step on two GPUs
-   against its theory, at the 8B width cut to 8 blocks, float32.
+b. ``scripts/float8_layer_bench.py --shapes llama3_8b``: each Linear shape of an 8B block and the head, BF16
+   vs tensorwise, rowwise and rowwise_with_gw_hp (and MXFP8 on sm_100), compiled, at 8192 tokens; the
+   blockwise Linear only when the budget leaves room for torchao's Triton autotuning (~100 s per shape).
+c. ``scripts/benchmark.py`` on a representative proxy: the 8B width with enough blocks that the BF16 output
+   head is at most 10% of the FLOPs (``proxy_model.py``: 17 at seq 8192), selective activation checkpointing,
+   compiled, >= 30 timed steps, BF16 / FP8 tensorwise / FP8 rowwise, each profiled for a few more steps;
+   then ``fp8_expectation.py`` puts the expected speedup (layer bench x the BF16 step's GEMM time per shape)
+   beside the measured one, with a per-category profile where measured < 0.9 x expected.
+e. ``scripts/benchmark.py`` on the MoE family: Qwen3-30B-A3B's width (128 experts, top-8) cut to 2 blocks,
+   seq 4096 x 4 sequences = 1,024 tokens per expert, compiled: BF16 grouped experts vs FP8 rowwise experts.
+a. ``pytest -m gpu tests/gpu``: the tests that exist only for CUDA.
+d. ``scripts/loss_compare.py --seeds 3``: llama3_debug_bf16 vs llama3_debug_fp8 over three seeds.
+h. The 8B width cut to 4 blocks (head 31% of the FLOPs), compiled: kept as a labelled extra for comparison
+   with earlier runs.
+f, g. Pipeline parallelism on 2 GPUs (skipped, with the reason, on a machine with fewer).
 
-With ``--wheels DIR`` the wheels in DIR and its subfolders (scripts/fetch_gpu_wheels.sh) are installed
-into the interpreter first, offline (``pip install --no-index --no-deps``). Everything is written under
-``--out``: one log per stage, summary.json, and BENCHMARKS_section.md to paste into BENCHMARKS.md.
-The targets (FP8 tensorwise >= 1.25x BF16 tokens/s, BF16 MFU >= 40%) are reported, not enforced:
-a stage fails when its command fails, not when a speed target is missed.
+With ``--wheels DIR`` the wheels in DIR (scripts/fetch_gpu_wheels.sh) are installed first, offline. Targets
+are reported, not enforced: a stage fails when its command fails, not when a speed target is missed.
 """
 from __future__ import annotations
 
@@ -49,6 +40,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -70,26 +62,42 @@ from torchtitan_lite.tools.gpu_check_figures import (
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 9 * 60
-"""One device command's share of a 10-minute limit (the rest: installing wheels, probing the interpreter).
-The one-GPU stages' limits below, set from their times on an H200 (2026-11-27), add up to more: they run
-as the groups in ``COMMAND_GROUPS``, each within this budget."""
-COMMAND_GROUPS = ("ade", "bc")
-"""One-GPU stages that fit one device command together: the tests, the loss check and the MoE throughput;
-then the layer bench (blockwise autotunes torchao's Triton kernels per shape) and the dense throughput."""
-BENCH_LAYERS = 4
+"""Default --budget: one device command's share of a 10-minute limit (the rest: wheels, probing, copying)."""
+PRIORITY = "bceadhfg"
+"""Run order: the layer bench, the representative proxy, the MoE proxy, the CUDA tests, the loss check, the
+4-block proxy, then the 2-GPU stages."""
+EXPECTED_S = {"a": 150, "b": 150, "c": 240, "d": 120, "e": 150, "h": 120, "f": 90, "g": 150}
+"""Seconds each stage is expected to take on an H100/H200, from recorded runs (BENCHMARKS.md): a (CUDA tests
+without blockwise) 139 s, h (4-block proxy) 115 s, d 59 s for one seed on 2026-11-27; b, c and e as planned
+here (per-shape compile of four variants; three 17-block configs at ~0.5 s a step plus compile and profile;
+two compiled MoE configs with ~60 s of torchao grouped-GEMM autotuning), to be replaced by their first
+recorded times."""
+LIMIT_FACTOR = 1.6
+"""A started stage may run this many times its expected time (the budget's end permitting)."""
+BLOCKWISE_S = 420
+"""Added to stage b's expected time when it times the blockwise Linear: torchao's Triton quantization
+kernels autotune ~100 s per new shape (H200, 2026-11-27), four 8B shapes."""
+PROXY_HEAD_SHARE = 0.10
+PROXY_SEQ_LEN = 8192
+PROXY_STEPS = 30
+PROXY_PROFILE_STEPS = 2
+SMALL_PROXY_LAYERS = 4
 MOE_BENCH_CONFIGS = ("qwen3_moe_30b_a3b", "qwen3_moe_30b_a3b_fp8")
 MOE_BENCH_LAYERS = 2
-STAGE_KEYS = "abcdefg"
+MOE_BATCH = 4
+"""Sequences of 4096 per step in stage e: 16,384 tokens x top-8 / 128 experts = 1,024 tokens per expert,
+where FP8 rowwise grouped GEMMs break even (torchao); one sequence gives 256."""
+STAGE_KEYS = "abcdefgh"
 PP_BUBBLE_ARGS = ("--flavor", "8B", "--n-layers", "8", "--seq-len", "1024", "--microbatch-size", "1",
                   "--n-microbatches", "8")
 """Stage g's model: 8B-width blocks (a ~9 ms forward per block at 1024 tokens in float32 on an H100), so
 compute dominates the NCCL send/receive latency and the bubble shows."""
-LAYER_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
-"""Stage b's recipes: torchao's float8 recipes and the float8_blockwise converter's Linear."""
+LAYER_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""Stage b's torchao float8 recipes (blockwise joins when the budget allows, see BLOCKWISE_S)."""
+FP8_RECIPE_OF = {"llama3_8b_fp8": "tensorwise", "llama3_8b_fp8_rowwise": "rowwise"}
+"""The layer bench recipe each FP8 config of stage c uses (for its expected speedup)."""
 LOSS_SEEDS = 3
-"""Stage d trains each config once per seed: one seed's gap at the debug scale is mostly trajectory noise
-(docs/mixed_precision.md, "Over three seeds"; on an H200, seed 0 alone gave -0.22 nats, three seeds
--0.07 +- 0.08 against a seed-to-seed spread of 0.36)."""
+"""Stage d trains each config once per seed: one seed's gap at the debug scale is mostly trajectory noise."""
 REQUIRED_MODULES = ("torch", "torchao", "datasets", "sentencepiece", "tensorboard", "safetensors", "pytest",
                     "matplotlib", "numpy")
 
@@ -101,11 +109,18 @@ class Stage:
     """Short name: the log is <key>_<name>.log in the output folder."""
     title: str
     command: list[str]
-    timeout_s: int
+    expected_s: int
+    """Seconds it is expected to take (EXPECTED_S); it starts only when this fits in the budget left."""
     figure: Callable[[Path, str], tuple[bool, str]]
     """Reads the stage's outputs (its folder and its log text) -> (figures look sound, figure text)."""
     gpus: int = 1
-    """GPUs the stage needs; on a machine with fewer it is skipped (``skip_stage``)."""
+    """GPUs the stage needs; on a machine with fewer it is skipped (``skip_reason``)."""
+    note: str = ""
+    """What the plan says about a choice made for this run (blockwise left out, the proxy's depth)."""
+
+    @property
+    def limit_s(self) -> int:
+        return int(self.expected_s * LIMIT_FACTOR)
 
 
 @dataclass
@@ -120,75 +135,138 @@ class StageResult:
     log: str
     details: dict = field(default_factory=dict)
     skipped: bool = False
-    """Not run: the machine has fewer GPUs than the stage needs (the figure says so). Does not fail the run."""
+    """Not run: too few GPUs, or cut by the budget (the figure says which). Does not fail the run."""
 
 
 # --------------------------------------------------------------------------------------------------
 # The stages
 
 
-def build_stages(python: str, out: Path) -> list[Stage]:
+@dataclass(frozen=True)
+class RunShape:
+    """Choices that depend on the budget and the card, made once before the stages are built."""
+
+    proxy_layers: int
+    proxy_head_share: float
+    proxy_ac: str = "selective"
+    blockwise: bool = False
+
+
+def choose_run_shape(budget_s: int, keys: str) -> RunShape:
+    """The representative proxy's depth (head <= PROXY_HEAD_SHARE of the FLOPs) and whether the blockwise
+    Linear fits: only when the chosen one-GPU stages leave BLOCKWISE_S of the budget unused."""
+    import models  # noqa: F401  (registers the families)
+    from torchtitan_lite.tools.proxy_model import layers_for_head_share
+
+    proxy = layers_for_head_share("llama3", "8B", seq_len=PROXY_SEQ_LEN, max_share=PROXY_HEAD_SHARE)
+    planned = sum(EXPECTED_S[k] for k in keys if k not in "fg")
+    return RunShape(proxy.n_layers, proxy.head_share, blockwise="b" in keys and planned + BLOCKWISE_S <= budget_s)
+
+
+def build_stages(python: str, out: Path, shape: RunShape) -> list[Stage]:
+    """Every stage, in PRIORITY order."""
     scripts = REPO / "scripts"
-    return [
-        Stage("a", "pytest", "pytest -m gpu (CUDA-only tests)",
-              [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "-rs",
-               f"--junitxml={out / 'a_pytest.xml'}"], 270, pytest_figure),
-        Stage("b", "float8_layer_bench", "float8 Linear bench, llama3_8b shapes, compiled",
-              [python, str(scripts / "float8_layer_bench.py"), "--shapes", "llama3_8b", "--recipes", *LAYER_RECIPES],
-              390, layer_bench_figure),
-        Stage("c", "benchmark", f"training throughput, 8B width x {BENCH_LAYERS} layers, seq 8192, compiled",
-              [python, str(scripts / "benchmark.py"), "--configs", *BENCH_CONFIGS, "--baseline", BENCH_CONFIGS[0],
-               "--warmup", "3", "--steps", "10", "--model.n_layers", str(BENCH_LAYERS), "--training.seq_len", "8192",
-               "--training.local_batch_size", "1", "--compile.enable", "true",
-               # The published configs read the Llama 3 tokenizer and a streamed hub corpus; a GPU machine
-               # without network has neither, and throughput does not depend on which tokens flow.
-               "--data.dataset", "embedded", "--tokenizer.path", "none",
-               "--metrics.enable_tensorboard", "false", "--title", f"llama3_8b width, {BENCH_LAYERS} layers, seq 8192",
-               "--out-md", str(out / "c_benchmark.md"), "--json-out", str(out / "c_benchmark.json"),
-               "--png", str(out / "c_benchmark.png"), "--logs", str(out / "c_logs")], 150,
-              benchmark_figure("c_benchmark.json")),
-        Stage("d", "loss_compare", f"loss curves, llama3_debug_bf16 vs llama3_debug_fp8, 200 steps x {LOSS_SEEDS} seeds",
-              [python, str(scripts / "loss_compare.py"), "--configs", "llama3_debug_bf16", "llama3_debug_fp8",
-               "--steps", "200", "--seeds", str(LOSS_SEEDS), "--parallel", str(2 * LOSS_SEEDS),
-               "--out", str(out / "d_loss_compare.png"), "--table", str(out / "d_loss_compare.md"),
-               "--dump-root", str(out / "d_runs")], 120, loss_figure),
-        Stage("e", "moe_benchmark", f"MoE training throughput, Qwen3-30B-A3B width x {MOE_BENCH_LAYERS} blocks, "
-                                    "seq 4096, eager",
-              [python, str(scripts / "benchmark.py"), "--configs", *MOE_BENCH_CONFIGS, "--baseline",
-               MOE_BENCH_CONFIGS[0], "--warmup", "3", "--steps", "10", "--model.n_layers", str(MOE_BENCH_LAYERS),
-               "--training.seq_len", "4096", "--training.local_batch_size", "1", "--compile.enable", "false",
-               "--data.dataset", "embedded", "--tokenizer.path", "none", "--metrics.enable_tensorboard", "false",
-               "--title", f"qwen3_moe 30B-A3B width, {MOE_BENCH_LAYERS} blocks, seq 4096",
-               "--out-md", str(out / "e_benchmark.md"), "--json-out", str(out / "e_benchmark.json"),
-               "--logs", str(out / "e_logs")], 130, benchmark_figure("e_benchmark.json")),
-        Stage("f", "pp_train", f"pipeline parallelism, llama3_debug, PP {PP_GPUS} x 1F1B, 20 steps",
-              ["env", f"NGPU={PP_GPUS}", str(REPO / "run_train.sh"), "--config", "llama3_debug", "--parallelism.pp",
-               str(PP_GPUS), "--parallelism.pipeline_schedule", "1F1B", "--training.steps", "20",
-               "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
-               "--validation.freq", "20", "--job.dump_folder", str(out / "f_run")], 90, pp_train_figure,
-              gpus=PP_GPUS),
-        Stage("g", "pipeline_bubble", f"pipeline bubble per schedule on {PP_GPUS} GPUs, 8B width x 8 blocks",
-              [python, str(scripts / "pipeline_bubble.py"), "--device", "cuda", "--pp", str(PP_GPUS), *PP_BUBBLE_ARGS,
-               "--out-md", str(out / "g_pipeline_bubble.md"), "--json-out", str(out / "g_pipeline_bubble.json")], 150,
-              bubble_figure, gpus=PP_GPUS),
-    ]
+    dense_data = ["--data.dataset", "embedded", "--tokenizer.path", "none", "--metrics.enable_tensorboard", "false"]
+    # The published configs read the Llama 3 / Qwen3 tokenizer and a streamed hub corpus; a GPU machine without
+    # network has neither, and throughput does not depend on which tokens flow.
+    recipes = [*LAYER_RECIPES, *(["blockwise"] if shape.blockwise else [])]
+    stages = {
+        "b": Stage("b", "float8_layer_bench", "float8 Linear bench, llama3_8b shapes, compiled",
+                   [python, str(scripts / "float8_layer_bench.py"), "--shapes", "llama3_8b", "--recipes", *recipes,
+                    "--json-out", str(out / "b_layers.json")],
+                   EXPECTED_S["b"] + (BLOCKWISE_S if shape.blockwise else 0), layer_bench_figure,
+                   note="blockwise timed (the budget leaves room for its autotuning)" if shape.blockwise else
+                   f"blockwise not timed: its Triton autotuning needs ~{BLOCKWISE_S} s more than the budget leaves"),
+        "c": Stage("c", "benchmark", f"representative proxy: 8B width x {shape.proxy_layers} blocks (head "
+                                     f"{shape.proxy_head_share:.1%} of the FLOPs), seq {PROXY_SEQ_LEN}, AC "
+                                     f"{shape.proxy_ac}, compiled",
+                   [python, str(scripts / "benchmark.py"), "--configs", *BENCH_CONFIGS, "--baseline", BENCH_CONFIGS[0],
+                    "--warmup", "3", "--steps", str(PROXY_STEPS), "--repeats", "2",
+                    "--time-budget", str(int(EXPECTED_S["c"] * 0.9)),
+                    "--profile-steps", str(PROXY_PROFILE_STEPS), "--profile-dir", str(out / "c_profiles"),
+                    "--model.n_layers", str(shape.proxy_layers), "--training.seq_len", str(PROXY_SEQ_LEN),
+                    "--training.local_batch_size", "1", "--activation_checkpoint.mode", shape.proxy_ac,
+                    "--compile.enable", "true", *dense_data,
+                    "--title", f"llama3_8b width, {shape.proxy_layers} blocks, seq {PROXY_SEQ_LEN}",
+                    "--out-md", str(out / "c_benchmark.md"), "--json-out", str(out / "c_benchmark.json"),
+                    "--logs", str(out / "c_logs")],
+                   EXPECTED_S["c"], expectation_figure),
+        "e": Stage("e", "moe_benchmark", f"MoE proxy: Qwen3-30B-A3B width x {MOE_BENCH_LAYERS} blocks, seq 4096 x "
+                                         f"{MOE_BATCH} (1,024 tokens per expert), compiled",
+                   [python, str(scripts / "benchmark.py"), "--configs", *MOE_BENCH_CONFIGS, "--baseline",
+                    MOE_BENCH_CONFIGS[0], "--warmup", "3", "--steps", "20", "--model.n_layers", str(MOE_BENCH_LAYERS),
+                    "--training.seq_len", "4096", "--training.local_batch_size", str(MOE_BATCH),
+                    "--compile.enable", "true", *dense_data,
+                    "--title", f"qwen3_moe 30B-A3B width, {MOE_BENCH_LAYERS} blocks, seq 4096 x {MOE_BATCH}",
+                    "--out-md", str(out / "e_benchmark.md"), "--json-out", str(out / "e_benchmark.json"),
+                    "--logs", str(out / "e_logs")],
+                   EXPECTED_S["e"], benchmark_figure("e_benchmark.json")),
+        "a": Stage("a", "pytest", "pytest -m gpu (CUDA-only tests)",
+                   [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "-rs",
+                    *([] if shape.blockwise else ["-k", "not blockwise"]), f"--junitxml={out / 'a_pytest.xml'}"],
+                   EXPECTED_S["a"], pytest_figure,
+                   note="" if shape.blockwise else "the blockwise tests left out (autotuning; see stage b)"),
+        "d": Stage("d", "loss_compare", f"loss curves, llama3_debug_bf16 vs llama3_debug_fp8, 200 steps x {LOSS_SEEDS} "
+                                        "seeds",
+                   [python, str(scripts / "loss_compare.py"), "--configs", "llama3_debug_bf16", "llama3_debug_fp8",
+                    "--steps", "200", "--seeds", str(LOSS_SEEDS), "--parallel", str(2 * LOSS_SEEDS),
+                    "--out", str(out / "d_loss_compare.png"), "--table", str(out / "d_loss_compare.md"),
+                    "--dump-root", str(out / "d_runs")], EXPECTED_S["d"], loss_figure),
+        "h": Stage("h", "small_proxy", f"extra: 8B width x {SMALL_PROXY_LAYERS} blocks (head 31% of the FLOPs), "
+                                       "seq 8192, compiled",
+                   [python, str(scripts / "benchmark.py"), "--configs", *BENCH_CONFIGS, "--baseline", BENCH_CONFIGS[0],
+                    "--warmup", "3", "--steps", "10", "--model.n_layers", str(SMALL_PROXY_LAYERS),
+                    "--training.seq_len", "8192", "--training.local_batch_size", "1", "--compile.enable", "true",
+                    *dense_data, "--title", f"llama3_8b width, {SMALL_PROXY_LAYERS} layers, seq 8192",
+                    "--out-md", str(out / "h_benchmark.md"), "--json-out", str(out / "h_benchmark.json"),
+                    "--logs", str(out / "h_logs")], EXPECTED_S["h"], benchmark_figure("h_benchmark.json")),
+        "f": Stage("f", "pp_train", f"pipeline parallelism, llama3_debug, PP {PP_GPUS} x 1F1B, 20 steps",
+                   ["env", f"NGPU={PP_GPUS}", str(REPO / "run_train.sh"), "--config", "llama3_debug", "--parallelism.pp",
+                    str(PP_GPUS), "--parallelism.pipeline_schedule", "1F1B", "--training.steps", "20",
+                    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
+                    "--validation.freq", "20", "--job.dump_folder", str(out / "f_run")], EXPECTED_S["f"],
+                   pp_train_figure, gpus=PP_GPUS),
+        "g": Stage("g", "pipeline_bubble", f"pipeline bubble per schedule on {PP_GPUS} GPUs, 8B width x 8 blocks",
+                   [python, str(scripts / "pipeline_bubble.py"), "--device", "cuda", "--pp", str(PP_GPUS),
+                    *PP_BUBBLE_ARGS, "--out-md", str(out / "g_pipeline_bubble.md"), "--json-out",
+                    str(out / "g_pipeline_bubble.json")], EXPECTED_S["g"], bubble_figure, gpus=PP_GPUS),
+    }
+    return [stages[k] for k in PRIORITY]
 
 
-def select_stages(stages: list[Stage], keys: str) -> list[Stage]:
-    """The stages named in ``keys``; one-GPU stages that leave part of the budget unused share it out.
+def expectation_figure(out: Path, log: str) -> tuple[bool, str]:
+    """Stage c: the throughput rows, then each FP8 recipe's expected speedup (from stage b's layer bench and
+    the BF16 profile) beside the measured one, written to c_expected.md / .json."""
+    from torchtitan_lite.tools import fp8_expectation
 
-    Run alone (``--stages b``), a one-GPU stage gets all 9 minutes; a choice whose limits add up to more
-    keeps them (never cut below what the stage was measured to need). The multi-GPU stages keep their own.
-    """
-    chosen = [s for s in stages if s.key in keys]
-    single = sum(s.timeout_s for s in chosen if s.gpus == 1)
-    scale = max(1.0, BUDGET_S / single) if single else 1.0
-    return [dataclasses.replace(s, timeout_s=int(s.timeout_s * scale)) if s.gpus == 1 else s for s in chosen]
+    sound, figure = benchmark_figure("c_benchmark.json")(out, log)
+    layers = out / "b_layers.json"
+    if not sound or not layers.exists():
+        return sound, figure + ("" if layers.exists() else "; no expected speedups (stage b's layer bench is missing)")
+    argv = ["--layer-bench", str(layers), "--e2e", str(out / "c_benchmark.json"), "--profiles",
+            str(out / "c_profiles"), "--baseline", BENCH_CONFIGS[0], "--out-md", str(out / "c_expected.md"),
+            "--json-out", str(out / "c_expected.json"), *(f"--recipe={c}={r}" for c, r in FP8_RECIPE_OF.items())]
+    if fp8_expectation.main(argv) != 0:
+        return False, figure + "; the expected-speedup calculation failed (see the log)"
+    parts = [f"{e['config']} expected {e['expected_speedup']:.2f}x, measured {e['measured_speedup']:.2f}x "
+             f"({e['ratio']:.2f} of expected{', SHORT' if e['short'] else ''})"
+             for e in json.loads((out / "c_expected.json").read_text())["expectations"]
+             if e["measured_speedup"] is not None]
+    return sound, figure + "; " + "; ".join(parts)
 
 
-def group_limit(keys: str) -> int:
-    """Seconds the one-GPU stages in ``keys`` may take together, at their own limits."""
-    return sum(s.timeout_s for s in build_stages("python", Path(".")) if s.key in keys and s.gpus == 1)
+def plan(stages: list[Stage], keys: str, budget_s: int) -> list[tuple[Stage, bool]]:
+    """The chosen stages in priority order, each with whether it fits the budget when every stage before it
+    takes its expected time (multi-GPU stages count only where they run, so they are listed as fitting)."""
+    used, planned = 0, []
+    for stage in stages:
+        if stage.key not in keys:
+            continue
+        fits = stage.gpus > 1 or used + stage.expected_s <= budget_s
+        if fits and stage.gpus == 1:
+            used += stage.expected_s
+        planned.append((stage, fits))
+    return planned
 
 
 def skip_reason(stage: Stage, gpus: int) -> str | None:
@@ -224,16 +302,34 @@ def skip_stage(stage: Stage, reason: str) -> StageResult:
     return StageResult(stage.key, stage.title, shlex.join(stage.command), True, reason, 0.0, None, "", skipped=True)
 
 
-def run_stage(stage: Stage, out: Path, env: dict[str, str]) -> StageResult:
+def cut_stage(stage: Stage, left_s: float) -> StageResult:
+    """A stage the budget has no room for: not started, reported as cut (not a failure)."""
+    reason = (f"cut: not started, it needs ~{stage.expected_s} s and {max(0, int(left_s))} s of --budget were "
+              f"left; run it alone with --stages {stage.key} --out <this folder>")
+    print(f"[{stage.key}] {stage.title}\n[{stage.key}] CUT: {reason.removeprefix('cut: ')}", flush=True)
+    return StageResult(stage.key, stage.title, shlex.join(stage.command), True, reason, 0.0, None, "", skipped=True)
+
+
+class Stopped(Exception):
+    """SIGTERM reached gpu_check while a stage ran: the stage is stopped and the report written."""
+
+
+def run_stage(stage: Stage, out: Path, env: dict[str, str], timeout_s: float) -> StageResult:
+    """Run ``stage`` for at most ``timeout_s`` seconds (its whole process group is stopped then, or on SIGTERM)."""
     log_path = out / f"{stage.key}_{stage.name}.log"
-    print(f"[{stage.key}] {stage.title}\n    $ {shlex.join(stage.command)}", flush=True)
+    print(f"[{stage.key}] {stage.title} (expected ~{stage.expected_s} s, stopped after {timeout_s:.0f} s)\n"
+          f"    $ {shlex.join(stage.command)}", flush=True)
     start = time.perf_counter()
     exit_code: int | None
+    stopped = False
     with open(log_path, "w") as log:
+        proc = subprocess.Popen(stage.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
         try:
-            exit_code = subprocess.run(stage.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                       timeout=stage.timeout_s).returncode
-        except subprocess.TimeoutExpired:
+            exit_code = proc.wait(timeout=timeout_s)
+        except (subprocess.TimeoutExpired, Stopped) as err:
+            stopped = isinstance(err, Stopped)
+            _stop_group(proc)
             exit_code = None
     seconds = time.perf_counter() - start
     text = log_path.read_text(errors="replace")
@@ -242,7 +338,8 @@ def run_stage(stage: Stage, out: Path, env: dict[str, str]) -> StageResult:
     except (OSError, ValueError, KeyError, ET.ParseError) as err:
         sound, figure = False, f"could not read the stage's results: {err}"
     if exit_code is None:
-        sound, figure = False, f"timed out after {stage.timeout_s} s; {figure}"
+        why = "the run was stopped (SIGTERM)" if stopped else f"its {timeout_s:.0f} s ran out"
+        sound, figure = False, f"cut mid-way after {seconds:.0f} s: {why}; what it wrote: {figure}"
     elif exit_code != 0:
         sound, figure = False, f"exit {exit_code}; {figure}"
     result = StageResult(stage.key, stage.title, shlex.join(stage.command), sound, figure, seconds, exit_code,
@@ -250,7 +347,25 @@ def run_stage(stage: Stage, out: Path, env: dict[str, str]) -> StageResult:
     print(f"[{stage.key}] {'PASS' if sound else 'FAIL'} in {seconds:.0f} s: {figure}", flush=True)
     if not sound:
         print("    last lines of the log:\n" + "".join(f"    {line}\n" for line in text.splitlines()[-15:]), flush=True)
+    if stopped:
+        raise Stopped(result)
     return result
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the stage's whole process group (torchrun, compile workers), SIGKILL after 10 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped()
 
 
 def probe_interpreter(python: str) -> tuple[list[str], dict[str, str]]:
@@ -269,6 +384,9 @@ def probe_interpreter(python: str) -> tuple[list[str], dict[str, str]]:
              "    n = torch.cuda.device_count()\n"
              "    info = {'device': torch.cuda.get_device_name(0) if n else 'no CUDA device', 'gpus': str(n),\n"
              "            'torch': torch.__version__, 'cuda': str(torch.version.cuda), 'torchao': torchao.__version__}\n"
+             "    if n:\n"
+             "        total = torch.cuda.get_device_properties(0).total_memory\n"
+             "        info.update(memory_bytes=str(total), memory_gib=f'{total / 1024**3:.0f}')\n"
              "print(json.dumps([bad, info]))")
     result = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd="/")
     if result.returncode != 0:
@@ -304,27 +422,53 @@ def _command_output(cmd: list[str]) -> str:
 # Report
 
 
-def markdown_section(results: list[StageResult], info: dict[str, str], command: str, out: Path) -> str:
+def markdown_section(results: list[StageResult], info: dict[str, str], command: str, out: Path,
+                     notes: list[str] = ()) -> str:  # type: ignore[assignment]
     lines = [f"## GPU acceptance run on {info['gpus']} x {info['device']} ({info['date']})", "",
-             f"- device: {info['gpus']} x {info['device']}, driver {info['driver']}, CUDA {info['cuda']}",
+             f"- device: {info['gpus']} x {info['device']} ({info.get('memory_gib', '?')} GiB), driver "
+             f"{info['driver']}, CUDA {info['cuda']}",
              f"- torch {info['torch']}, torchao {info['torchao']}; commit {info['commit']}; {info['date']}",
-             f"- command: `{command}`", "",
+             f"- command: `{command}`", *(f"- {note}" for note in notes), "",
              "| stage | result | figure | seconds |", "|---|---|---|---:|"]
     for r in results:
         figure = r.figure.replace("|", "\\|")
-        verdict = "skipped" if r.skipped else "pass" if r.passed else "**FAIL**"
+        verdict = ("cut" if r.figure.startswith("cut:") else "skipped") if r.skipped else \
+            "pass" if r.passed else "**FAIL**"
         lines.append(f"| {r.key}. {r.title} | {verdict} | {figure} | {r.seconds:.0f} |")
-    for name, heading in (("c_benchmark.md", None), ("d_loss_compare.md", "Loss comparison (stage d)"),
-                          ("e_benchmark.md", None)):
+    layers = out / "b_layers.json"
+    if layers.exists():
+        lines += ["", "### float8 Linear forward+backward (stage b)", "", layer_table(json.loads(layers.read_text()))]
+    for name, heading in (("c_benchmark.md", None), ("c_expected.md", "Expected against measured (stage c)"),
+                          ("e_benchmark.md", None), ("d_loss_compare.md", "Loss comparison (stage d)"),
+                          ("h_benchmark.md", None)):
         path = out / name
         if path.exists():
             lines += ["", f"### {heading}" if heading else "", path.read_text().strip()]
-    bench_log = out / "b_float8_layer_bench.log"
-    if bench_log.exists():
-        table = [line for line in bench_log.read_text().splitlines() if line.startswith("|")]
-        if table:
-            lines += ["", "### float8 Linear forward+backward (stage b)", "", *table]
-    return "\n".join(line for line in lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def layer_table(data: dict) -> str:
+    """The layer bench's JSON as a table: milliseconds per variant and speedup over BF16 per shape."""
+    rows = data["rows"]
+    recipes = list(dict.fromkeys(k for r in rows for k in r["seconds"] if k != "hp"))
+    lines = ["| layer | M | K | N | x | bf16 ms | " + " | ".join(f"{r} ms (speedup)" for r in recipes) + " |",
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(recipes)]
+    for r in rows:
+        hp = r["seconds"]["hp"]
+        cells = [f"{r['seconds'][k] * 1e3:.3f} ({hp / r['seconds'][k]:.2f}x)" if k in r["seconds"] else "-"
+                 for k in recipes]
+        lines.append(f"| {r['name']} | {r['m']} | {r['k']} | {r['n']} | {r['count']} | {hp * 1e3:.3f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, results: list[StageResult], info: dict[str, str], command: str,
+                 notes: list[str]) -> None:
+    """summary.json and BENCHMARKS_section.md as they stand (rewritten after every stage)."""
+    merged = merge_results(out, results)
+    (out / "BENCHMARKS_section.md").write_text(markdown_section(merged, info, command, out, notes))
+    (out / "summary.json").write_text(json.dumps({"environment": info, "command": command, "notes": notes,
+                                                  "stages": [asdict(r) for r in merged]}, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -337,20 +481,52 @@ def default_out() -> Path:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--plan", action="store_true", help="print the commands it would run and exit 0 (no GPU needed)")
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--plan", action="store_true",
+                        help="print each stage's expected time and command, and what the budget fits; exit 0 "
+                             "(no GPU needed)")
+    parser.add_argument("--budget", type=int, default=BUDGET_S, metavar="SECONDS",
+                        help=f"seconds the stages may take together (default {BUDGET_S}: one 10-minute device "
+                             "command); stages that do not fit are cut and reported")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default gpu_check/<date>-<commit>)")
     parser.add_argument("--wheels", type=Path, default=None,
                         help="install the wheels in this folder first (pip --no-index --no-deps; "
                              "scripts/fetch_gpu_wheels.sh makes it)")
-    parser.add_argument("--stages", default=STAGE_KEYS, help=f"which stages to run, e.g. 'cd' (default: {STAGE_KEYS})")
+    parser.add_argument("--stages", default=STAGE_KEYS,
+                        help=f"which stages may run, e.g. 'bce' (default: {STAGE_KEYS}); they run in the order "
+                             f"{PRIORITY}")
     args = parser.parse_args(argv)
     unknown = set(args.stages) - set(STAGE_KEYS)
     if unknown or not args.stages:
         parser.error(f"--stages takes letters from '{STAGE_KEYS}', got {args.stages!r}")
+    if args.budget < 60:
+        parser.error(f"--budget {args.budget}: give at least 60 seconds")
     if args.wheels is not None and not any(args.wheels.rglob("*.whl")):
         parser.error(f"--wheels {args.wheels}: no .whl files there; make the folder with scripts/fetch_gpu_wheels.sh DIR")
     return args
+
+
+def print_plan(planned: list[tuple[Stage, bool]], budget_s: int, out: Path, python: str,
+               setup: list[str] | None) -> None:
+    used = sum(s.expected_s for s, fits in planned if fits and s.gpus == 1)
+    cut = [s.key for s, fits in planned if not fits]
+    print(f"# gpu_check plan: run from {REPO} with PYTHONPATH={REPO}; output under {out}; interpreter {python}; "
+          f"--budget {budget_s} s: the stages that fit expect {used} s together"
+          + (f"; cut for the budget: {', '.join(cut)}" if cut else ""))
+    if setup:
+        print(f"# setup: install the carried wheels\n{shlex.join(setup)}")
+    clock = 0
+    for stage, fits in planned:
+        if stage.gpus > 1:
+            when = f"needs {stage.gpus} GPUs, skipped on a machine with fewer; ~{stage.expected_s} s where it runs"
+        elif fits:
+            clock += stage.expected_s
+            when = f"expected ~{stage.expected_s} s, done by ~{clock} s"
+        else:
+            when = f"CUT: expected ~{stage.expected_s} s, does not fit in what the stages before it leave"
+        note = f"; {stage.note}" if stage.note else ""
+        print(f"# stage {stage.key}: {stage.title} ({when}{note})\n{shlex.join(stage.command)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,20 +534,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     python = _interpreter(os.environ.get("TTL_PYTHON") or sys.executable)
     out = (args.out or default_out()).resolve()
-    stages = select_stages(build_stages(python, out), args.stages)
+    shape = choose_run_shape(args.budget, args.stages)
+    planned = plan(build_stages(python, out, shape), args.stages, args.budget)
     setup = wheel_install_command(python, args.wheels) if args.wheels else None
     if args.plan:
-        single = sum(s.timeout_s for s in stages if s.gpus == 1)
-        groups = ", ".join(f"--stages {g} ({group_limit(g)} s)" for g in COMMAND_GROUPS)
-        print(f"# gpu_check plan: run from {REPO} with PYTHONPATH={REPO}; output under {out}; interpreter {python}; "
-              f"one-GPU stage limits add up to {single} s, stages needing {PP_GPUS}+ GPUs "
-              f"add {sum(s.timeout_s for s in stages) - single} s where they run; one device command of "
-              f"{BUDGET_S} s fits {groups} (the same --out merges them)")
-        if setup:
-            print(f"# setup: install the carried wheels\n{shlex.join(setup)}")
-        for s in stages:
-            needs = f"; needs {s.gpus} GPUs, skipped on a machine with fewer" if s.gpus > 1 else ""
-            print(f"# stage {s.key}: {s.title} (limit {s.timeout_s} s{needs})\n{shlex.join(s.command)}")
+        print_plan(planned, args.budget, out, python, setup)
         return 0
 
     if setup:
@@ -392,29 +559,72 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {python} sees no CUDA device (torch {info['torch']}, CUDA {info['cuda']}); this check needs "
               f"one or more GPUs. Use --plan to see what it would run", file=sys.stderr)
         return 2
+    deadline = time.perf_counter() + args.budget
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused check leaves no output folder behind
     print(f"gpu_check: {info['gpus']} x {info['device']}, driver {info['driver']}, torch {info['torch']}, "
-          f"torchao {info['torchao']}, commit {info['commit']}; output in {out}", flush=True)
+          f"torchao {info['torchao']}, commit {info['commit']}; --budget {args.budget} s; output in {out}", flush=True)
+    command = shlex.join(["scripts/gpu_check.sh", *argv])
+    notes = [f"stage {s.key}: {s.note}" for s, _ in planned if s.note]
+    planned, fit_note = size_proxy(planned, shape, python, out, info)
+    notes += [fit_note] if fit_note else []
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     gpus = int(info["gpus"])
-    results = merge_results(out, [run_stage(stage, out, env) if (reason := skip_reason(stage, gpus)) is None
-                                  else skip_stage(stage, reason) for stage in stages])
+    results: list[StageResult] = []
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        for stage, _ in planned:
+            left = deadline - time.perf_counter()
+            if (reason := skip_reason(stage, gpus)) is not None:
+                results.append(skip_stage(stage, reason))
+            elif stage.expected_s > left:
+                results.append(cut_stage(stage, left))
+            else:
+                results.append(run_stage(stage, out, env, min(stage.limit_s, left)))
+            write_report(out, results, info, command, notes)
+    except Stopped as stop:
+        if stop.args:
+            results.append(stop.args[0])
+        notes.append("the run was stopped from outside (SIGTERM); the stages after the last one listed did not run")
+        write_report(out, results, info, command, notes)
+        print(f"gpu_check: stopped; the report so far is in {out / 'BENCHMARKS_section.md'}", flush=True)
+        return 1
 
-    command = shlex.join(["scripts/gpu_check.sh", *argv])
-    section = markdown_section(results, info, command, out)
-    (out / "BENCHMARKS_section.md").write_text(section)
-    (out / "summary.json").write_text(json.dumps({"environment": info, "command": command,
-                                                  "stages": [asdict(r) for r in results]}, indent=2) + "\n")
-    failed = [r.key for r in results if not r.passed]
-    skipped = [r.key for r in results if r.skipped]
-    ran = len(results) - len(skipped)
+    merged = merge_results(out, results)
+    failed = [r.key for r in merged if not r.passed]
+    skipped = [r.key for r in merged if r.skipped]
+    ran = len(merged) - len(skipped)
     print(f"\ngpu_check: {ran - len(failed)} of {ran} stages passed"
           f"{'; failed: ' + ', '.join(failed) if failed else ''}"
-          f"{'; skipped (too few GPUs): ' + ', '.join(skipped) if skipped else ''}. Markdown for BENCHMARKS.md: "
-          f"{out / 'BENCHMARKS_section.md'}", flush=True)
+          f"{'; not run (cut by the budget or too few GPUs): ' + ', '.join(skipped) if skipped else ''}. "
+          f"Markdown for BENCHMARKS.md: {out / 'BENCHMARKS_section.md'}", flush=True)
     return 1 if failed else 0
+
+
+def size_proxy(planned: list[tuple[Stage, bool]], shape: RunShape, python: str, out: Path,
+               info: dict[str, str]) -> tuple[list[tuple[Stage, bool]], str]:
+    """Stage c's activation checkpointing chosen by the memory estimate against this card (selective, else
+    full); the stage is left out, with the reason, when neither fits."""
+    if not any(s.key == "c" for s, _ in planned) or "memory_bytes" not in info:
+        return planned, ""
+    from config_registry import DEFAULT_REGISTRY
+    from torchtitan_lite.tools.proxy_model import fitting_ac_mode
+
+    stage_c = next(s for s, _ in planned if s.key == "c")
+    i = stage_c.command.index("--model.n_layers")
+    overrides = stage_c.command[i:stage_c.command.index("--title")]
+    mode, peak = fitting_ac_mode(list(BENCH_CONFIGS), [o for o in overrides], device_bytes=int(info["memory_bytes"]),
+                                 registry=DEFAULT_REGISTRY)
+    card = f"{int(info['memory_bytes']) / 1024**3:.0f} GiB"
+    if mode is None:
+        return ([(s, f) for s, f in planned if s.key != "c"],
+                f"stage c left out: its estimated peak with full activation checkpointing, {peak:.1f} GiB, does not "
+                f"fit this card's {card}")
+    if mode != shape.proxy_ac:
+        planned = [(build_stages(python, out, dataclasses.replace(shape, proxy_ac=mode))[PRIORITY.index("c")], f)
+                   if s.key == "c" else (s, f) for s, f in planned]
+    return planned, f"stage c: estimated peak {peak:.1f} GiB with AC {mode} on this card's {card} (--estimate-memory)"
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, compile included (default 3)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per measurement, the fastest kept (default 1)")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="start another round of --repeats only when the last round's time still fits in "
+                             "this many seconds since the start (the first round always runs)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after each config's timed steps (first round), this many more under torch.profiler, "
+                             "written to --profile-dir/<config>.json (tools/step_profile.py)")
+    parser.add_argument("--profile-dir", type=Path, help="folder for the --profile-steps profiles")
     parser.add_argument("--bare-loop", action="store_true",
                         help="also time scripts/bare_loop.py on each config it supports and report trainer / bare")
     parser.add_argument("--nproc", type=int, default=1, help="processes per config, via torchrun (default 1)")
@@ -89,6 +97,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides:
         parser.error("--configs lists a config twice")
     if args.append and args.out_md is None:
         parser.error("--append needs --out-md")
+    if args.profile_steps < 0 or (args.profile_steps > 0) != (args.profile_dir is not None):
+        parser.error("--profile-steps N (>= 1) and --profile-dir DIR go together")
     for flag in overrides:
         name = flag.split("=", 1)[0]
         if name in RESERVED_FLAGS:
@@ -106,14 +116,19 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     peak_override, peak_note = _peak(args, device_type)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="benchmark_"))
     logs.mkdir(parents=True, exist_ok=True)
+    if args.profile_dir:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
 
     load_before = load_average()
     measured: dict[str, Measurement] = {}
     bare: dict[str, BareMeasurement] = {}
     bare_notes: dict[str, str] = {}
+    started = time.perf_counter()
     for repeat in range(args.repeats):
+        round_start = time.perf_counter()
         for name in args.configs:
-            m = _run_worker(name, overrides + peak_override, args, logs / f"{name}.{repeat}.trainer")
+            profile = args.profile_dir / f"{name}.json" if args.profile_steps and repeat == 0 else None
+            m = _run_worker(name, overrides + peak_override, args, logs / f"{name}.{repeat}.trainer", profile)
             if name not in measured or _tokens_per_s(m) > _tokens_per_s(measured[name]):
                 measured[name] = m
             if not args.bare_loop:
@@ -125,6 +140,12 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
             b = _run_bare(name, overrides + peak_override, args, logs / f"{name}.{repeat}.bare")
             if name not in bare or b.tokens_per_s > bare[name].tokens_per_s:
                 bare[name] = b
+        done = time.perf_counter()
+        if (repeat + 1 < args.repeats and args.time_budget is not None
+                and done - started + (done - round_start) > args.time_budget):
+            print(f"stopping after {repeat + 1} of {args.repeats} rounds: another would pass --time-budget "
+                  f"{args.time_budget:.0f} s", flush=True)
+            break
 
     measurements = [measured[name] for name in args.configs]
     rows = build_rows(measurements, baseline, bare, bare_notes)
@@ -201,15 +222,17 @@ def _peak(args: argparse.Namespace, device_type: str) -> tuple[list[str], str]:
     return ["--metrics.cpu_peak_tflops", repr(tflops)], note
 
 
-def _run_worker(name: str, overrides: list[str], args: argparse.Namespace, stem: Path) -> Measurement:
+def _run_worker(name: str, overrides: list[str], args: argparse.Namespace, stem: Path,
+                profile: Path | None = None) -> Measurement:
     json_out = Path(f"{stem}.json")
+    profiling = ["--profile-steps", str(args.profile_steps), "--profile-out", str(profile)] if profile else []
     script = [str(SCRIPTS_DIR / "_bench_worker.py")]
     if args.nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
     else:
         launcher = [sys.executable]
     cmd = [*launcher, *script, "--json-out", str(json_out), "--warmup", str(args.warmup), "--steps",
-           str(args.steps), "--config", name, *overrides]
+           str(args.steps), *profiling, "--config", name, *overrides]
     _run(cmd, Path(f"{stem}.log"), f"{name} (trainer)")
     return Measurement.from_json(json.loads(json_out.read_text()))
 

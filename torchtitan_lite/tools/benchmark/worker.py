@@ -40,9 +40,14 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     parser.add_argument("--json-out", required=True, help="where to write the measurement")
     parser.add_argument("--warmup", type=int, required=True, help="untimed steps first (>= 1)")
     parser.add_argument("--steps", type=int, required=True, help="timed steps (>= 1)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the timed steps, this many more under torch.profiler (not timed)")
+    parser.add_argument("--profile-out", type=Path, help="where to write the profile (step_profile records)")
     args, config_argv = parser.parse_known_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must both be >= 1 (the first step is never timed)")
+    if args.profile_steps < 0 or (args.profile_steps > 0) != (args.profile_out is not None):
+        parser.error("--profile-steps N (>= 1) and --profile-out PATH go together")
     _setup_logging()
 
     import torch.distributed as dist
@@ -52,11 +57,15 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_") as dump:
         # Later flags win: the user's overrides come after these defaults, the step count last.
-        cli = parse_cli(["--validation.enable", "false", "--checkpoint.enable", "false", "--job.dump_folder", dump, *config_argv,
-                         "--training.steps", str(args.warmup + args.steps)], registry=registry)
+        cli = parse_cli(["--validation.enable", "false", "--checkpoint.enable", "false", "--job.dump_folder", dump,
+                         *config_argv, "--training.steps", str(args.warmup + args.steps + args.profile_steps)],
+                        registry=registry)
         config: Any = cli.config  # set: the action is train
         trainer = config.build()
-        spans, memory = _record_steps(trainer)
+        spans, memory = _record_steps(trainer, timed=args.warmup + args.steps)
+        if args.profile_steps:
+            _profile_last_steps(trainer, first=args.warmup + args.steps, steps=args.profile_steps,
+                                out=args.profile_out)
         try:
             trainer.train()
         finally:
@@ -75,8 +84,8 @@ def _setup_logging() -> None:
     logging.getLogger("torchao").setLevel(logging.ERROR)
 
 
-def _record_steps(trainer: Any) -> tuple[list[tuple[float, float]], dict[str, float]]:
-    """Wrap ``trainer.train_step`` to record (start, end) of every step and the CUDA peak memory.
+def _record_steps(trainer: Any, *, timed: int) -> tuple[list[tuple[float, float]], dict[str, float]]:
+    """Wrap ``trainer.train_step`` to record (start, end) of the first ``timed`` steps and the CUDA peak memory.
 
     The CUDA peak is read right after each step, before the metrics logger resets the counters.
     """
@@ -92,7 +101,8 @@ def _record_steps(trainer: Any) -> tuple[list[tuple[float, float]], dict[str, fl
         result = original(batches)
         if cuda:  # the step reads nothing back by itself: wait for the device to finish it
             torch.cuda.synchronize(trainer.device)
-        spans.append((start, time.perf_counter()))
+        if len(spans) < timed:  # later (profiled) steps are not timed
+            spans.append((start, time.perf_counter()))
         if cuda:
             memory["allocated"] = max(memory["allocated"], torch.cuda.max_memory_allocated(trainer.device) / GIB)
             memory["reserved"] = max(memory["reserved"], torch.cuda.max_memory_reserved(trainer.device) / GIB)
@@ -100,6 +110,52 @@ def _record_steps(trainer: Any) -> tuple[list[tuple[float, float]], dict[str, fl
 
     trainer.train_step = timed_train_step
     return spans, memory
+
+
+def _profile_last_steps(trainer: Any, *, first: int, steps: int, out: Path) -> None:
+    """Run steps ``first`` .. ``first + steps - 1`` (0-based) under torch.profiler and write their records
+    (tools/step_profile.py), with the vocabulary size and the shapes of the Linears a converter replaced."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from torchtitan_lite.tools.step_profile import records_from_profiler
+
+    inner = trainer.train_step
+    calls = {"n": 0}
+    cuda = trainer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    profiler = profile(activities=activities, record_shapes=True)
+
+    def profiled_train_step(batches: Any) -> Any:
+        index = calls["n"]
+        calls["n"] += 1
+        if index == first:
+            profiler.__enter__()
+        result = inner(batches)
+        if index == first + steps - 1:
+            if cuda:
+                torch.cuda.synchronize(trainer.device)
+            profiler.__exit__(None, None, None)
+            records = records_from_profiler(profiler.events(), device_type=trainer.device.type)
+            out.write_text(json.dumps({"steps": steps, "device_type": trainer.device.type,
+                                       "vocab_size": int(trainer.model_args.vocab_size), "converted": _converted_shapes(trainer),
+                                       "records": [r.to_json() for r in records]}) + "\n")
+        return result
+
+    trainer.train_step = profiled_train_step
+
+
+def _converted_shapes(trainer: Any) -> list[list[int]]:
+    """(in, out) of every Linear-like module whose class a low-precision converter put in place of nn.Linear."""
+    import torch.nn as nn
+
+    shapes = set()
+    for part in trainer.model_parts:
+        for module in part.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, nn.Linear) and type(module) is not nn.Linear and weight is not None:
+                shapes.add((int(module.in_features), int(module.out_features)))
+    return sorted(list(s) for s in shapes)
 
 
 def _measurement(config_name: str, trainer: Any, spans: list[tuple[float, float]], memory: dict[str, float],
