@@ -35,6 +35,17 @@ def test_categories_of_kernels_as_a_cuda_profile_names_them():
     assert {gemm_dims(s) for s in ([(8192, 4096), (4096, 1024)], [(8192, 1024), (1024, 4096)],
                                    [(1024, 8192), (8192, 4096)])} == {(1024, 4096, 8192)}
     assert gemm_dims([(1024,), (8192, 4096), (4096, 1024)]) == (1024, 4096, 8192)  # addmm: bias first
+    # Compiled code calls mm(a, b, out=c): the output comes after the operands (as recorded on an H200).
+    assert gemm_dims([(8192, 4096), (4096, 14336), (8192, 14336)]) == (4096, 8192, 14336)
+    assert gemm_dims([(8192, 4096), (8192, 4096)]) is None
+
+
+def test_cupti_markers_are_not_ops():
+    """On an H200 the optimizer's kernels were listed under "Command Buffer Full" as well as under their op."""
+    records = [_rec("multi_tensor_apply_kernel", "Command Buffer Full", us=4_000_000.0),
+               _rec("multi_tensor_apply_kernel", "aten::_fused_adamw_", us=80_000.0,
+                    chain=["Optimizer.step#AdamW.step"])]
+    assert categorize(records, vocab_size=VOCAB, steps=2).ms["optimizer"] == pytest.approx(40.0)
 
 
 def test_categorize_sums_per_step_and_keeps_gemm_time_per_shape():
@@ -73,6 +84,18 @@ def test_expected_speedup_is_the_bf16_step_less_what_each_converted_gemm_saves()
     unknown = fx.expect("fp8", "tensorwise", bf16_step_ms=100.0, bf16_profile=profile, layers=_layers(2.0),
                         converted=[(4096, 14336), (4096, 1024)], measured_speedup=None)
     assert unknown.unmatched == ["4096x1024"] and unknown.expected_speedup == pytest.approx(1.25)
+
+
+def test_linears_whose_gemms_share_dimensions_share_one_profile_entry():
+    """8B: w1/w3 (4096 -> 14336) and w2 (14336 -> 4096) all run GEMMs over {8192, 4096, 14336}; that profile time
+    is counted once, at the three Linears' joint bench speedup (BF16 time over FP8 time)."""
+    layers = [fx.LayerTiming("w1, w3", 8192, 4096, 14336, {"hp": 0.004, "tensorwise": 0.002}, count=2),
+              fx.LayerTiming("w2", 8192, 14336, 4096, {"hp": 0.004, "tensorwise": 0.004}, count=1)]
+    profile = StepProfile(ms={"gemm": 60.0, "other": 40.0}, gemm_ms={(4096, 8192, 14336): 60.0}, steps=1)
+    e = fx.expect("fp8", "tensorwise", bf16_step_ms=100.0, bf16_profile=profile, layers=layers,
+                  converted=[(4096, 14336), (14336, 4096)], measured_speedup=None)
+    # Joint speedup 12 / 8 = 1.5: saves 60 x (1 - 1/1.5) = 20 ms -> 100 / 80.
+    assert e.converted_gemm_ms == pytest.approx(60.0) and e.expected_speedup == pytest.approx(1.25)
 
 
 def test_the_command_writes_the_table_and_shows_the_profiles_of_a_short_recipe(tmp_path):

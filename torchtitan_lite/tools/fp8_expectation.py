@@ -40,6 +40,8 @@ class LayerTiming:
     n: int
     seconds: dict[str, float]
     """Median forward + backward seconds per variant; 'hp' is the high-precision Linear."""
+    count: int = 1
+    """Linears of this shape in a block."""
 
     def speedup(self, recipe: str) -> float | None:
         t = self.seconds.get(recipe)
@@ -74,15 +76,23 @@ class Expectation:
 
 def expect(config: str, recipe: str, *, bf16_step_ms: float, bf16_profile: StepProfile, layers: list[LayerTiming],
            converted: list[tuple[int, int]], measured_speedup: float | None) -> Expectation:
-    """The expected end-to-end speedup of ``config`` (module docstring), with its measured one."""
-    gemm_ms, saved, unmatched = 0.0, 0.0, []
+    """The expected end-to-end speedup of ``config`` (module docstring), with its measured one.
+
+    Linears whose GEMMs share sorted dimensions (8B: w1/w3 are 4096 x 14336, w2 14336 x 4096, all three
+    {8192, 4096, 14336}) share one profile entry: it is counted once, at their bench speedup together
+    (BF16 time over FP8 time, each Linear as often as it occurs)."""
+    by_dims: dict[tuple[int, int, int], list[LayerTiming]] = {}
+    unmatched = []
     for k, n in converted:
         layer = next((lt for lt in layers if (lt.k, lt.n) == (k, n)), None)
-        speedup = layer.speedup(recipe) if layer is not None else None
-        t = bf16_profile.gemm_ms.get(layer.dims, 0.0) if layer is not None else 0.0
-        if speedup is None or t == 0.0:
+        if layer is None or layer.speedup(recipe) is None or bf16_profile.gemm_ms.get(layer.dims, 0.0) == 0.0:
             unmatched.append(f"{k}x{n}")
             continue
+        by_dims.setdefault(layer.dims, []).append(layer)
+    gemm_ms, saved = 0.0, 0.0
+    for dims, group in by_dims.items():
+        speedup = sum(lt.seconds["hp"] * lt.count for lt in group) / sum(lt.seconds[recipe] * lt.count for lt in group)
+        t = bf16_profile.gemm_ms[dims]
         gemm_ms += t
         saved += t * (1 - 1 / speedup)
     return Expectation(config, recipe, bf16_step_ms, gemm_ms, saved, bf16_step_ms / (bf16_step_ms - saved),
@@ -115,7 +125,8 @@ def markdown(expectations: list[Expectation], profiles: dict[str, StepProfile], 
 
 
 def read_layers(path: Path) -> list[LayerTiming]:
-    return [LayerTiming(r["name"], r["m"], r["k"], r["n"], r["seconds"]) for r in json.loads(path.read_text())["rows"]]
+    return [LayerTiming(r["name"], r["m"], r["k"], r["n"], r["seconds"], r.get("count", 1))
+            for r in json.loads(path.read_text())["rows"]]
 
 
 def read_profile(path: Path) -> tuple[StepProfile, list[tuple[int, int]]]:

@@ -124,8 +124,10 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     bare: dict[str, BareMeasurement] = {}
     bare_notes: dict[str, str] = {}
     started = time.perf_counter()
+    rounds = 0
     for repeat in range(args.repeats):
         round_start = time.perf_counter()
+        rounds += 1
         for name in args.configs:
             profile = args.profile_dir / f"{name}.json" if args.profile_steps and repeat == 0 else None
             m = _run_worker(name, overrides + peak_override, args, logs / f"{name}.{repeat}.trainer", profile)
@@ -152,7 +154,7 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     first = measurements[0]
     info = run_info(device=first.device_name if first.device_type == "cpu" else f"{args.nproc} x {first.device_name}",
                     peak_note=peak_note, command=_command(argv), warmup=args.warmup, steps=args.steps,
-                    repeats=args.repeats, load=_load_text(load_before, load_average()))
+                    repeats=rounds, load=_load_text(load_before, load_average()))
     title = args.title or f"{', '.join(args.configs)} on {first.device_name}"
     memory_note = ("max allocated / max reserved (CUDA caching allocator)" if first.device_type == "cuda"
                    else "peak resident set size of the config's process")
