@@ -107,6 +107,7 @@ def test_stage_e_benchmarks_compiled_moe_at_a_thousand_tokens_per_expert():
         assert tokens * 8 // 128 == 1024  # top-8 of 128 experts
     kinds = [c.kind for c in configs["qwen3_moe_30b_a3b_fp8"].model_converters.converters]
     assert kinds == ["moe_experts"]
+    assert (args.profile_steps, args.profile_dir) == (2, Path("/out/e_profiles"))  # where the experts' time goes
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -346,3 +347,21 @@ def test_fetch_gpu_wheels_refuses_a_package_it_does_not_pin_before_writing_anyth
     assert result.returncode == 2
     assert result.stderr.startswith("error: numpy is not one of the packages this script pins: torchao datasets ")
     assert not (tmp_path / "w").exists()
+
+
+def test_the_moe_stage_writes_both_configs_profiles_by_category(tmp_path):
+    row = dict(tokens_per_s_device=1000.0, tflops_device=300.0, mfu_percent=30.0, peak_memory_gib=38.0, compile_s=20.0)
+    (tmp_path / "e_benchmark.json").write_text(json.dumps({"rows": [
+        dict(row, config="qwen3_moe_30b_a3b", speedup=1.0), dict(row, config="qwen3_moe_30b_a3b_fp8", speedup=0.84)]}))
+    (tmp_path / "e_profiles").mkdir()
+    grouped = {"name": "k", "op": "aten::_grouped_mm", "chain": [], "shapes": [], "us": 20_000.0, "count": 1}
+    scaled = dict(grouped, op="aten::_scaled_grouped_mm", us=16_000.0)
+    casts = dict(grouped, name="triton_red_fused_abs_amax_3", op="CompiledFunction", us=12_000.0)
+    for name, records in (("qwen3_moe_30b_a3b", [grouped]), ("qwen3_moe_30b_a3b_fp8", [scaled, casts])):
+        (tmp_path / "e_profiles" / f"{name}.json").write_text(json.dumps(
+            {"steps": 2, "vocab_size": 151936, "converted": [], "records": records}))
+    ok, figure = gpu_check.moe_figure(tmp_path, "")
+    assert ok and "qwen3_moe_30b_a3b_fp8: 1,000 tok/s" in figure
+    table = (tmp_path / "e_profiles.md").read_text()
+    assert "| BF16 GEMMs (blocks) | 10.00 | 0.00 |" in table and "| FP8 GEMMs | 0.00 | 8.00 |" in table
+    assert "| casts and amax | 0.00 | 6.00 |" in table

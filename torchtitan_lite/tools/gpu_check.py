@@ -192,13 +192,14 @@ def build_stages(python: str, out: Path, shape: RunShape) -> list[Stage]:
         "e": Stage("e", "moe_benchmark", f"MoE proxy: Qwen3-30B-A3B width x {MOE_BENCH_LAYERS} blocks, seq 4096 x "
                                          f"{MOE_BATCH} (1,024 tokens per expert), compiled",
                    [python, str(scripts / "benchmark.py"), "--configs", *MOE_BENCH_CONFIGS, "--baseline",
-                    MOE_BENCH_CONFIGS[0], "--warmup", "3", "--steps", "20", "--model.n_layers", str(MOE_BENCH_LAYERS),
+                    MOE_BENCH_CONFIGS[0], "--warmup", "3", "--steps", "20", "--profile-steps", "2",
+                    "--profile-dir", str(out / "e_profiles"), "--model.n_layers", str(MOE_BENCH_LAYERS),
                     "--training.seq_len", "4096", "--training.local_batch_size", str(MOE_BATCH),
                     "--compile.enable", "true", *dense_data,
                     "--title", f"qwen3_moe 30B-A3B width, {MOE_BENCH_LAYERS} blocks, seq 4096 x {MOE_BATCH}",
                     "--out-md", str(out / "e_benchmark.md"), "--json-out", str(out / "e_benchmark.json"),
                     "--logs", str(out / "e_logs")],
-                   EXPECTED_S["e"], benchmark_figure("e_benchmark.json")),
+                   EXPECTED_S["e"], moe_figure),
         "a": Stage("a", "pytest", "pytest -m gpu (CUDA-only tests)",
                    [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "-rs",
                     *([] if shape.blockwise else ["-k", "not blockwise"]), f"--junitxml={out / 'a_pytest.xml'}"],
@@ -251,6 +252,20 @@ def expectation_figure(out: Path, log: str) -> tuple[bool, str]:
              for e in json.loads((out / "c_expected.json").read_text())["expectations"]
              if e["measured_speedup"] is not None]
     return sound, figure + "; " + "; ".join(parts)
+
+
+def moe_figure(out: Path, log: str) -> tuple[bool, str]:
+    """Stage e: the throughput rows, and both configs' step profiles by category (e_profiles.md), which show
+    where the FP8 experts' time goes when they do not gain."""
+    from torchtitan_lite.tools.fp8_expectation import read_profile
+    from torchtitan_lite.tools.step_profile import category_table
+
+    sound, figure = benchmark_figure("e_benchmark.json")(out, log)
+    paths = [out / "e_profiles" / f"{name}.json" for name in MOE_BENCH_CONFIGS]
+    if sound and all(p.exists() for p in paths):
+        table = category_table({p.stem: read_profile(p)[0] for p in paths})
+        (out / "e_profiles.md").write_text(table + "\n")
+    return sound, figure
 
 
 def plan(stages: list[Stage], keys: str, budget_s: int) -> list[tuple[Stage, bool]]:
@@ -437,7 +452,8 @@ def markdown_section(results: list[StageResult], info: dict[str, str], command: 
     if layers.exists():
         lines += ["", "### float8 Linear forward+backward (stage b)", "", layer_table(json.loads(layers.read_text()))]
     for name, heading in (("c_benchmark.md", None), ("c_expected.md", "Expected against measured (stage c)"),
-                          ("e_benchmark.md", None), ("d_loss_compare.md", "Loss comparison (stage d)"),
+                          ("e_benchmark.md", None), ("e_profiles.md", "Where the MoE step's time goes (stage e)"),
+                          ("d_loss_compare.md", "Loss comparison (stage d)"),
                           ("h_benchmark.md", None)):
         path = out / name
         if path.exists():
