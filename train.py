@@ -61,6 +61,9 @@ def main(argv: list[str]) -> int:
 
     stop_when_launcher_dies()
     _setup_logging()
+    from torchtitan_lite.compile_cache import use_project_compile_caches
+
+    use_project_compile_caches()  # before anything compiles: kernels and autotuning survive the process
     # The one place where the model families and the registered configs meet the core: importing
     # `models` registers each family's spec; the registry is handed to the parser and the actions.
     import models  # noqa: F401

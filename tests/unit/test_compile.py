@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -160,3 +161,37 @@ def test_compile_stats_count_inductor_cache_lookups(monkeypatch):
     assert (compile_stats().graphs, compile_stats().cache_hits, compile_stats().cache_misses) == (2, 4, 0)
     counters["inductor"].update(fxgraph_cache_bypass=1)  # a graph inductor cannot cache is compiled afresh
     assert (compile_stats().cache_hits, compile_stats().cache_misses) == (4, 1)
+
+
+def test_the_first_step_says_whether_triton_autotuned_and_that_the_result_is_kept(monkeypatch, tmp_path):
+    """torchao's FP8 Triton kernels autotune ~100 s a shape: the first step's line says whether that happened."""
+    from torchtitan_lite import compile_cache
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    before = compile_stats()
+    assert before.autotuned == 0
+    for name in ("a/k1", "b/k2"):  # what Triton writes per tuned kernel with TRITON_CACHE_AUTOTUNING=1
+        (tmp_path / "triton" / name).parent.mkdir(parents=True)
+        (tmp_path / "triton" / f"{name}{compile_cache.AUTOTUNE_SUFFIX}").write_text("{}")
+    after = compile_stats()
+    assert after.autotuned == 2
+    assert first_step_compile_label(before, after, step_s=5.0).endswith(
+        "; Triton autotuned 2 kernel(s) (kept in $TRITON_CACHE_DIR: the next run reuses them)")
+    assert first_step_compile_label(after, after, step_s=5.0).endswith(
+        "; no Triton autotuning (2 result(s) reused from $TRITON_CACHE_DIR)")
+
+
+def test_a_training_process_keeps_compiled_kernels_and_autotuning_under_the_project_cache(monkeypatch, tmp_path):
+    from torchtitan_lite import compile_cache
+
+    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))  # a user's own choice stays
+    chosen = compile_cache.use_project_compile_caches()
+    assert chosen == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache" / "inductor"), "TRITON_CACHE_AUTOTUNING": "1"}
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    # inductor reads the variable when it first needs its cache, so setting it before any compile is enough.
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir() == str(tmp_path / "cache" / "inductor")

@@ -86,6 +86,8 @@ class CompileStats:
     """Forward / backward graphs whose kernels inductor loaded from its FX graph cache."""
     cache_misses: int
     """Forward / backward graphs inductor generated and compiled C++ / Triton code for (missed, or not cacheable)."""
+    autotuned: int = 0
+    """Autotuning results in Triton's on-disk cache (compile_cache.py): a rise over a step is kernels it tuned."""
 
 
 def compile_stats() -> CompileStats:
@@ -96,10 +98,13 @@ def compile_stats() -> CompileStats:
     costs a re-trace but no compilation."""
     from torch._dynamo.utils import counters
 
+    from torchtitan_lite.compile_cache import autotuned_kernels
+
     inductor = counters["inductor"]
     return CompileStats(seconds=compile_seconds(), graphs=compiled_graphs(),
                         cache_hits=int(inductor["fxgraph_cache_hit"]),
-                        cache_misses=int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"]))
+                        cache_misses=int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"]),
+                        autotuned=autotuned_kernels())
 
 
 def compile_label(stats: CompileStats) -> str:
@@ -130,4 +135,9 @@ def first_step_compile_label(before: CompileStats, after: CompileStats, *, step_
     text = compile_label(inside)
     if before.graphs:
         text += f"; {before.seconds:.1f}s compiling {before.graphs} graph(s) before the step"
+    tuned = after.autotuned - before.autotuned
+    if tuned:
+        text += f"; Triton autotuned {tuned} kernel(s) (kept in $TRITON_CACHE_DIR: the next run reuses them)"
+    elif after.autotuned:
+        text += f"; no Triton autotuning ({after.autotuned} result(s) reused from $TRITON_CACHE_DIR)"
     return text

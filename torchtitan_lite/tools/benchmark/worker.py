@@ -49,6 +49,9 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     if args.profile_steps < 0 or (args.profile_steps > 0) != (args.profile_out is not None):
         parser.error("--profile-steps N (>= 1) and --profile-out PATH go together")
     _setup_logging()
+    from torchtitan_lite.compile_cache import use_project_compile_caches
+
+    use_project_compile_caches()  # as train.py: a config measured again on this machine autotunes nothing
 
     import torch.distributed as dist
 
