@@ -174,6 +174,9 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,
         seq_len=config.training.seq_len, output_module=spec.parallel_plan.output,
         dp_shard=dims.dp_shard if dims.fsdp_enabled else 1, tp=dims.tp, tp_shard_dim=spec.parallel_plan.tp_shard_dim,
+        tokens_per_forward=config.training.seq_len * (pipeline.microbatch_size if pipeline is not None
+                                                      else config.training.local_batch_size),
+        ep=dims.ep,
     )
     converters = config.model_converters.build(context=context)
     check_validation_precision(config.validation, converters, tp_enabled=dims.tp_enabled)

@@ -40,11 +40,11 @@ def test_plan_gives_each_stage_its_expected_time_in_priority_order_and_cuts_what
     stages = [line for line in lines if line.startswith("# stage ")]
     assert [s.split(":")[0] for s in stages] == [f"# stage {k}" for k in gpu_check.PRIORITY]
     expected = gpu_check.EXPECTED_S
-    # b, c and e fit the default 540 s (130 + 200 + 155); the rest is cut; f and g need two GPUs.
+    # b, c and e fit the default 540 s (130 + 200 + 200); the rest is cut; f and g need two GPUs.
     assert f"(expected ~{expected['b']} s, done by ~130 s; blockwise not timed" in stages[0]
-    assert "(expected ~200 s, done by ~330 s)" in stages[1] and "(expected ~155 s, done by ~485 s)" in stages[2]
+    assert "(expected ~200 s, done by ~330 s)" in stages[1] and "(expected ~200 s, done by ~530 s)" in stages[2]
     assert all("CUT: expected" in s for s in stages[3:6]) and all("needs 2 GPUs" in s for s in stages[6:])
-    assert lines[0].endswith("--budget 540 s: the stages that fit expect 485 s together; cut for the budget: a, d, h")
+    assert lines[0].endswith("--budget 540 s: the stages that fit expect 530 s together; cut for the budget: a, d, h")
     commands = [line for line in lines if not line.startswith("#")]
     assert commands[0].startswith(f"{sys.executable} -m pip install --no-index --no-deps")
     assert ("scripts/float8_layer_bench.py --shapes llama3_8b --recipes tensorwise rowwise rowwise_with_gw_hp "
@@ -98,14 +98,14 @@ def test_stage_e_benchmarks_compiled_moe_at_a_thousand_tokens_per_expert():
     command = _stages()["e"].command
     args, overrides = benchmark.parse_args(command[2:])
     configs = benchmark._resolve(args.configs, overrides, DEFAULT_REGISTRY)
-    assert list(configs) == ["qwen3_moe_30b_a3b", "qwen3_moe_30b_a3b_fp8"]
+    assert list(configs) == ["qwen3_moe_30b_a3b", "qwen3_moe_30b_a3b_fp8", "qwen3_moe_30b_a3b_fp8_experts"]
     for cfg in configs.values():
         assert (cfg.model.name, cfg.model.flavor, cfg.model.n_layers) == ("qwen3_moe", "30B-A3B", 2)
         assert (cfg.training.seq_len, cfg.compile.enable, cfg.data.dataset, cfg.tokenizer.path) == (
             4096, True, "embedded", None)
         tokens = cfg.training.seq_len * cfg.training.local_batch_size
         assert tokens * 8 // 128 == 1024  # top-8 of 128 experts
-    kinds = [c.kind for c in configs["qwen3_moe_30b_a3b_fp8"].model_converters.converters]
+    kinds = [c.kind for c in configs["qwen3_moe_30b_a3b_fp8_experts"].model_converters.converters]
     assert kinds == ["moe_experts"]
     assert (args.profile_steps, args.profile_dir) == (2, Path("/out/e_profiles"))  # where the experts' time goes
 

@@ -250,7 +250,7 @@ def test_fp8_stats_measure_every_expert_gemm(recipe):
 
 
 @pytest.mark.parametrize("config, first_table", [("qwen3_moe_debug_fp8", "float8 converter"),
-                                                 ("qwen3_moe_30b_a3b_fp8", "moe_experts converter")])
+                                                 ("qwen3_moe_30b_a3b_fp8_experts", "moe_experts converter")])
 def test_print_fp8_plan_shows_the_expert_table(config, first_table, capsys):
     from config_registry import DEFAULT_REGISTRY
     from torchtitan_lite.actions import run_action
@@ -299,3 +299,10 @@ def test_high_precision_validation_runs_the_experts_in_bf16_and_restores_them():
         assert switched == 2
         torch.testing.assert_close(experts(x, counts), bf16, rtol=0, atol=0)
     torch.testing.assert_close(experts(x, counts), quantized, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_the_speed_filter_is_refused_where_no_size_rule_is_known(recipe):
+    with pytest.raises(ValueError, match=(r"model_converters.converters\[moe_experts\].filter_fqns entry "
+                                          r"'auto_filter_small_kn' has a size rule for recipe_name='rowwise' only")):
+        GroupedExpertsConverter.Config(recipe_name=recipe, filter_fqns=["auto_filter_small_kn"])

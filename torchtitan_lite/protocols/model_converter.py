@@ -52,6 +52,10 @@ class ConversionContext:
     tp: int = 1
     tp_shard_dim: Callable[[str], int | None] = lambda fqn: None
     """The weight dim TP splits for a module FQN (the family's ParallelPlan.tp_shard_dim), None if whole."""
+    tokens_per_forward: int = 0
+    """Tokens one forward pass of a rank computes (local batch, or a pipeline micro-batch, x seq_len); 0 unknown."""
+    ep: int = 1
+    """Expert-parallel degree: each rank's experts see the tokens of ``ep`` ranks."""
 
 
 class ModelConverter(Configurable):

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK, tp_degrees_keeping_blocks
-from torchtitan_lite.components.quantization.float8_plan import filter_reason
+from torchtitan_lite.components.quantization.float8_plan import AUTO_FILTER_SMALL_KN, filter_reason, too_small
 from torchtitan_lite.components.quantization.grouped_gemm import (
     GROUP_ALIGNMENT,
     GROUPED_RECIPES,
@@ -55,6 +55,11 @@ _RECIPE_TEXT = {"rowwise": "FP8 rowwise (e4m3, power-of-2 scales per token and p
                 "blockwise": f"blockwise FP8 (e4m3, 1x{BLOCK} activation / gradient tiles, {BLOCK}x{BLOCK} blocks of "
                              f"each expert's weight"}
 _TP_RULE = f"whole 1x{BLOCK} tiles and {BLOCK}x{BLOCK} weight blocks (the split dim / tp a multiple of {BLOCK})"
+MIN_TOKENS_PER_EXPERT = 1024
+"""With ``auto_filter_small_kn``: rowwise experts whose grouped GEMMs see fewer tokens per expert stay in BF16.
+torchao puts the break-even of its FP8 rowwise grouped GEMMs near 500-1,000 tokens per expert; on an H200
+(2026-11-27, BENCHMARKS.md) Qwen3-30B-A3B's experts (2048 x 768) at 1,024 tokens per expert, compiled, ran
+0.84x of BF16, so the floor is the upper end and the shape rule below applies on top of it."""
 NO_BLOCKWISE_KERNEL = (f"torch {torch.__version__.split('+')[0]} and torchao have no grouped blockwise FP8 GEMM "
                        f"(torchao's blockwise kernels are dense Linears only)")
 
@@ -156,7 +161,10 @@ class GroupedExpertsConverter(ModelConverter):
         native: the kernels or an error; emulated: always emulate (exact numerics, slower than BF16)."""
         filter_fqns: list[str] = field(default_factory=list)
         """Expert weights whose FQN (e.g. 'layers.0.moe.experts.w2') contains any entry stay in high
-        precision."""
+        precision. 'auto_filter_small_kn' (rowwise only) also keeps in BF16 the expert weights whose grouped
+        GEMM is predicted slower in FP8: fewer than MIN_TOKENS_PER_EXPERT tokens per expert (local batch x
+        seq_len x top_k x ep / experts), or a weight (K = in, N = out) below torchao's dense rowwise size rule
+        (N <= 2048, K <= 1024, or N <= 4096 and K <= 2048)."""
 
         def __post_init__(self) -> None:
             if self.recipe_name not in GROUPED_RECIPES:
@@ -172,6 +180,11 @@ class GroupedExpertsConverter(ModelConverter):
                 if not isinstance(entry, str) or not entry:
                     raise ValueError(f"{_FIELD}.filter_fqns entry {entry!r} would match every module; use non-empty "
                                      f"FQN substrings such as 'layers.0.moe.experts'")
+            if AUTO_FILTER_SMALL_KN in self.filter_fqns and self.recipe_name != "rowwise":
+                raise ValueError(f"{_FIELD}.filter_fqns entry {AUTO_FILTER_SMALL_KN!r} has a size rule for "
+                                 f"recipe_name='rowwise' only (torchao's measured break-even); none is known for "
+                                 f"{self.recipe_name!r} grouped experts. Remove the entry, or name the experts to "
+                                 f"keep in high precision")
 
     config: GroupedExpertsConverter.Config
 
@@ -222,13 +235,19 @@ class GroupedExpertsConverter(ModelConverter):
     def _rows(self, model: nn.Module) -> list[ExpertPlanRow]:
         rows = []
         for fqn, module in grouped_gemm_experts(model):
-            for name in type(module).grouped_gemm_weights:  # type: ignore[attr-defined]
+            names = type(module).grouped_gemm_weights  # type: ignore[attr-defined]
+            # One GEMM primitive per module: a weight predicted slower keeps the module's other weights with it.
+            slow = next(((name, why) for name in names
+                         if (why := self._speed_reason(model, *getattr(module, name).shape[:0:-1]))), None)
+            for name in names:
                 experts, out_features, in_features = getattr(module, name).shape
                 weight_fqn = f"{fqn}.{name}"
                 reason = (filter_reason(weight_fqn, self.config.filter_fqns)
                           or ("" if module.use_grouped_mm else "use_grouped_mm=False: the per-expert loop runs no "
                                                                "grouped GEMM")
-                          or self._shape_reason(in_features, out_features))
+                          or self._shape_reason(in_features, out_features)
+                          or ("" if slow is None else slow[1] if slow[0] == name else
+                              f"with {slow[0]} (one recipe per experts module): {slow[1]}"))
                 rows.append(ExpertPlanRow(weight_fqn, experts, in_features, out_features,
                                           None if reason else self.config.recipe_name, reason))
         for fqn, module in model.named_modules():
@@ -256,6 +275,23 @@ class GroupedExpertsConverter(ModelConverter):
             return f"dims not multiples of {BLOCK} (1x{BLOCK} tiles, {BLOCK}x{BLOCK} weight blocks)"
         if in_features % align or out_features % align:
             return f"dims not divisible by {align} ({self.config.recipe_name} grouped GEMM alignment)"
+        return ""
+
+    def _speed_reason(self, model: nn.Module, in_features: int, out_features: int) -> str:
+        """With ``auto_filter_small_kn``: why FP8 rowwise is predicted slower than BF16 for this expert weight."""
+        if AUTO_FILTER_SMALL_KN not in self.config.filter_fqns:
+            return ""
+        facts_fn = getattr(model, "moe_facts", None)
+        facts = facts_fn() if callable(facts_fn) else None
+        tokens = self.context.tokens_per_forward
+        if facts is not None and tokens:
+            per_expert = tokens * facts.top_k * self.context.ep // facts.num_experts
+            if per_expert < MIN_TOKENS_PER_EXPERT:
+                return (f"{AUTO_FILTER_SMALL_KN}: ~{per_expert} tokens per expert (< {MIN_TOKENS_PER_EXPERT}), too "
+                        f"few for FP8 rowwise grouped GEMMs to pay for their casts")
+        if too_small("rowwise", in_features, out_features):
+            return (f"{AUTO_FILTER_SMALL_KN}: K={in_features}, N={out_features} is below the rowwise size rule "
+                    f"(slower than BF16: 0.84x measured for 2048 x 768 experts on an H200)")
         return ""
 
     def _tp_misfits(self, rows: list[ExpertPlanRow]) -> TpMisfits | None:
