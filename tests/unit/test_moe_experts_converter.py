@@ -306,3 +306,19 @@ def test_the_speed_filter_is_refused_where_no_size_rule_is_known(recipe):
     with pytest.raises(ValueError, match=(r"model_converters.converters\[moe_experts\].filter_fqns entry "
                                           r"'auto_filter_small_kn' has a size rule for recipe_name='rowwise' only")):
         GroupedExpertsConverter.Config(recipe_name=recipe, filter_fqns=["auto_filter_small_kn"])
+
+
+@pytest.mark.parametrize("compile_model, warned", [(False, True), (True, False)])
+def test_experts_alone_in_fp8_without_compile_warn_like_the_linear_converters(monkeypatch, caplog, compile_model,
+                                                                              warned):
+    """A config whose only FP8 part is the experts gets the same compile advice as a float8 one (on Hopper, where
+    torchao's kernels run; an emulation is slower than BF16 either way)."""
+    from torchtitan_lite.components.quantization import moe_experts
+
+    monkeypatch.setattr(moe_experts, "_cuda_device", lambda device_type: ((9, 0), "NVIDIA H100"))
+    monkeypatch.setattr(moe_experts, "native_kernels_built", lambda recipe: True)
+    with caplog.at_level(logging.WARNING):
+        converter = GroupedExpertsConverter(GroupedExpertsConverter.Config(recipe_name="rowwise"),
+                                            context=context(device_type="cuda", compile_model=compile_model))
+    assert converter.kernel.emulate is False
+    assert ("grouped experts without torch.compile of the model are usually slower than BF16" in caplog.text) is warned

@@ -196,9 +196,19 @@ class GroupedExpertsConverter(ModelConverter):
         self.kernel = decide_grouped_kernel(recipe, config.kernel, context.device_type, capability, name, built,
                                             power_of_2=config.power_of_2_scales)
         self._check_precision()
+        self._check_compile()
         self.plan: list[ExpertPlanRow] | None = None
         """The rows of the last ``convert``."""
         logger.info("%s: %s", _FIELD, self.kernel.why)
+
+    def _check_compile(self) -> None:
+        # As for the Linear converters: a config whose only low-precision part is the experts needs compile too.
+        # Emulated (CPU, older GPUs) FP8 checks numerics and is slower than BF16 either way: no advice there.
+        if self.kernel.emulate is False and not self.context.compile_model:
+            logger.warning(
+                "%s: FP8 / MX grouped experts without torch.compile of the model are usually slower than BF16: the "
+                "per-token and per-column casts and scales run as separate eager kernels. Set compile.enable=true "
+                "(with 'model' in compile.components) for speed", _FIELD)
 
     def _check_precision(self) -> None:
         dtype = self.context.param_dtype
