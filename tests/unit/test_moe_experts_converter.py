@@ -155,8 +155,8 @@ def test_the_dense_float8_plan_keeps_the_router_gate_in_float32():
     ("mxfp8", "auto", "cuda", None, True, None, "decided on the GPU at launch"),
     ("mxfp8", "emulated", "cuda", (10, 0), True, True, "as kernel='emulated' asks"),
     # No grouped blockwise GEMM exists: auto emulates on any device, with the reason.
-    ("blockwise", "auto", "cpu", None, True, True, "and torchao have no grouped blockwise FP8 GEMM"),
-    ("blockwise", "auto", "cuda", (9, 0), True, True, "and torchao have no grouped blockwise FP8 GEMM"),
+    ("blockwise", "auto", "cpu", None, True, True, "has no grouped blockwise FP8 GEMM, and torchao 0.18's"),
+    ("blockwise", "auto", "cuda", (9, 0), True, True, "has no grouped blockwise FP8 GEMM, and torchao 0.18's"),
     ("blockwise", "auto", "cuda", None, True, True, "same tiles and scales, GEMM in float32 (float32 scales)"),
 ])
 def test_kernel_decision(recipe, kernel, device_type, capability, built, emulate, why):
@@ -168,8 +168,9 @@ def test_kernel_decision(recipe, kernel, device_type, capability, built, emulate
     ("rowwise", "cpu", None, "needs an NVIDIA GPU with compute capability 9.0+ (Hopper), and this run computes on cpu"),
     ("mxfp8", "cuda", (9, 0), "GPU (compute capability 9.0) lacks them (they need compute capability 10.0+"),
     ("blockwise", "cuda", (9, 0), f"model_converters.converters[moe_experts].kernel='native' with "
-                                  f"recipe_name='blockwise': torch {torch.__version__.split('+')[0]} and torchao have no "
-                                  f"grouped blockwise FP8 GEMM (torchao's blockwise kernels are dense Linears only). "
+                                  f"recipe_name='blockwise': torch {torch.__version__.split('+')[0]} has no grouped "
+                                  f"blockwise FP8 GEMM, and torchao 0.18's (prototype/moe_training/blockwise_fp8) runs "
+                                  f"on DeepGEMM (the deep_gemm package, sm_90+), which this converter does not call. "
                                   f"Use kernel='auto' or kernel='emulated' (both emulate: same tiles and scales, GEMM in "
                                   f"float32 (float32 scales); slower than BF16), or recipe_name='rowwise' for torchao's "
                                   f"FP8 grouped GEMM kernels (Hopper)"),

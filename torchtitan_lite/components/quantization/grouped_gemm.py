@@ -17,7 +17,7 @@ MXFP8 (``_to_mxfp8_then_scaled_grouped_mm``, RCEIL e8m0 scales): e4m3 elements i
 elements along each GEMM's contraction dim: K for the output, N for the input gradient, and the tokens for
 the weight gradient.
 
-Blockwise FP8 (DeepSeek-V3; emulated only: torch and torchao have no grouped blockwise GEMM): each expert's GEMMs
+Blockwise FP8 (DeepSeek-V3; emulated only: torch has no grouped blockwise GEMM, torchao 0.18's needs DeepGEMM): each expert's GEMMs
 exactly as the dense blockwise recipe's (blockwise_fp8.py), e4m3 with float32 or power-of-2 scales 448 / amax:
 
 - output ``x @ w_t[e]``: x in 1x128 tiles along K, each expert's weight in 128x128 blocks;

@@ -21,7 +21,8 @@ Recipes (numerics in grouped_gemm.py):
 Kernels (``kernel``): ``auto`` runs torchao's kernels where the GPU and this torchao build have them and
 emulates everywhere else (CPU, older GPUs, a build without the kernels), logging why once; ``native`` makes
 their absence an error; ``emulated`` always emulates (same tiles and scales, GEMM in the compute dtype).
-torch and torchao have no grouped blockwise FP8 GEMM, so blockwise always emulates (``auto``) and ``native`` is an
+torch has no grouped blockwise FP8 GEMM and torchao 0.18's runs on DeepGEMM (an optional package this converter
+does not call), so blockwise always emulates (``auto``) and ``native`` is an
 error.
 """
 from __future__ import annotations
@@ -60,8 +61,9 @@ MIN_TOKENS_PER_EXPERT = 1024
 torchao puts the break-even of its FP8 rowwise grouped GEMMs near 500-1,000 tokens per expert; on an H200
 (2026-11-27, BENCHMARKS.md) Qwen3-30B-A3B's experts (2048 x 768) at 1,024 tokens per expert, compiled, ran
 0.84x of BF16, so the floor is the upper end and the shape rule below applies on top of it."""
-NO_BLOCKWISE_KERNEL = (f"torch {torch.__version__.split('+')[0]} and torchao have no grouped blockwise FP8 GEMM "
-                       f"(torchao's blockwise kernels are dense Linears only)")
+NO_BLOCKWISE_KERNEL = (f"torch {torch.__version__.split('+')[0]} has no grouped blockwise FP8 GEMM, and torchao 0.18's "
+                       f"(prototype/moe_training/blockwise_fp8) runs on DeepGEMM (the deep_gemm package, sm_90+), "
+                       f"which this converter does not call")
 
 
 @dataclass(frozen=True)
