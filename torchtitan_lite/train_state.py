@@ -23,12 +23,28 @@ def check_steps_ahead(step: int, steps: int, folder: str) -> None:
 class TrainState:
     step: int = 0
     tokens_seen: int = 0
+    loss_sum: float = 0.0
+    """Sum of the applied steps' losses since the last log line (the logged loss is their mean): saved, so a run
+    resumed between two log lines logs the same mean as one that never stopped."""
+    loss_steps: int = 0
+
+    def add_loss(self, loss: float) -> None:
+        self.loss_sum += loss
+        self.loss_steps += 1
+
+    def take_mean_loss(self, fallback: float) -> float:
+        """The mean loss since the last log line (``fallback`` when no step was applied), and a fresh interval."""
+        mean = self.loss_sum / self.loss_steps if self.loss_steps else fallback
+        self.loss_sum, self.loss_steps = 0.0, 0
+        return mean
 
     def state_dict(self) -> dict[str, Any]:
         # RNG states are per rank; the checkpoint manager stores this state under a rank-unique key.
         state: dict[str, Any] = {
             "step": torch.tensor(self.step, dtype=torch.int64),
             "tokens_seen": torch.tensor(self.tokens_seen, dtype=torch.int64),
+            "loss_sum": torch.tensor(self.loss_sum, dtype=torch.float64),
+            "loss_steps": torch.tensor(self.loss_steps, dtype=torch.int64),
             "torch_rng": torch.get_rng_state(),
             "python_rng": _python_rng_to_tensor(random.getstate()),
         }
@@ -39,6 +55,9 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
+        # A checkpoint written before the logged loss was an interval mean has no interval: it starts afresh.
+        self.loss_sum = float(state["loss_sum"]) if "loss_sum" in state else 0.0
+        self.loss_steps = int(state["loss_steps"]) if "loss_steps" in state else 0
         torch.set_rng_state(state["torch_rng"])
         random.setstate(_python_rng_from_tensor(state["python_rng"]))
         if "cuda_rng" in state and torch.cuda.is_available():

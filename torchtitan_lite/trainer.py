@@ -330,9 +330,12 @@ class Trainer(Configurable):
                     logger.info("first step took %.1fs (%.1fs loading data%s)", step_s, data_s, compiled)
                 if values is not None:
                     model_scalars, model_summary = self._model_stats()
-                    self.metrics.log(step, loss=values.loss, grad_norm=values.grad_norm,
+                    # The logged loss is the mean since the previous log line (one step's batch is a noisy
+                    # sample); the step's own loss goes to TensorBoard as train/loss_step.
+                    mean_loss = self.train_state.take_mean_loss(fallback=values.loss)
+                    self.metrics.log(step, loss=mean_loss, grad_norm=values.grad_norm,
                                      lr=self.lr_schedulers.last_lr, extra=self._extra_metrics(),
-                                     scalars=model_scalars, summary=model_summary)
+                                     scalars=model_scalars | {"train/loss_step": values.loss}, summary=model_summary)
                 if self.spikes is not None and verdict is not None:
                     self.spikes.report(step, verdict, logged=logged)
                     if verdict.action == "rollback":
@@ -441,6 +444,8 @@ class Trainer(Configurable):
             # A skipped step vouches for no checkpoint and does not join the loss statistics.
             if values.applied and self.health.observe(values.step, values.loss):
                 vouched = True
+            if values.applied:
+                self.train_state.add_loss(values.loss)
         if vouched:
             self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
         return read[-1] if read else None

@@ -19,6 +19,11 @@ def test_default_config_trains_and_logs_every_logged_step(cli, tmp_path):
                 "train/mfu", "train/memory_gib"):
         assert set(scalars[tag]) == logged, tag
     assert set(scalars["val/loss"]) == {0, 6, 12}
+    # train/loss is the mean since the previous log line, train/loss_step the logged step's own: one step in the
+    # first interval, three since (a mean of three steps is not the last step's loss).
+    assert set(scalars["train/loss_step"]) == logged
+    assert scalars["train/loss"][1] == scalars["train/loss_step"][1]
+    assert all(scalars["train/loss"][s] != scalars["train/loss_step"][s] for s in (3, 6, 9, 12))
     # The peak lr given on the command line is reached after warmup and never exceeded.
     assert max(scalars["train/lr"].values()) <= 1e-3 * (1 + 1e-6)
     assert scalars["train/loss"][12] < scalars["train/loss"][1]
