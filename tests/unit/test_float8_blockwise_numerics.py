@@ -10,6 +10,7 @@ from torchtitan_lite.components.quantization.blockwise_fp8 import (
     emulated_blockwise_linear,
     quantize_1x128,
     quantize_128x128,
+    scaled_saturated,
     to_e4m3_saturated,
 )
 
@@ -63,6 +64,12 @@ def test_128x128_blocks_have_one_scale_each():
 
 
 def test_values_past_the_e4m3_range_saturate_to_448():
+    # The clamp itself, before the cast: torch 2.12+ CPU casts saturate on their own, so the cast's result alone
+    # would not show a missing clamp. 500 and -1e30 times the scale 2 lie past 448; 200 * 2 = 400 and
+    # -223.5 * 2 = -447 lie within it and pass unchanged (not rounded yet).
+    scaled = scaled_saturated(torch.tensor([500.0, -1e30, 200.0, -223.5]), torch.tensor(2.0))
+    assert scaled.dtype == torch.float32 and scaled.tolist() == [448.0, -448.0, 400.0, -447.0]
+    # The cast then rounds: 447 to 448 (e4m3's neighbours there are 416 and 448).
     data = to_e4m3_saturated(torch.tensor([1000.0, -1e30, 447.0]), torch.tensor(1.0))
     assert data.float().tolist() == [448.0, -448.0, 448.0]
 

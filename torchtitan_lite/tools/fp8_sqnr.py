@@ -23,13 +23,20 @@ gradient drives both backward passes.
 summed over all batches, for the output, the input gradient and the weight gradient. 20 dB means
 the FP8 error is 10% of the signal (RMS), 30 dB about 3%. ``--min-fwd-sqnr DB`` makes the exit
 status 1 when a Linear's forward SQNR falls below DB.
+
+    python scripts/fp8_sqnr.py --check [--recipes R1,R2] [--fault NAME]
+
+checks every FP8 recipe's layer gates on a fixed probe instead (fp8_gates.py; a planted fault from
+fp8_faults.py must fail them).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -51,7 +58,8 @@ QUANTITIES = ("output", "grad_input", "grad_weight")
 
 @dataclass
 class LinearSqnr:
-    """Signal and noise energies of one Linear, accumulated over batches."""
+    """Signal and noise energies of one Linear, accumulated over batches; and, per row, the noise relative to
+    that row's signal (``normalized_db``)."""
 
     fqn: str
     in_features: int
@@ -59,14 +67,39 @@ class LinearSqnr:
     recipe: str
     signal: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(QUANTITIES, 0.0))
     noise: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(QUANTITIES, 0.0))
+    relative_noise: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(QUANTITIES, 0.0))
+    rows: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(QUANTITIES, 0))
 
     def add(self, quantity: str, reference: torch.Tensor, fp8: torch.Tensor) -> None:
         ref = reference.detach().double()
+        err = ref - fp8.detach().double()
         self.signal[quantity] += float(ref.square().sum())
-        self.noise[quantity] += float((ref - fp8.detach().double()).square().sum())
+        self.noise[quantity] += float(err.square().sum())
+        rows_ref, rows_err = self.row_view(quantity, ref), self.row_view(quantity, err)
+        energy = rows_ref.square().sum(dim=-1)
+        kept = energy > 0  # a row without signal (an expert without tokens) has no relative error
+        self.relative_noise[quantity] += float((rows_err.square().sum(dim=-1)[kept] / energy[kept]).sum())
+        self.rows[quantity] += int(kept.sum())
+
+    @staticmethod
+    def row_view(quantity: str, t: torch.Tensor) -> torch.Tensor:
+        """The rows ``normalized_db`` weighs equally: a token's features for the output and the input gradient;
+        the whole weight gradient of a Linear, and each expert's slice of a 3-D expert weight gradient."""
+        if quantity != "grad_weight":
+            return t.reshape(-1, t.shape[-1])
+        return t.reshape(t.shape[0] if t.dim() == 3 else 1, -1)
 
     def db(self, quantity: str) -> float:
         return sqnr_db(self.signal[quantity], self.noise[quantity])
+
+    def normalized_db(self, quantity: str) -> float:
+        """SQNR with every row weighted equally: -10 log10(mean over rows of noise / signal). A token whose
+        gradient is 2^-16 of another's counts as much as it does (the optimizer normalises each element's update
+        by its own history, so a small gradient's relative error matters as much as a large one's)."""
+        noise = self.relative_noise[quantity]
+        if not math.isfinite(noise):  # an overflowed cast: NaN (e4m3) or inf (e5m2) in the result
+            return -math.inf if noise == math.inf else math.nan
+        return sqnr_db(float(self.rows[quantity]), noise)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -84,20 +117,29 @@ def float8_twin(float8_config: Any) -> TwinFactory:
     return lambda linear: Float8Linear.from_float(linear, config=float8_config)
 
 
-def compare_linear(linear: nn.Linear, x: torch.Tensor, make_twin: TwinFactory, stats: LinearSqnr, *,
-                   generator: torch.Generator) -> None:
-    """Forward + backward of ``linear`` and of its low-precision twin on ``x``; adds the energies to ``stats``."""
+Upstream = Callable[[torch.Size, torch.Generator, int], torch.Tensor]
+"""The upstream gradient of a layer's output of this shape in batch ``batch`` (on the CPU)."""
+
+
+def gaussian_upstream(shape: torch.Size, generator: torch.Generator, _batch: int) -> torch.Tensor:
+    """A standard normal upstream gradient: the FP8 casts use dynamic (amax) scales, so the SQNR of a correct
+    recipe does not depend on the gradient's magnitude, only on its distribution."""
+    return torch.randn(shape, generator=generator)
+
+
+def compare_linear(linear: nn.Linear, x: torch.Tensor, fp8: nn.Module, stats: LinearSqnr, *,
+                   grad_out: torch.Tensor) -> None:
+    """Forward + backward of ``linear`` and of its low-precision twin ``fp8`` on ``x`` with the upstream gradient
+    ``grad_out``; adds the energies to ``stats``."""
     weight = linear.weight.detach()
     bias = None if linear.bias is None else linear.bias.detach()
     x_ref = x.clone().requires_grad_()
     w_ref = weight.clone().requires_grad_()
     out_ref = F.linear(x_ref, w_ref, bias)
-    # A fixed random upstream gradient: the FP8 casts use dynamic (amax) scales, so the SQNR does not
-    # depend on the gradient's magnitude, only on its distribution.
-    grad_out = torch.randn(out_ref.shape, generator=generator, device="cpu").to(out_ref.device, out_ref.dtype)
+    grad_out = grad_out.to(out_ref.device, out_ref.dtype)
     out_ref.backward(grad_out)
 
-    fp8 = make_twin(copy.deepcopy(linear))
+    fp8.weight.grad = None
     x_fp8 = x.clone().requires_grad_()
     out_fp8 = fp8(x_fp8)
     out_fp8.backward(grad_out)
@@ -110,12 +152,16 @@ def compare_linear(linear: nn.Linear, x: torch.Tensor, make_twin: TwinFactory, s
 
 
 def measure_sqnr(model: nn.Module, rows: list[Any], make_twin: TwinFactory, batches: Iterable[torch.Tensor], *,
-                 seed: int = 0) -> list[LinearSqnr]:
+                 seed: int = 0, upstream: Upstream = gaussian_upstream,
+                 around_twins: Callable[[nn.Module], contextlib.AbstractContextManager[Any]] | None = None,
+                 around_layer: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None) -> list[LinearSqnr]:
     """SQNR statistics for every converted plan row (``row.recipe`` set) of ``model``, over ``batches``.
 
     ``model`` is the high-precision model (parameters already in the compute dtype); each batch is a
     LongTensor of token ids [batch, seq] on the model's device. Each layer is compared inside a hook
-    on its input as the model's forward reaches it, so no activations are kept.
+    on its input as the model's forward reaches it, so no activations are kept. Each layer's twin is built
+    once and serves every batch, as a converted model's layer serves every step. ``around_twins(twins)`` (an
+    nn.ModuleList of the twins) is entered around all batches, ``around_layer(fqn)`` around each comparison.
     """
     converted = [row for row in rows if row.recipe is not None]
     if not converted:
@@ -123,18 +169,23 @@ def measure_sqnr(model: nn.Module, rows: list[Any], make_twin: TwinFactory, batc
     modules = dict(model.named_modules())
     stats = {row.fqn: LinearSqnr(row.fqn, row.in_features, row.out_features, row.recipe) for row in converted}
     linears = {fqn: cast(nn.Linear, modules[fqn]) for fqn in stats}  # the plan converts nn.Linear modules only
+    twins = {fqn: make_twin(copy.deepcopy(linear)) for fqn, linear in linears.items()}
     generator = torch.Generator().manual_seed(seed)
+    batch_index = 0
 
     def compare_on_input(fqn: str, args: tuple[Any, ...]) -> None:
-        with torch.enable_grad():
-            compare_linear(linears[fqn], args[0].detach(), make_twin, stats[fqn], generator=generator)
+        x = args[0].detach()
+        grad_out = upstream(torch.Size((*x.shape[:-1], linears[fqn].out_features)), generator, batch_index)
+        with torch.enable_grad(), around_layer(fqn) if around_layer else contextlib.nullcontext():
+            compare_linear(linears[fqn], x, twins[fqn], stats[fqn], grad_out=grad_out)
 
     handles = [linear.register_forward_pre_hook(lambda m, a, fqn=fqn: compare_on_input(fqn, a))
                for fqn, linear in linears.items()]
     try:
-        for tokens in batches:
-            with torch.no_grad():
-                model(tokens)
+        with around_twins(nn.ModuleList(twins.values())) if around_twins else contextlib.nullcontext():
+            for batch_index, tokens in enumerate(batches):  # noqa: B007  (read by compare_on_input)
+                with torch.no_grad():
+                    model(tokens)
     finally:
         for handle in handles:
             handle.remove()
@@ -325,14 +376,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This tool's flags, checked, and the remaining config flags."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], allow_abbrev=False,
-        usage="%(prog)s --config NAME [--checkpoint DIR] [--batches N] [--min-fwd-sqnr DB] [--section.field VALUE ...]",
+        usage="%(prog)s --config NAME [--checkpoint DIR] [--batches N] [--min-fwd-sqnr DB] [--section.field VALUE ...]\n"
+              "       %(prog)s --check [--recipes R1,R2] [--fault NAME]",
         epilog="Other flags (--config, --config-file, --section.field VALUE) select and override the config as in train.py.")
     parser.add_argument("--checkpoint", default=None, help="DCP step-<N> folder, or a checkpoint folder (newest complete step)")
     parser.add_argument("--batches", type=int, default=2, help="training batches to measure over")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random upstream gradients")
     parser.add_argument("--min-fwd-sqnr", type=float, default=None, metavar="DB",
                         help="exit with status 1 when a Linear's forward SQNR is below DB")
+    parser.add_argument("--check", action="store_true",
+                        help="check every FP8 recipe's layer gates on a fixed probe (fp8_gates.py); no --config")
+    parser.add_argument("--recipes", default=None, metavar="R1,R2",
+                        help="with --check: only these recipes (default: all)")
+    parser.add_argument("--fault", default=None, metavar="NAME",
+                        help="with --check: plant this fault (fp8_faults.py) into the recipes it applies to; the "
+                             "gates must then fail")
     args, rest = parser.parse_known_args(argv)
+    if not args.check and (args.recipes or args.fault):
+        parser.error("--recipes and --fault go with --check")
+    if args.check and rest:
+        parser.error(f"--check runs a fixed probe and takes no config flags, got {' '.join(rest)}")
     if args.batches < 1:
         parser.error(f"--batches must be >= 1, got {args.batches}")
     return args, rest
@@ -345,6 +408,8 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     from torchtitan_lite.library_notices import silence_known_library_notices
 
     silence_known_library_notices()
+    if args.check:
+        return check_gates(args.recipes, args.fault)
     from torchtitan_lite.components.checkpoint.verify import CheckpointError
     from torchtitan_lite.components.quantization.float8_plan import float8_plan
     from torchtitan_lite.config import ConfigError, parse_cli
@@ -380,3 +445,30 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
         return 1
     return 0
 
+
+
+def check_gates(recipes: str | None, fault: str | None) -> int:
+    """``--check``: the gate table and every failed gate; exit status 0 (all pass), 1 (a gate failed) or 2."""
+    from torchtitan_lite.tools import fp8_gates
+
+    names = list(fp8_gates.RECIPES) if recipes is None else [r.strip() for r in recipes.split(",") if r.strip()]
+    unknown = [r for r in names if r not in fp8_gates.RECIPES]
+    if unknown:
+        print(f"error: unknown FP8 recipe(s) {', '.join(unknown)}; choose from: {', '.join(fp8_gates.RECIPES)}",
+              file=sys.stderr)
+        return 2
+    try:
+        results, failures = fp8_gates.run_check(names, fault)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not results:
+        print(f"error: fault {fault!r} applies to none of {', '.join(names)}", file=sys.stderr)
+        return 2
+    planted = f" with planted fault {fault}" if fault else ""
+    print(f"FP8 layer gates{planted}: {len({r.recipe for r in results})} recipe(s), {len(results)} layers\n")
+    print(fp8_gates.format_results(results))
+    for failure in failures:
+        print(f"FAIL {failure}")
+    print(f"\n{len(failures)} gate(s) failed" if failures else "\nevery gate passed")
+    return 1 if failures else 0

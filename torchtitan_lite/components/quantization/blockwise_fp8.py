@@ -48,11 +48,16 @@ def tile_scales(amax: torch.Tensor, *, power_of_2: bool) -> torch.Tensor:
     return scale
 
 
-def to_e4m3_saturated(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x * scale`` in float8_e4m3fn, saturated to +-448."""
+def scaled_saturated(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x * scale`` in float32, saturated to +-448: the values the E4M3 cast rounds."""
     # Saturate explicitly (DeepSeek-V3 and torchao do): the result then does not rest on the cast's own rule
     # for values past 448 (NaN in the OCP spec's non-saturating conversion).
-    return (x.to(torch.float32) * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (x.to(torch.float32) * scale).clamp(-E4M3_MAX, E4M3_MAX)
+
+
+def to_e4m3_saturated(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x * scale`` in float8_e4m3fn, saturated to +-448."""
+    return scaled_saturated(x, scale).to(torch.float8_e4m3fn)
 
 
 def _tiles_1x128(x: torch.Tensor, *, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
