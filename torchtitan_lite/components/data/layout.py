@@ -24,9 +24,9 @@ class DataLayout:
     seq_len: int
     dataset: str
     streaming: bool
-    position: str = "documents"
+    position: str = "windows"
     """How the data position counts: 'windows' (windows of the global order read, any layout), 'stream' (each
-    rank's stream reader), 'documents' (the per-rank document order of earlier versions, which recorded no
+    rank's stream reader), 'documents' (the per-rank document order of earlier versions, whose records have no
     such field)."""
 
     @property
@@ -43,7 +43,7 @@ class DataLayout:
 
     @staticmethod
     def from_record(record: dict[str, Any] | None) -> DataLayout | None:
-        return None if record is None else DataLayout(**record)
+        return None if record is None else DataLayout(**({"position": "documents"} | record))
 
 
 def resume_changes(saved: DataLayout | None, now: DataLayout, *, step: int, data_loaded: bool,

@@ -38,6 +38,7 @@ from torchtitan_lite.components.data.batch import Batch
 from torchtitan_lite.components.data.batch import to_batch as windows_to_batch
 from torchtitan_lite.components.data.chunked_encode import encode_large, is_large, specials
 from torchtitan_lite.components.data.dataloader import TextDataLoader, check_build_args
+from torchtitan_lite.components.data.errors import DataSourceError
 from torchtitan_lite.components.data.layout import reshard_refusal
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer
 from torchtitan_lite.components.data.records import bad_record_error, log_skipped

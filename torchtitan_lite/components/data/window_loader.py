@@ -83,6 +83,12 @@ class WindowLoader:
         if (key := (str(self.store.folder), self.store.identity, vocab_size)) not in _VERIFIED:
             self.store.verify(vocab_size=vocab_size)
             _VERIFIED.add(key)
+        framing = len(self.store.tokenizer["bos"]) + len(self.store.tokenizer["eos"])
+        if self.store.n_tokens <= framing * self.store.n_documents:  # BOS + EOS alone trains on nothing
+            skipped = sum(self.store.index["source"]["skipped_records"].values())
+            also = f" or a skipped bad record ({skipped}, data.on_bad_record=skip)" if skipped else ""
+            raise DataSourceError(f"every document of split {split!r} of data.dataset={config.dataset!r} is empty (only "
+                                  f"BOS/EOS tokens){also}; check data.text_field and the data")
         self.shuffle = config.shuffle if split == "train" else "none"
         if self.shuffle != "none" and seed is None and dp_world_size > 1:
             raise ValueError(f"data.shuffle={self.shuffle!r} on {dp_world_size} data-parallel ranks needs one seed "
