@@ -49,7 +49,7 @@ def test_check_config_reports_the_reshard_and_the_global_batch_change(cli, tmp_p
 def test_a_streaming_position_on_another_degree_is_refused_before_torchrun(cli, tmp_path):
     folder = _folder_with_checkpoint(tmp_path, DataLayout(**(FSDP2.to_record() | {"streaming": True})))
     before = _snapshot(folder)
-    result = cli([*ARGS, "--data.streaming", "true", "--data.shuffle", "false", "--job.dump_folder", folder],
+    result = cli([*ARGS, "--data.streaming", "true", "--data.shuffle", "none", "--job.dump_folder", folder],
                  NPROC="2")
     assert result.returncode == 2
     assert ("error: step 20: the checkpoint's data position was saved by 2 data-parallel rank(s) reading a "

@@ -64,7 +64,7 @@ LONG_RUNNING = {
     "./run_train.sh --data.dataset 'data/train-*.jsonl' --data.validation_files data/val.jsonl "
     "--job.dump_folder outputs/my_data":
         "trains; needs the user's data (tests/unit/test_data_held_out.py checks its files are held out)",
-    "./run_train.sh --data.dataset my_org/my_corpus --data.streaming true --data.shuffle false "
+    "./run_train.sh --data.dataset my_org/my_corpus --data.streaming true --data.shuffle none "
     "--job.dump_folder outputs/my_corpus":
         "trains; downloads a hub data set",
     "python scripts/train_tokenizer.py --input 'data/*.jsonl' --vocab-size 32000 --output tok.model":
