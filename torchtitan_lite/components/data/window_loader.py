@@ -25,7 +25,7 @@ import numpy as np
 from torchtitan_lite.components.data.batch import Batch, to_batch
 from torchtitan_lite.components.data.dataloader import TextDataLoader, check_build_args
 from torchtitan_lite.components.data.errors import DataSourceError
-from torchtitan_lite.components.data.token_store import TokenStore, open_store
+from torchtitan_lite.components.data.token_store import TokenStore, TokenStoreError, open_store
 from torchtitan_lite.components.data.tokenize_store import cached_store, tokenizer_fingerprint
 from torchtitan_lite.components.data.windows import WindowIndex, rank_positions
 
@@ -44,7 +44,7 @@ def run_store(config: TextDataLoader.Config, split: Literal["train", "validation
         return cached_store(config, split, tokenizer)
     folder = Path(config.token_store).expanduser() / split
     if not folder.is_dir() and split == "validation":
-        raise DataSourceError(
+        raise TokenStoreError(
             f"data.token_store={config.token_store!r} has no validation/ store ({folder} does not exist); "
             f"pretokenise the validation split too (scripts/pretokenize.py writes train/ and validation/), or "
             f"set --validation.enable false")
