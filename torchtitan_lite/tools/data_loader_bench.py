@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _rate(loader, tokens: int) -> str:
+def _rate(loader: Any, tokens: int) -> str:
     batches = iter(loader)
     next(batches)  # the first batch pays for opening files
     read, start = 0, time.perf_counter()

@@ -23,7 +23,7 @@ class Batch(tuple):
         batch.doc_starts = doc_starts
         return batch
 
-    def __getnewargs__(self) -> tuple:  # type: ignore[override]  # pickling rebuilds all three fields
+    def __getnewargs__(self) -> tuple:  # pickling rebuilds all three fields
         return self[0], self[1], self.doc_starts
 
     @property

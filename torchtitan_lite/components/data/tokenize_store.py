@@ -14,6 +14,7 @@ a document over ``LARGE_DOCUMENT_CHARS`` in line-aligned chunks (``chunked_encod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -188,7 +189,7 @@ def _write_shard(documents: Any, cfg: Any, role: Role, tokenizer: Any, out: Path
         for a in range(start, stop, DOCS_PER_ENCODE):
             b = min(a + DOCS_PER_ENCODE, stop)
             values = documents[a:b][cfg.text_field]
-            texts = [_text(v, lambda row=row: _row_name(cfg, role, row), cfg, skipped)
+            texts = [_text(v, functools.partial(_row_name, cfg, role, row), cfg, skipped)
                      for row, v in zip(range(a, b), values, strict=True)]
             token_lists = _encode([t for t in texts if t is not None], tokenizer)
             for tokens in token_lists:
