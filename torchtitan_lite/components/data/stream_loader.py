@@ -37,9 +37,9 @@ import torch
 from torchtitan_lite.components.data.batch import Batch
 from torchtitan_lite.components.data.batch import to_batch as windows_to_batch
 from torchtitan_lite.components.data.chunked_encode import encode_large, is_large, specials
-from torchtitan_lite.components.data.dataloader import TextDataLoader, check_build_args
 from torchtitan_lite.components.data.errors import DataSourceError
 from torchtitan_lite.components.data.layout import reshard_refusal
+from torchtitan_lite.components.data.loader_args import LoaderConfig, check_build_args
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer
 from torchtitan_lite.components.data.records import bad_record_error, log_skipped
 from torchtitan_lite.components.data.sources import load_split
@@ -72,7 +72,7 @@ class StreamLoader:
 
     def __init__(
         self,
-        config: TextDataLoader.Config,
+        config: LoaderConfig,
         *,
         tokenizer: Any,
         dp_rank: int,

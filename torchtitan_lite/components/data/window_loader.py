@@ -23,8 +23,8 @@ from typing import Any, Literal
 import numpy as np
 
 from torchtitan_lite.components.data.batch import Batch, to_batch
-from torchtitan_lite.components.data.dataloader import TextDataLoader, check_build_args
 from torchtitan_lite.components.data.errors import DataSourceError
+from torchtitan_lite.components.data.loader_args import LoaderConfig, check_build_args
 from torchtitan_lite.components.data.token_store import TokenStore, TokenStoreError, open_store
 from torchtitan_lite.components.data.tokenize_store import cached_store, tokenizer_fingerprint
 from torchtitan_lite.components.data.windows import WindowIndex, rank_positions
@@ -38,7 +38,7 @@ time, and reading every byte again would cost as much as the first time."""
 logger = logging.getLogger(__name__)
 
 
-def run_store(config: TextDataLoader.Config, split: Literal["train", "validation"], tokenizer: Any) -> TokenStore:
+def run_store(config: LoaderConfig, split: Literal["train", "validation"], tokenizer: Any) -> TokenStore:
     """The store a run reads ``split`` from: data.token_store's, or the cache's (written on first use)."""
     if config.token_store is None:
         return cached_store(config, split, tokenizer)
@@ -56,7 +56,7 @@ class WindowLoader:
 
     def __init__(
         self,
-        config: TextDataLoader.Config,
+        config: LoaderConfig,
         *,
         tokenizer: Any,
         dp_rank: int,
