@@ -51,6 +51,24 @@ def run_store(config: LoaderConfig, split: Literal["train", "validation"], token
     return open_store(folder, what=f"data.token_store={config.token_store!r}")
 
 
+def checked_store(config: LoaderConfig, split: Literal["train", "validation"], tokenizer: Any,
+                  vocab_size: int) -> TokenStore:
+    """``run_store``, refused unless written by ``tokenizer``, intact, within the model's ``vocab_size`` and
+    holding more than empty documents."""
+    store = run_store(config, split, tokenizer)
+    store.check_tokenizer(*tokenizer_fingerprint(tokenizer))
+    if (key := (str(store.folder), store.identity, vocab_size)) not in _VERIFIED:
+        store.verify(vocab_size=vocab_size)
+        _VERIFIED.add(key)
+    framing = len(store.tokenizer["bos"]) + len(store.tokenizer["eos"])
+    if store.n_tokens <= framing * store.n_documents:  # BOS + EOS alone trains on nothing
+        skipped = sum(store.index["source"]["skipped_records"].values())
+        also = f" or a skipped bad record ({skipped}, data.on_bad_record=skip)" if skipped else ""
+        raise DataSourceError(f"every document of split {split!r} of data.dataset={config.dataset!r} is empty (only "
+                              f"BOS/EOS tokens){also}; check data.text_field and the data")
+    return store
+
+
 class WindowLoader:
     """Batches of windows of a token store (``Batch``: inputs, labels, document starts)."""
 
@@ -77,18 +95,8 @@ class WindowLoader:
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.split, self.infinite = split, infinite
-        self.store = run_store(config, split, tokenizer)
-        self.store.check_tokenizer(*tokenizer_fingerprint(tokenizer))
-        vocab_size = int(tokenizer.vocab_size if vocab_size is None else vocab_size)
-        if (key := (str(self.store.folder), self.store.identity, vocab_size)) not in _VERIFIED:
-            self.store.verify(vocab_size=vocab_size)
-            _VERIFIED.add(key)
-        framing = len(self.store.tokenizer["bos"]) + len(self.store.tokenizer["eos"])
-        if self.store.n_tokens <= framing * self.store.n_documents:  # BOS + EOS alone trains on nothing
-            skipped = sum(self.store.index["source"]["skipped_records"].values())
-            also = f" or a skipped bad record ({skipped}, data.on_bad_record=skip)" if skipped else ""
-            raise DataSourceError(f"every document of split {split!r} of data.dataset={config.dataset!r} is empty (only "
-                                  f"BOS/EOS tokens){also}; check data.text_field and the data")
+        self.store = checked_store(config, split, tokenizer,
+                                   int(tokenizer.vocab_size if vocab_size is None else vocab_size))
         self.shuffle = config.shuffle if split == "train" else "none"
         if self.shuffle != "none" and seed is None and dp_world_size > 1:
             raise ValueError(f"data.shuffle={self.shuffle!r} on {dp_world_size} data-parallel ranks needs one seed "
@@ -139,11 +147,6 @@ class WindowLoader:
         rows = [self.index.read(int(e), int(w)) for e, w in zip(epochs, windows, strict=True)]
         return to_batch(np.stack([tokens for tokens, _ in rows]), [starts for _, starts in rows])
 
-    def window_ids(self, positions: np.ndarray) -> np.ndarray:
-        """The (epoch, window) pairs of global ``positions`` as ``epoch * n_windows + window`` (for checks)."""
-        epochs, windows = self.index.locate(positions)
-        return epochs * self.n_windows + windows
-
     # ----------------------------------------------------------------------------------------------
     # Checkpointing
 
@@ -186,14 +189,12 @@ class WindowLoader:
                 f"data loader state has format {state.get('format')}, this loader reads format {STATE_FORMAT} (the "
                 f"windows of a token store in one global order); an older position counts documents per rank and "
                 f"names no window: {restart}")
-        for key, option in (("store", "data.dataset / data.token_store / the tokenizer"),
-                            ("seq_len", "training.seq_len"), ("shuffle", "data.shuffle"), ("split", "the split")):
-            if state[key] != getattr(self, key if key != "store" else "store_identity"):
+        now = {"store": self.store.identity, "seq_len": self.seq_len, "shuffle": self.shuffle, "split": self.split}
+        options = {"store": "data.dataset / data.token_store / the tokenizer", "seq_len": "training.seq_len",
+                   "shuffle": "data.shuffle", "split": "the split"}
+        for key, value in now.items():
+            if state[key] != value:
                 raise ValueError(
-                    f"data loader state was saved with {key}={state[key]!r}, this loader has {key}="
-                    f"{getattr(self, key if key != 'store' else 'store_identity')!r}: a data position is only valid "
-                    f"for the same tokens, seq_len and order ({option}). Restore that setting, or {restart}")
-
-    @property
-    def store_identity(self) -> str:
-        return self.store.identity
+                    f"data loader state was saved with {key}={state[key]!r}, this loader has {key}={value!r}: a data "
+                    f"position is only valid for the same tokens, seq_len and order ({options[key]}). Restore that "
+                    f"setting, or {restart}")
