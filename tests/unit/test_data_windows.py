@@ -104,6 +104,29 @@ def test_a_resume_over_any_layout_reads_exactly_the_orders_prefix(corpus):
     assert expected[:n] != expected[n:2 * n]  # each epoch draws its own permutation
 
 
+@pytest.mark.parametrize("shuffle", ["windows", "documents", "none"])
+def test_every_order_reads_over_a_chain_of_layouts_what_one_rank_reads_alone(corpus, shuffle):
+    # The same chain as above, compared row by row with one rank of batch 1 reading the order from the start.
+    alone = iter(_build(corpus, 0, 1, 1, shuffle=shuffle))
+    reference = [torch.cat([x[0], y[0, -1:]]) for x, y in (next(alone) for _ in range(54))]
+    phases = [(2, 2, 1), (1, 2, 2), (4, 1, 1), (2, 3, 1)]
+    states, start = None, 0
+    for world, batch, micro in phases:
+        loaders = [_build(corpus, r, world, batch, shuffle=shuffle) for r in range(world)]
+        for loader in loaders:
+            if states is not None:
+                loader.load_rank_states(states)
+        iterators = [iter(loader) for loader in loaders]
+        for _ in range(3 * micro):
+            for r, it in enumerate(iterators):
+                x, y = next(it)
+                for b in range(len(x)):
+                    assert torch.equal(torch.cat([x[b], y[b, -1:]]), reference[start + b * world + r])
+            start += batch * world
+        states = [_roundtrip(loader.state_dict()) for loader in loaders]
+    assert start == 54
+
+
 def test_rank_positions_stride_one_global_micro_batch():
     assert rank_positions(12, 3, 1, 4).tolist() == [13, 17, 21]
     together = sorted(p for r in range(4) for p in rank_positions(12, 3, r, 4).tolist())
