@@ -145,5 +145,7 @@ def test_a_store_of_another_tokenizer_is_refused_naming_both(tmp_path, docs_file
 def test_a_missing_store_file_is_refused_by_name(tmp_path, docs_file, missing):
     out, cfg = _stored(tmp_path, docs_file)
     os.remove(out / missing)
-    with pytest.raises(TokenStoreError, match=rf"{out / missing} (is missing|does not exist)"):
+    hint = r"re-run scripts/pretokenize.py" if missing != "index.json" else \
+        rf"write one with scripts/pretokenize.py --output {out.parent}$"
+    with pytest.raises(TokenStoreError, match=rf"{out / missing} (is missing|does not exist).*{hint}"):
         _build(cfg, CharTokenizer())

@@ -134,13 +134,14 @@ class TokenStore:
                 f"(scripts/pretokenize.py --tokenizer ...), or set tokenizer.path to the one the store was written with")
 
 
-def open_store(folder: str | os.PathLike, what: str = "data.token_store") -> TokenStore:
-    """The store in ``folder``, its index read and every file checked for presence and size (no data read)."""
+def open_store(folder: str | os.PathLike, what: str = "data.token_store", output: str | None = None) -> TokenStore:
+    """The store in ``folder``, its index read and every file checked for presence and size (no data read).
+    ``output``: the --output of scripts/pretokenize.py that writes it (default: ``folder``)."""
     folder = Path(folder).expanduser()
     index_path = folder / INDEX_NAME
     if not index_path.is_file():
         raise TokenStoreError(f"{what}: {index_path} does not exist, so {folder} is not a token store; write one "
-                              f"with scripts/pretokenize.py --output {folder}")
+                              f"with scripts/pretokenize.py --output {output or folder}")
     try:
         index = json.loads(index_path.read_text())
     except (OSError, ValueError) as error:

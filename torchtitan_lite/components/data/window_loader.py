@@ -48,7 +48,7 @@ def run_store(config: LoaderConfig, split: Literal["train", "validation"], token
             f"data.token_store={config.token_store!r} has no validation/ store ({folder} does not exist); "
             f"pretokenise the validation split too (scripts/pretokenize.py writes train/ and validation/), or "
             f"set --validation.enable false")
-    return open_store(folder, what=f"data.token_store={config.token_store!r}")
+    return open_store(folder, what=f"data.token_store={config.token_store!r}", output=config.token_store)
 
 
 def checked_store(config: LoaderConfig, split: Literal["train", "validation"], tokenizer: Any,
