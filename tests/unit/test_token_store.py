@@ -2,6 +2,7 @@
 store it writes into its cache, and the stores it refuses before training."""
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import datasets
 import numpy as np
@@ -80,14 +81,22 @@ def test_a_vocabulary_over_65536_ids_is_stored_as_uint32(tmp_path, docs_file):
     assert store.tokens(0, 20).tolist() == [t for ids in WideTokenizer().encode_batch(docs) for t in ids][:20]
 
 
+class _ThreadPool(ThreadPoolExecutor):
+    def __init__(self, workers, mp_context=None):
+        super().__init__(workers)
+
+
 def test_pretokenized_and_on_the_fly_windows_are_bitwise_identical(tmp_path, docs_file, monkeypatch):
     from torchtitan_lite.components.tokenizer import Tokenizer
 
     path, _ = docs_file
     tokenizer = Tokenizer.Config().build()
     on_the_fly = _build(TextDataLoader.Config(dataset=str(path), validation_files=str(path)), tokenizer)
-    # Shards of 7 documents tokenised in 2 processes: another layout of the files, the same stream.
+    # Shards of 7 documents tokenised by 2 workers: another layout of the files, the same stream. The workers are
+    # threads standing in for the processes (each still builds its own tokenizer and dataset from the configs):
+    # a spawned process would spend seconds importing torch.
     monkeypatch.setattr(tokenize_store, "DOCS_PER_SHARD", 7)
+    monkeypatch.setattr(tokenize_store, "ProcessPoolExecutor", _ThreadPool)
     assert pretokenize.main(["--dataset", str(path), "--output", str(tmp_path / "tokens"), "--workers", "2"]) == 0
     stored = _build(TextDataLoader.Config(dataset=str(path), token_store=str(tmp_path / "tokens")), tokenizer)
     assert len(stored.store.index["shards"]) == 6 and len(on_the_fly.store.index["shards"]) == 1
