@@ -11,7 +11,7 @@ import torch
 
 from torchtitan_lite.components.checkpoint.checksums import hash_file
 from torchtitan_lite.components.data import TextDataLoader, tokenize_store
-from torchtitan_lite.components.data.token_store import TokenStoreError, open_store
+from torchtitan_lite.components.data.token_store import TokenStore, TokenStoreError, open_store
 from torchtitan_lite.components.data.tokenize_store import write_store
 from torchtitan_lite.tools import pretokenize
 
@@ -131,6 +131,24 @@ def test_a_shard_that_changed_is_refused_naming_the_file(tmp_path, docs_file):
     with pytest.raises(TokenStoreError, match=rf"{tokens} does not match its xxh3_128 checksum in index.json.*"
                                               r"re-run scripts/pretokenize.py"):
         _build(cfg, CharTokenizer())
+
+
+def test_a_store_is_read_through_once_per_machine_until_a_file_changes(tmp_path, docs_file, monkeypatch):
+    out, cfg = _stored(tmp_path, docs_file)
+    calls = []
+    verify = TokenStore.verify
+    monkeypatch.setattr(TokenStore, "verify", lambda self, **kw: (calls.append(kw), verify(self, **kw))[1])
+    for _ in range(2):  # a second loader (another rank, a validation pass, the next run) finds it verified
+        _build(cfg, CharTokenizer())
+    assert len(calls) == 1
+    _build(cfg, CharTokenizer(), vocab_size=190)  # another model vocabulary is another check
+    tokens = out / "shard-00000.tokens"
+    data = bytearray(tokens.read_bytes())
+    data[3] ^= 1
+    tokens.write_bytes(bytes(data))  # same size and inode, a new modification time
+    with pytest.raises(TokenStoreError, match="does not match its xxh3_128 checksum"):
+        _build(cfg, CharTokenizer())
+    assert len(calls) == 3
 
 
 def test_a_token_id_beyond_the_models_vocabulary_is_refused_naming_shard_and_id(tmp_path, docs_file):

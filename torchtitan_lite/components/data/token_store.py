@@ -104,6 +104,12 @@ class TokenStore:
             start, first = end, first + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
+    def file_stamps(self) -> list[tuple[str, int, int, int]]:
+        """(name, inode, size, modification time in ns) of every file: what changes when one is rewritten,
+        replaced or copied again."""
+        names = [INDEX_NAME, *(s[key] for s in self.index["shards"] for key in ("tokens", "starts"))]
+        return [(name, (st := os.stat(self.folder / name)).st_ino, st.st_size, st.st_mtime_ns) for name in names]
+
     def verify(self, *, vocab_size: int) -> None:
         """Read every file once: its checksum, and no token id at or beyond ``vocab_size`` (the model's)."""
         for shard in self.index["shards"]:

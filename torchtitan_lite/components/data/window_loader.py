@@ -2,8 +2,9 @@
 
 The store is ``data.token_store``'s (``<folder>/train``, ``<folder>/validation``), or the source tokenised
 into the cache on first use (``tokenize_store.py``). Before the first batch it is checked: written by this
-run's tokenizer, every file matching its checksum, no id beyond the model's vocabulary. Any of these stops
-the run before training starts, naming the file and the fix.
+run's tokenizer, every file matching its checksum, no id beyond the model's vocabulary (the files are read
+through once per machine until one changes: ``verify_once``). Any of these stops the run before training
+starts, naming the file and the fix.
 
 Every local batch reads the next ``local_batch_size x dp_world_size`` positions of the global order, rank
 ``r`` taking a stride of them (``windows.rank_positions``); the state is the number of positions read (the
@@ -14,6 +15,8 @@ ranks may read different numbers of batches).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -23,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from torchtitan_lite.components.data.batch import Batch, to_batch
+from torchtitan_lite.components.data.cache import build_once, cache_root
 from torchtitan_lite.components.data.errors import DataSourceError
 from torchtitan_lite.components.data.loader_args import LoaderConfig, check_build_args
 from torchtitan_lite.components.data.token_store import TokenStore, TokenStoreError, open_store
@@ -31,9 +35,6 @@ from torchtitan_lite.components.data.windows import WindowIndex, rank_positions
 
 STATE_FORMAT = 3
 """3: a count of windows read in a global order (2: documents read per rank, streams' format)."""
-_VERIFIED: set[tuple[str, str, int]] = set()
-"""Stores this process has verified (folder, identity, vocabulary): a validation pass builds a loader each
-time, and reading every byte again would cost as much as the first time."""
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,7 @@ def checked_store(config: LoaderConfig, split: Literal["train", "validation"], t
     holding more than empty documents."""
     store = run_store(config, split, tokenizer)
     store.check_tokenizer(*tokenizer_fingerprint(tokenizer))
-    if (key := (str(store.folder), store.identity, vocab_size)) not in _VERIFIED:
-        store.verify(vocab_size=vocab_size)
-        _VERIFIED.add(key)
+    verify_once(store, vocab_size)
     framing = len(store.tokenizer["bos"]) + len(store.tokenizer["eos"])
     if store.n_tokens <= framing * store.n_documents:  # BOS + EOS alone trains on nothing
         skipped = sum(store.index["source"]["skipped_records"].values())
@@ -67,6 +66,21 @@ def checked_store(config: LoaderConfig, split: Literal["train", "validation"], t
         raise DataSourceError(f"every document of split {split!r} of data.dataset={config.dataset!r} is empty (only "
                               f"BOS/EOS tokens){also}; check data.text_field and the data")
     return store
+
+
+def verify_once(store: TokenStore, vocab_size: int) -> None:
+    """``store.verify``, once per machine for the same files: every rank of a node would otherwise read the whole
+    store at every start (and a validation pass builds a loader each time). The first caller verifies under the
+    cache's lock while the others wait; a file rewritten, replaced or copied since (another inode, size or
+    modification time) is verified again. A store that fails leaves no record, so every rank refuses it."""
+    key = json.dumps([str(store.folder.resolve()), store.identity, vocab_size, store.file_stamps()])
+    record = cache_root() / "verified_tokens" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    def verify(out: Path) -> None:
+        store.verify(vocab_size=vocab_size)
+        out.write_text(key + "\n")
+
+    build_once(record, verify)
 
 
 class WindowLoader:
