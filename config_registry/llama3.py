@@ -99,7 +99,7 @@ def llama3_debug_fp8_blockwise() -> Trainer.Config:
 
 PRETRAINING_CORPUS = TextDataLoader.Config(
     dataset="HuggingFaceFW/fineweb-edu", dataset_config="sample-10BT", text_field="text",
-    streaming=True, shuffle=False)
+    streaming=True, shuffle="none")
 """FineWeb-Edu's 10B-token sample, streamed from the hub (no full download; read in shard order)."""
 
 

@@ -99,7 +99,7 @@ class ResolvedRun:
         """How this run feeds ``data``: recorded in its checkpoints, compared on resume."""
         return DataLayout(dp_degree=self.parallel_dims.dp_degree, local_batch_size=self.training.local_batch_size,
                           n_microbatches=self.n_microbatches, seq_len=self.training.seq_len, dataset=data.dataset,
-                          streaming=data.streaming)
+                          streaming=data.streaming, position="stream" if data.streaming else "windows")
 
     @property
     def fsdp_reshard_after_forward(self) -> Literal["default", "always", "never"]:

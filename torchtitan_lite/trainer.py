@@ -157,6 +157,7 @@ class Trainer(Configurable):
             tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank, dp_world_size=self.parallel_dims.dp_degree,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="train",
             infinite=True, seed=self._data_order_seed(), batches_per_step=self.n_microbatches,
+            vocab_size=self.model_args.vocab_size,
         )
         self.train_state = TrainState()
         self.health = LossHealth()
@@ -240,8 +241,11 @@ class Trainer(Configurable):
         val_loader_factory = lambda: cfg.data.build(  # noqa: E731 - a fresh pass per validation
             tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank, dp_world_size=self.parallel_dims.dp_degree,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="validation",
-            infinite=False, seed=cfg.training.seed,
+            infinite=False, seed=cfg.training.seed, vocab_size=self.model_args.vocab_size,
         )
+        # Built once now: a validation store that is missing, corrupt or of another tokenizer stops the run
+        # before training (and the cache's store is written before the first step, not in the middle).
+        val_loader_factory()
         return cfg.validation.build(
             dataloader_factory=val_loader_factory, loss_fn=self.loss_fn, device=self.device,
             dp_group=self._dp_group(), autocast=self.precision.eval_autocast,

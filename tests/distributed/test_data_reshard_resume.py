@@ -1,7 +1,8 @@
 """A run checkpointed on FSDP 2 (2 data-parallel ranks) resumes on TP 2 (1 data-parallel rank) with no flag:
 it trains on, keeps the global batch it was given with 2 micro-batches per step instead of 1, and reads
-exactly the data the resharded position names (the old ranks' leftovers, nothing they had trained on).
-Then one process (another world size, the same data-parallel degree) continues where TP 2 stopped."""
+exactly what one uninterrupted rank reads after the windows the FSDP ranks trained on (the position counts
+windows of one global order). Then one process (another world size, the same data-parallel degree)
+continues where TP 2 stopped."""
 from __future__ import annotations
 
 import json
@@ -32,36 +33,31 @@ def _train(rank: int, world_size: int, folder: str, steps: int, *layout: str) ->
             "step": trainer.train_state.step, "tokenizer": trainer.tokenizer, "config": trainer.config}
 
 
-def _expected_after_reshard(result: dict) -> list[torch.Tensor]:
-    """The batches a 1-rank loader hands out after resharding where the two FSDP ranks stood at FIRST, up
-    to step SINGLE (2 micro-batches per step)."""
+def _in_order(result: dict, skip: int, take: int) -> list[torch.Tensor]:
+    """Labels of local batches ``skip`` to ``skip + take`` of one rank reading the run's global order alone."""
     cfg = result["config"]
-
-    def build(rank: int, world: int):
-        return cfg.data.build(tokenizer=result["tokenizer"], dp_rank=rank, dp_world_size=world,
-                              seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size,
-                              split="train", infinite=True, seed=cfg.training.seed)
-
-    old = [build(r, 2) for r in range(2)]
-    for loader in old:
-        it = iter(loader)
-        for _ in range(FIRST):
-            next(it)
-    resumed = build(0, 1)
-    resumed.load_rank_states([loader.state_dict() for loader in old])
-    it = iter(resumed)
-    return [next(it)[1] for _ in range((SINGLE - FIRST) * 2)]
+    loader = cfg.data.build(tokenizer=result["tokenizer"], dp_rank=0, dp_world_size=1, seq_len=cfg.training.seq_len,
+                            local_batch_size=cfg.training.local_batch_size, split="train", infinite=True,
+                            seed=cfg.training.seed)
+    it = iter(loader)
+    return [next(it)[1] for _ in range(skip + take)][skip:]
 
 
-def test_fsdp2_checkpoint_resumes_on_tp2_with_the_resharded_data(tmp_path):
+def test_fsdp2_checkpoint_resumes_on_tp2_reading_on_in_the_window_order(tmp_path):
     folder = str(tmp_path)
     before = run_ranks(_train, 2, folder, FIRST, "--parallelism.dp_shard", "2")
     assert [r["dp"] for r in before] == [2, 2] and [r["n_microbatches"] for r in before] == [1, 1]
     after = run_ranks(_train, 2, folder, LAST, "--parallelism.tp", "2")
     assert [r["step"] for r in after] == [LAST, LAST]
     assert [r["dp"] for r in after] == [1, 1] and [r["n_microbatches"] for r in after] == [2, 2]
-    # Both TP ranks read the same batches: what the resharded position names, none the FSDP ranks trained on.
-    expected = _expected_after_reshard(after[0])
+    # The FSDP ranks read global micro-batches of 2 x 2 windows, rank r the rows r, r + 2: one rank of batch 2
+    # reading alone reads them as two local batches per step.
+    first = _in_order(after[0], 0, FIRST * 2)
+    for r, result in enumerate(before):
+        assert all(torch.equal(a, torch.stack([b[r], c[r]])) for a, b, c in
+                   zip(result["labels"], first[0::2], first[1::2], strict=True))
+    # Both TP ranks read the same batches: the ones after those, none the FSDP ranks trained on.
+    expected = _in_order(after[0], FIRST * 2, (SINGLE - FIRST) * 2)
     tp_part = expected[:(LAST - FIRST) * 2]
     for result in after:
         assert len(result["labels"]) == len(tp_part)

@@ -105,7 +105,7 @@ def test_without_the_tokenizer_and_dataset_the_config_is_valid_but_a_launch_woul
 def test_a_launch_without_its_tokenizer_and_dataset_stops_before_torchrun(cli, tmp_path):
     tokenizer = tmp_path / "assets" / "hf" / "Llama-3.1-8B"
     result = cli(["--config", "llama3_debug", "--tokenizer.path", str(tokenizer), "--data.dataset",
-                  "HuggingFaceFW/fineweb-edu", "--data.streaming", "true", "--data.shuffle", "false",
+                  "HuggingFaceFW/fineweb-edu", "--data.streaming", "true", "--data.shuffle", "none",
                   "--training.steps", "1"])
     assert result.returncode == 2
     err = result.stderr

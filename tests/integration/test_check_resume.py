@@ -34,12 +34,12 @@ def _snapshot(folder: str) -> dict[str, bytes]:
     return files
 
 
-def test_check_config_reports_the_reshard_and_the_global_batch_change(cli, tmp_path):
+def test_check_config_reports_the_new_degree_and_the_global_batch_change(cli, tmp_path):
     folder = _folder_with_checkpoint(tmp_path, FSDP2)
     result = cli([*ARGS, "--job.dump_folder", folder, "--check-config"], NPROC="2")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert "note: the data position of step 20 reshards from 2 to 1 data-parallel rank(s)" in result.stdout
+    assert "note: the data position of step 20 continues from 2 on 1 data-parallel rank(s)" in result.stdout
     assert ("warning: the global batch changes on resume from step 20: saved 4 = local 2 x data-parallel 2 x 1 "
             "micro-batch(es), now 2 = local 2 x data-parallel 1 x 1 micro-batch(es); set "
             "--training.global_batch_size 4 to keep it") in result.stdout
@@ -49,7 +49,7 @@ def test_check_config_reports_the_reshard_and_the_global_batch_change(cli, tmp_p
 def test_a_streaming_position_on_another_degree_is_refused_before_torchrun(cli, tmp_path):
     folder = _folder_with_checkpoint(tmp_path, DataLayout(**(FSDP2.to_record() | {"streaming": True})))
     before = _snapshot(folder)
-    result = cli([*ARGS, "--data.streaming", "true", "--data.shuffle", "false", "--job.dump_folder", folder],
+    result = cli([*ARGS, "--data.streaming", "true", "--data.shuffle", "none", "--job.dump_folder", folder],
                  NPROC="2")
     assert result.returncode == 2
     assert ("error: step 20: the checkpoint's data position was saved by 2 data-parallel rank(s) reading a "
@@ -133,7 +133,7 @@ def test_another_model_on_two_processes_is_refused_before_torchrun_naming_the_fo
                 f"(recorded in {folder}/checkpoint/step-200/config.toml); this run builds qwen3_moe flavor 'debug', "
                 f"which cannot load its weights. Start this run in another folder with --job.dump_folder DIR"
                 ) in result.stderr
-        assert "reshard" not in result.stdout + result.stderr
+        assert "data position" not in result.stdout + result.stderr
         assert "exclude_from_loading" not in result.stderr
     assert "torch.distributed.run" not in launched.stderr  # torchrun never started
     assert _snapshot(folder) == before
@@ -149,6 +149,6 @@ def test_a_resume_through_run_train_says_each_change_once(cli, tmp_path):
     resumed = cli([*run, "--training.steps", "3"], NPROC="2")
     assert resumed.returncode == 0, resumed.stderr
     said = resumed.stdout + resumed.stderr
-    assert said.count("the data position of step 2 reshards from 1 to 2 data-parallel rank(s)") == 1, said
+    assert said.count("the data position of step 2 continues from 1 on 2 data-parallel rank(s)") == 1, said
     assert said.count("the global batch changes on resume from step 2") == 1, said
 

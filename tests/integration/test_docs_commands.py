@@ -64,11 +64,18 @@ LONG_RUNNING = {
     "./run_train.sh --data.dataset 'data/train-*.jsonl' --data.validation_files data/val.jsonl "
     "--job.dump_folder outputs/my_data":
         "trains; needs the user's data (tests/unit/test_data_held_out.py checks its files are held out)",
-    "./run_train.sh --data.dataset my_org/my_corpus --data.streaming true --data.shuffle false "
+    "./run_train.sh --data.dataset my_org/my_corpus --data.streaming true --data.shuffle none "
     "--job.dump_folder outputs/my_corpus":
         "trains; downloads a hub data set",
     "python scripts/train_tokenizer.py --input 'data/*.jsonl' --vocab-size 32000 --output tok.model":
         "needs the user's data",
+    "python scripts/pretokenize.py --dataset 'data/train-*.jsonl' --validation-files data/val.jsonl --output "
+    "data/tokens --workers 8":
+        "needs the user's data (tests/unit/test_token_store.py runs it on a small file)",
+    "./run_train.sh --data.dataset 'data/train-*.jsonl' --data.token_store data/tokens --job.dump_folder "
+    "outputs/my_tokens":
+        "trains; needs the user's store (tests/integration/test_pretokenized_run.py trains from one)",
+    "python scripts/data_loader_bench.py": "a benchmark (tokenises the embedded corpus, about a minute)",
     "./run_train.sh --tokenizer.path tok.model --data.dataset 'data/*.jsonl' --validation.enable false "
     "--job.dump_folder outputs/my_tokenizer":
         "trains; needs the user's data",

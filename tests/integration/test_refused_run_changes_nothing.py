@@ -113,3 +113,61 @@ def test_a_folder_another_run_holds(dump, caplog):
               "start_time": "", "command": "train.py"}  # this live process
     (dump / LOCK_NAME).write_text(json.dumps(holder))
     assert "is in use by another run" in refuse(dump, caplog)
+
+
+# --------------------------------------------------------------------------------------------------
+# A token store (data.token_store) that cannot be trained on
+
+
+@pytest.fixture(scope="module")
+def written_store(tmp_path_factory) -> Path:
+    from torchtitan_lite.components.data import TextDataLoader
+    from torchtitan_lite.components.data.tokenize_store import write_store
+    from torchtitan_lite.components.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("tokens")
+    docs = folder / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(40)))
+    write_store(folder / "store" / "train", TextDataLoader.Config(dataset=str(docs)), "train",
+                Tokenizer.Config().build())
+    return folder / "store"
+
+
+def _damage(store: Path, case: str) -> None:
+    """What goes wrong with a store between pretokenize.py and the run."""
+    from torchtitan_lite.components.checkpoint.checksums import hash_file
+
+    train = store / "train"
+    index = json.loads((train / "index.json").read_text())
+    if case == "changed shard":
+        data = bytearray((train / "shard-00000.tokens").read_bytes())
+        data[10] ^= 1
+        (train / "shard-00000.tokens").write_bytes(bytes(data))
+    elif case == "id beyond the vocabulary":  # a consistent store (checksums match) of a larger vocabulary
+        tokens = (train / "shard-00000.tokens")
+        data = bytearray(tokens.read_bytes())
+        data[10:12] = (60_000).to_bytes(2, "little")
+        tokens.write_bytes(bytes(data))
+        index["shards"][0]["checksums"]["tokens"] = hash_file(str(tokens))["hash"]
+    elif case == "other tokenizer":
+        index["tokenizer"].update(fingerprint="0" * 32, name="other/tokenizer.model")
+    else:
+        os.remove(train / "shard-00000.starts")
+    (train / "index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("changed shard", r"shard-00000.tokens does not match its xxh3_128 checksum.*re-run scripts/pretokenize.py"),
+    ("id beyond the vocabulary", r"shard-00000.tokens holds token id 60000, beyond the model's vocabulary of \d+ ids"),
+    ("other tokenizer", r"written with tokenizer other/tokenizer.model \(fingerprint 0{32}\), this run tokenises with "
+                        r".*\.model \(fingerprint [0-9a-f]{32}\)"),
+    ("missing file", r"shard-00000.starts is missing; re-run scripts/pretokenize.py"),
+])
+def test_a_token_store_that_cannot_be_trained_on(dump, caplog, written_store, tmp_path, case, message):
+    import re
+
+    store = tmp_path / "store"
+    shutil.copytree(written_store, store)
+    _damage(store, case)
+    error = refuse(dump, caplog, "--data.token_store", str(store))
+    assert re.search(message, error), error

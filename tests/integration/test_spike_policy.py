@@ -136,7 +136,7 @@ def test_too_many_spikes_roll_back_and_skip_the_batches_around_them(tmp_path):
     for _ in range(18):
         next(it)
     ref, got = fresh.dataloader.state_dict(), a.dataloader.state_dict()
-    assert ref["position"] == got["position"] and torch.equal(ref["buffer"], got["buffer"])
+    assert ref == got and got["consumed"] == 18 * a.config.training.local_batch_size
 
     folder = tmp_path / "a" / "checkpoint"
     assert sorted(p.name for p in (folder / "rolled_back_1").iterdir()) == ["step-8"]  # the abandoned run's

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
 from test_generation import save_run
 
 import config_registry
@@ -61,3 +62,14 @@ def test_a_checkpoint_without_its_config_falls_back_to_the_runs(tmp_path):
     assert config_for_checkpoint(ckpt, registry=config_registry.DEFAULT_REGISTRY).model.n_layers == 1
     _other_run_config(dump)
     assert config_for_checkpoint(ckpt, registry=config_registry.DEFAULT_REGISTRY).model.n_layers == 3
+
+
+@pytest.mark.parametrize("saved, now", [("true", "documents"), ("false", "none")])
+def test_a_config_saved_when_data_shuffle_was_a_bool_still_reads_back(tmp_path, saved, now):
+    from torchtitan_lite.components.checkpoint.run_config import load_config_file
+
+    text = config_to_toml(config_registry.DEFAULT_REGISTRY.get("llama3_debug"))
+    assert 'shuffle = "windows"' in text
+    (tmp_path / "config.toml").write_text(text.replace('shuffle = "windows"', f"shuffle = {saved}"))
+    config = load_config_file(tmp_path / "config.toml", registry=config_registry.DEFAULT_REGISTRY)
+    assert config.data.shuffle == now

@@ -239,7 +239,7 @@ def test_toml_section_given_a_value():
 @dataclasses.dataclass
 class _DataRoot:
     data: TextDataLoader.Config = dataclasses.field(default_factory=lambda: TextDataLoader.Config(
-        dataset="HuggingFaceFW/fineweb-edu", dataset_config="sample-10BT", streaming=True, shuffle=False))
+        dataset="HuggingFaceFW/fineweb-edu", dataset_config="sample-10BT", streaming=True, shuffle="none"))
 
 
 @pytest.mark.parametrize("overrides, dataset_config", [
@@ -255,7 +255,7 @@ class _DataRoot:
       Override("data.dataset", "embedded")], None),
     # The same dataset restated is no replacement.
     ([Override("data.dataset", "HuggingFaceFW/fineweb-edu")], "sample-10BT"),
-    ([Override("data.streaming", "false"), Override("data.shuffle", "true")], "sample-10BT"),
+    ([Override("data.streaming", "false"), Override("data.shuffle", "windows")], "sample-10BT"),
 ])
 def test_a_field_that_belongs_to_another_is_reset_when_its_owner_is_replaced_alone(overrides, dataset_config):
     assert apply_overrides(_DataRoot(), overrides).data.dataset_config == dataset_config

@@ -41,7 +41,7 @@ def test_bad_record_is_an_error_naming_file_line_and_problem(tmp_path, reason):
     line, text = BAD[reason]
     path = _corpus(tmp_path, line)
     with pytest.raises(DataSourceError, match=rf"{path}:6: {text}.*data\.on_bad_record=skip"):
-        load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
+        load_split(TextDataLoader.Config(dataset=str(path), shuffle="none"), "train")
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -49,7 +49,7 @@ def test_bad_record_is_an_error_naming_file_line_and_problem(tmp_path, reason):
 def test_skip_leaves_the_bad_record_out_and_counts_it(tmp_path, reason, streaming, caplog):
     path = _corpus(tmp_path, BAD[reason][0])
     with caplog.at_level(logging.WARNING):
-        ds = load_split(TextDataLoader.Config(dataset=str(path), shuffle=False, streaming=streaming,
+        ds = load_split(TextDataLoader.Config(dataset=str(path), shuffle="none", streaming=streaming,
                                               on_bad_record="skip"), "train")
     assert [r["text"] for r in ds] == [json.loads(g)["text"] for g in GOOD]
     assert f"skipped 1 bad record(s) of data.dataset='{path}' (data.on_bad_record=skip): {reason} 1" in caplog.text
@@ -60,9 +60,9 @@ def test_invalid_utf8_in_a_text_file_both_policies(tmp_path, caplog):
     path = tmp_path / "docs.txt"
     path.write_bytes(b"first line\nsecond \xff line\nthird line\n")
     with pytest.raises(DataSourceError, match=rf"{path}:2: invalid UTF-8 at byte 7 of the line"):
-        load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
+        load_split(TextDataLoader.Config(dataset=str(path), shuffle="none"), "train")
     with caplog.at_level(logging.WARNING):
-        ds = load_split(TextDataLoader.Config(dataset=str(path), shuffle=False, on_bad_record="skip"), "train")
+        ds = load_split(TextDataLoader.Config(dataset=str(path), shuffle="none", on_bad_record="skip"), "train")
     assert [r["text"] for r in ds] == ["first line", "third line"]
     assert "invalid UTF-8 1" in caplog.text
 
@@ -76,7 +76,8 @@ def test_loader_with_skipped_records_resumes_exactly(tmp_path, streaming):
             lines.append(b'{"text": 1}' if i % 2 else b"not json")
     path = tmp_path / "docs.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    cfg = TextDataLoader.Config(dataset=str(path), streaming=streaming, shuffle=not streaming, on_bad_record="skip")
+    cfg = TextDataLoader.Config(dataset=str(path), streaming=streaming, shuffle="none" if streaming else "windows",
+                                on_bad_record="skip")
     make = lambda: _build(cfg, CharTokenizer(), seq_len=9, batch=3, seed=5)  # noqa: E731
     reference = _take(make(), 25)
     for cut in (1, 7, 16):
@@ -92,10 +93,10 @@ def test_corpus_of_only_empty_documents_is_an_error(tmp_path, policy):
     # Empty documents are valid records, so skipping bad records does not hide a corpus that trains on nothing.
     path = tmp_path / "empty.jsonl"
     path.write_text("".join(json.dumps({"text": ""}) + "\n" for _ in range(10)))
-    loader = _build(TextDataLoader.Config(dataset=str(path), shuffle=False, on_bad_record=policy), CharTokenizer(),
-                    seq_len=4, batch=2)
-    with pytest.raises(DataSourceError, match=r"is empty \(only BOS/EOS tokens\); check data\.text_field"):
-        _take(loader, 10)
+    for streaming in (False, True):
+        cfg = TextDataLoader.Config(dataset=str(path), shuffle="none", on_bad_record=policy, streaming=streaming)
+        with pytest.raises(DataSourceError, match=r"is empty \(only BOS/EOS tokens\); check data\.text_field"):
+            _take(_build(cfg, CharTokenizer(), seq_len=4, batch=2), 10)
 
 
 def _assert_skipped(pattern, texts: list[str], counted: str, caplog) -> None:
@@ -103,7 +104,7 @@ def _assert_skipped(pattern, texts: list[str], counted: str, caplog) -> None:
     for streaming in (False, True):
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            ds = load_split(TextDataLoader.Config(dataset=str(pattern), shuffle=False, streaming=streaming,
+            ds = load_split(TextDataLoader.Config(dataset=str(pattern), shuffle="none", streaming=streaming,
                                                   on_bad_record="skip"), "train")
         assert [r["text"] for r in ds] == texts
         assert counted in caplog.text
@@ -123,7 +124,7 @@ def test_compressed_json_lines_are_scanned_under_both_policies(tmp_path, codec, 
     path = tmp_path / f"docs.jsonl.{codec}"
     path.write_bytes({"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}[codec](raw))
     with pytest.raises(DataSourceError, match=rf"{path}:6: text=5 is a int, not a string"):
-        load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
+        load_split(TextDataLoader.Config(dataset=str(path), shuffle="none"), "train")
     _assert_skipped(path, [json.loads(g)["text"] for g in GOOD], "non-string value 1", caplog)
 
 
@@ -137,7 +138,7 @@ def test_a_codec_without_its_package_names_the_package(tmp_path, monkeypatch, su
     path = tmp_path / f"docs.jsonl.{suffix}"
     path.write_bytes(b"\x28\xb5\x2f\xfd not really compressed")
     with pytest.raises(DataSourceError, match=rf"{path}: reading \.{suffix} files needs the {package} package"):
-        load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
+        load_split(TextDataLoader.Config(dataset=str(path), shuffle="none"), "train")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def test_clean_csv_reads_the_same_through_datasets_and_the_record_reader(tmp_pat
     from torchtitan_lite.components.data import records
 
     path = _csv(tmp_path)
-    ds = load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
+    ds = load_split(TextDataLoader.Config(dataset=str(path), shuffle="none"), "train")
     assert [r["text"] for r in ds] == CSV_TEXTS
     assert [r["text"] for r in records.good_records([str(path)], "csv", "text", [])] == CSV_TEXTS
 
@@ -176,7 +177,7 @@ def test_bad_csv_row_both_policies(tmp_path, reason, caplog):
     path = _csv(tmp_path, row)
     # Line 6: the header, three rows (one spans two lines), then the bad one.
     with pytest.raises(DataSourceError, match=rf"{path}:6: {text} \(data\.dataset=.*data\.on_bad_record=skip"):
-        load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
+        load_split(TextDataLoader.Config(dataset=str(path), shuffle="none"), "train")
     _assert_skipped(path, CSV_TEXTS, f"{reason} 1", caplog)
     assert f"{path}:6: " in caplog.text
 
@@ -185,10 +186,10 @@ def test_csv_without_the_text_column_both_policies(tmp_path, caplog):
     path = _csv(tmp_path, header=b"id,body")
     with pytest.raises(DataSourceError, match=rf"{path}:2: the header has no 'text' column \(columns: \['id', "
                                               rf"'body'\]\); all 5 rows of {path} .*point data\.text_field"):
-        load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
+        load_split(TextDataLoader.Config(dataset=str(path), shuffle="none"), "train")
     good = _csv(tmp_path / "good")
     with caplog.at_level(logging.WARNING):
-        ds = load_split(TextDataLoader.Config(dataset=str(tmp_path / "**" / "*.csv"), shuffle=False,
+        ds = load_split(TextDataLoader.Config(dataset=str(tmp_path / "**" / "*.csv"), shuffle="none",
                                               on_bad_record="skip"), "train")
     assert [r["text"] for r in ds] == CSV_TEXTS and good.exists()
     assert "skipped 5 bad record(s)" in caplog.text and "missing column 5" in caplog.text
@@ -219,7 +220,7 @@ def test_parquet_bad_records_both_policies(tmp_path, caplog):
               ints: r"row 0: column 'text' holds int64, not strings; all 2 rows"}
     for path, text in errors.items():
         with pytest.raises(DataSourceError, match=rf"{path} {text}.*data\.on_bad_record=skip"):
-            load_split(TextDataLoader.Config(dataset=str(path), shuffle=False), "train")
+            load_split(TextDataLoader.Config(dataset=str(path), shuffle="none"), "train")
     _assert_skipped(tmp_path / "*.parquet", PARQUET_TEXTS,
                     "skipped 6 bad record(s) of data.dataset='{}' (data.on_bad_record=skip): missing column 3, "
                     "non-string value 2, null value 1".format(tmp_path / "*.parquet"), caplog)
@@ -228,7 +229,7 @@ def test_parquet_bad_records_both_policies(tmp_path, caplog):
 def test_clean_parquet_files_may_differ_in_their_other_columns(tmp_path):
     _parquet(tmp_path / "a.parquet", {"text": PARQUET_TEXTS[:6], "id": list(range(6))})
     _parquet(tmp_path / "b.parquet", {"text": PARQUET_TEXTS[6:], "url": ["u"] * 5})
-    ds = load_split(TextDataLoader.Config(dataset=str(tmp_path / "*.parquet"), shuffle=False), "train")
+    ds = load_split(TextDataLoader.Config(dataset=str(tmp_path / "*.parquet"), shuffle="none"), "train")
     assert [r["text"] for r in ds] == PARQUET_TEXTS  # only the text column is read
 
 
@@ -246,37 +247,41 @@ def _folder(tmp_path):
 
 
 @pytest.mark.parametrize("streaming, schemaless, where, problem", [
-    (False, False, r"row 1 of split 'train' of data\.dataset='.*corpus' \(data-parallel rank 0\)",
-     r"has text=None \(null\)"),
+    (False, False, r"row 1 of split 'train' of data\.dataset='.*corpus'", r"has text=None \(null\)"),
     (True, False, r"record 1 of data-parallel rank 0's stream of split 'train' of data\.dataset='.*corpus', "
                   r"shard 0 \(fields \['text'\]\)", r"has text=None \(null\)"),
     (True, True, r"record 1 of data-parallel rank 0's stream of split 'train' of data\.dataset='.*corpus', "
                  r"shard 0 \(fields \['body'\]\)", r"has no 'text' field"),
 ])
 def test_a_bad_record_of_a_read_source_is_named(tmp_path, streaming, schemaless, where, problem):
-    cfg = TextDataLoader.Config(dataset=str(_folder(tmp_path)), shuffle=False, streaming=streaming)
-    loader = _build(cfg, CharTokenizer(), seq_len=3, batch=1)
-    if schemaless:  # a stream whose schema is known only from its records (a hub stream of JSON records)
-        loader.documents = datasets.IterableDataset.from_generator(lambda: iter(MIXED))
+    cfg = TextDataLoader.Config(dataset=str(_folder(tmp_path)), shuffle="none", streaming=streaming)
+    # A stream finds it when it reads the record; a random-access source when it is tokenised into its store.
     with pytest.raises(DataSourceError, match=rf"{where} {problem}.*; fix the record.* data\.on_bad_record=skip"):
+        loader = _build(cfg, CharTokenizer(), seq_len=3, batch=1)
+        if schemaless:  # a stream whose schema is known only from its records (a hub stream of JSON records)
+            loader.documents = datasets.IterableDataset.from_generator(lambda: iter(MIXED))
         _take(loader, 1)
 
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_skipped_records_of_a_read_source_are_counted_and_resume_exactly(tmp_path, streaming, caplog):
-    cfg = TextDataLoader.Config(dataset=str(_folder(tmp_path)), shuffle=False, streaming=streaming,
+    cfg = TextDataLoader.Config(dataset=str(_folder(tmp_path)), shuffle="none", streaming=streaming,
                                 on_bad_record="skip")
     make = lambda: _build(cfg, CharTokenizer(), seq_len=3, batch=1)  # noqa: E731
     with caplog.at_level(logging.WARNING):
         reference = _take(make(), 6)
     stream = [t for inputs, labels in reference for t in inputs[0].tolist() + labels[0].tolist()[-1:]]
     text = "".join("<" if t == BOS else ">" if t == EOS else chr(t - OFFSET) for t in stream)
-    assert text == "<first><last><first><last>"[:24]  # only the good documents, epoch after epoch
+    # Only the good documents, epoch after epoch (a store's epoch drops the tail that fills no window).
+    assert text == ("<first><last><first><last>"[:24] if streaming else "<first><last" * 2)
     assert "skipped 3 bad record(s)" in caplog.text and "non-string value 1" in caplog.text
     loader = make()
     _take(loader, 4)
     state = _roundtrip(loader.state_dict())
-    assert state["bad_records"] == {"null value": 4, "non-string value": 2}  # counted again in each epoch (2 read)
+    if streaming:
+        assert state["bad_records"] == {"null value": 4, "non-string value": 2}  # counted again in each epoch
+    else:  # left out of the store once, when it is written
+        assert loader.store.index["source"]["skipped_records"] == {"null value": 2, "non-string value": 1}
     resumed = make()
     resumed.load_state_dict(state)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(reference[4:], _take(resumed, 2), strict=True))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from torchtitan_lite.components.data import TextDataLoader
-from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer, to_batch
+from torchtitan_lite.components.data.batch import to_batch
+from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer
 
 BOS, EOS, OFFSET = 1, 2, 10
 
@@ -41,7 +42,7 @@ def _stream(docs):
 
 
 def _loader(path, seq_len=7, batch=3, **kw):
-    cfg = TextDataLoader.Config(dataset=path, shuffle=kw.pop("shuffle", False), streaming=kw.pop("streaming", False))
+    cfg = TextDataLoader.Config(dataset=path, shuffle=kw.pop("shuffle", "none"), streaming=kw.pop("streaming", False))
     return cfg.build(tokenizer=kw.pop("tokenizer", CharTokenizer()), dp_rank=kw.pop("dp_rank", 0),
                      dp_world_size=kw.pop("dp_world_size", 1), seq_len=seq_len, local_batch_size=batch, **kw)
 
@@ -61,16 +62,18 @@ def test_buffer_helpers():
     assert buffer.tolist() == [1, 5, 6, 2, 1, 7, 2, 1, 8, 2] and buffer.dtype == np.int32
     windows, rest = cut_windows(buffer, 2, 4)
     assert windows.tolist() == [[1, 5, 6, 2], [1, 7, 2, 1]] and rest.tolist() == [8, 2]
-    inputs, labels = to_batch(windows)
+    inputs, labels = batch = to_batch(windows, [np.array([0]), np.array([0])])
     assert inputs.tolist() == [[1, 5, 6], [1, 7, 2]] and labels.tolist() == [[5, 6, 2], [7, 2, 1]]
+    assert [s.tolist() for s in batch.doc_starts] == [[0], [0]]
     assert inputs.dtype == labels.dtype == torch.int64 and inputs.is_contiguous() and labels.is_contiguous()
     with pytest.raises(ValueError, match="3 windows of 4 tokens need 12 tokens, the buffer has 10"):
         cut_windows(buffer, 3, 4)
 
 
-def test_finite_pass_packs_the_exact_token_stream(tmp_path):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_finite_pass_packs_the_exact_token_stream(tmp_path, streaming):
     docs = _docs()
-    batches = list(_loader(_jsonl(tmp_path, docs), seq_len=7, batch=3, infinite=False))
+    batches = list(_loader(_jsonl(tmp_path, docs), seq_len=7, batch=3, infinite=False, streaming=streaming))
     stream = _stream(docs)
     n_windows = len(stream) // 8
     # Consecutive non-overlapping windows of seq_len + 1 tokens; the final partial window is dropped.
@@ -89,13 +92,24 @@ def test_documents_sit_between_bos_and_eos(tmp_path):
     assert text.count("<s>") - text.count("</s>") in (0, 1)
 
 
-def test_infinite_loader_starts_the_next_epoch_right_after_the_last_document(tmp_path):
+def test_an_infinite_stream_starts_the_next_epoch_right_after_the_last_document(tmp_path):
     docs = _docs(5)
-    loader = _loader(_jsonl(tmp_path, docs), seq_len=5, batch=2)
+    loader = _loader(_jsonl(tmp_path, docs), seq_len=5, batch=2, streaming=True)
     it = iter(loader)
     stream = _stream(docs) * 20
     got = [t for w in _windows(next(it) for _ in range(15)) for t in w]
     assert got == stream[:len(got)] and loader.state_dict()["epoch"] > 2
+
+
+def test_every_epoch_of_a_store_reads_its_full_windows_and_drops_the_tail(tmp_path):
+    docs = _docs(5)
+    loader = _loader(_jsonl(tmp_path, docs), seq_len=5, batch=2)
+    stream = _stream(docs)
+    per_epoch = [stream[k * 6:(k + 1) * 6] for k in range(len(stream) // 6)]
+    assert len(stream) % 6 and loader.n_windows == len(per_epoch)
+    it = iter(loader)
+    got = _windows(next(it) for _ in range(len(per_epoch) * 3 // 2))
+    assert got == (per_epoch * 3)[:len(got)]
 
 
 def test_shuffle_draws_a_new_seeded_order_every_epoch(tmp_path):
@@ -103,9 +117,9 @@ def test_shuffle_draws_a_new_seeded_order_every_epoch(tmp_path):
     path = _jsonl(tmp_path, docs)
 
     def epochs(seed, n=2):
-        loader = _loader(path, seq_len=15, batch=1, shuffle=True, seed=seed)
+        loader = _loader(path, seq_len=15, batch=1, shuffle="documents", seed=seed)
         it, tokens = iter(loader), []
-        while loader.state_dict()["epoch"] < n:
+        while loader.state_dict()["consumed"] < n * loader.n_windows:
             tokens += _windows([next(it)])[0]
         text = _text(tokens, "<", ">")
         order = [d for d in text.replace("<", "").split(">") if d.startswith("d") and d in docs]
@@ -122,7 +136,7 @@ def test_validation_split_is_never_shuffled(tmp_path):
     held_out = tmp_path / "held_out"
     held_out.mkdir()
     validation = _jsonl(held_out, docs)  # the same documents in a file of its own: validation files are held out
-    cfg = TextDataLoader.Config(dataset=path, validation_files=validation)
+    cfg = TextDataLoader.Config(dataset=path, validation_files=validation, shuffle="windows")
     loader = cfg.build(tokenizer=CharTokenizer(), dp_rank=0, dp_world_size=1, seq_len=7, local_batch_size=3,
                        split="validation", infinite=False, seed=0)
     stream = _stream(docs)

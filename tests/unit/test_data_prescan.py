@@ -21,7 +21,7 @@ def isolated_hf_cache(tmp_path, monkeypatch):
 
 
 def _cfg(path) -> TextDataLoader.Config:
-    return TextDataLoader.Config(dataset=str(path), shuffle=False)
+    return TextDataLoader.Config(dataset=str(path), shuffle="none")
 
 
 def _count_scans(monkeypatch) -> list[str]:
@@ -42,7 +42,7 @@ def test_the_check_before_launch_fingerprints_only_clean_sources(tmp_path):
     assert scan_local_records(_cfg(good), validation=False) == ([], [prescan.fingerprint([str(good)], "json", "text")])
     problems, clean = scan_local_records(_cfg(bad), validation=False)
     assert clean == [] and len(problems) == 1 and problems[0].startswith(f"{bad}:2: ")
-    skipping = TextDataLoader.Config(dataset=str(bad), shuffle=False, on_bad_record="skip")
+    skipping = TextDataLoader.Config(dataset=str(bad), shuffle="none", on_bad_record="skip")
     assert scan_local_records(skipping, validation=False) == ([], [])  # the workers must scan to leave it out
 
 

@@ -39,7 +39,7 @@ def _write(path, docs, fmt, field="text"):
 
 
 def _cfg(**kw):
-    return TextDataLoader.Config(shuffle=False, **kw)
+    return TextDataLoader.Config(shuffle="none", **kw)
 
 
 @pytest.mark.parametrize("fmt,ext", [("jsonl", "jsonl"), ("json", "json"), ("parquet", "parquet"), ("csv", "csv")])
@@ -231,8 +231,18 @@ def test_options_that_do_not_apply_are_rejected(tmp_path):
 
 
 def test_config_rejects_shuffling_a_stream():
-    with pytest.raises(ValueError, match="data.shuffle=True needs a map-style dataset, but data.streaming=True"):
+    with pytest.raises(ValueError, match="data.shuffle='windows' needs a random-access source, but "
+                                         "data.streaming=true.*set data.shuffle=none"):
         TextDataLoader.Config(streaming=True)
+
+
+@pytest.mark.parametrize("old,hint", [(True, "true read the documents in a shuffled order: 'documents'"),
+                                      (False, "false: 'none'"), ("random", "")])
+def test_config_refuses_an_order_it_does_not_know_naming_the_orders(old, hint):
+    # data.shuffle was a bool: a config still written that way is told what its value is called now.
+    with pytest.raises(ValueError, match=rf"data.shuffle={old!r} is not an order; use one of windows, documents, "
+                                         rf"none.*{hint}"):
+        TextDataLoader.Config(shuffle=old)
 
 
 @pytest.mark.parametrize("role", ["train", "validation"])

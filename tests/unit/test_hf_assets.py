@@ -167,7 +167,7 @@ def test_hub_dataset_offline_names_the_variable_without_asking():
 def test_readiness_lists_every_problem(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data = TextDataLoader.Config(dataset="HuggingFaceFW/fineweb-edu", dataset_config="sample-10BT", streaming=True,
-                                 shuffle=False)
+                                 shuffle="none")
     problems = data_problems(data, Tokenizer.Config(path="assets/hf/Llama-3.1-8B"), validation=False)
     assert len(problems) == 2
     assert problems[0].startswith("tokenizer.path='assets/hf/Llama-3.1-8B' does not exist")

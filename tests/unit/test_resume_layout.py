@@ -12,17 +12,19 @@ from torchtitan_lite.config import parse_cli
 from torchtitan_lite.launch_check import check_resume
 from torchtitan_lite.resolved_run import resolve_run
 
-FSDP2 = DataLayout(dp_degree=2, local_batch_size=8, n_microbatches=1, seq_len=64, dataset="embedded", streaming=False)
-TP2 = DataLayout(dp_degree=1, local_batch_size=8, n_microbatches=1, seq_len=64, dataset="embedded", streaming=False)
+FSDP2 = DataLayout(dp_degree=2, local_batch_size=8, n_microbatches=1, seq_len=64, dataset="embedded", streaming=False,
+                   position="windows")
+TP2 = DataLayout(dp_degree=1, local_batch_size=8, n_microbatches=1, seq_len=64, dataset="embedded", streaming=False,
+                 position="windows")
 TP2_KEPT = DataLayout(dp_degree=1, local_batch_size=8, n_microbatches=2, seq_len=64, dataset="embedded",
-                      streaming=False)
+                      streaming=False, position="windows")
 
 
-def test_a_new_degree_reshards_and_an_unset_global_batch_warns_with_both_numbers():
+def test_a_new_degree_continues_the_position_and_an_unset_global_batch_warns_with_both_numbers():
     notes, warnings = resume_changes(FSDP2, TP2, step=20, data_loaded=True, global_batch_set=False)
-    assert notes == ["the data position of step 20 reshards from 2 to 1 data-parallel rank(s): every document of "
-                     "the current epoch not yet read is read once, none twice (README, 'Resuming with another "
-                     "layout')"]
+    assert notes == ["the data position of step 20 continues from 2 on 1 data-parallel rank(s): it counts the windows "
+                     "of the global order read so far, so every window is read once, none twice (README, 'Resuming "
+                     "with another layout')"]
     assert warnings == ["the global batch changes on resume from step 20: saved 16 = local 8 x data-parallel 2 x 1 "
                         "micro-batch(es), now 8 = local 8 x data-parallel 1 x 1 micro-batch(es); set "
                         "--training.global_batch_size 16 to keep it (the micro-batches per step adjust to the "
@@ -39,16 +41,18 @@ def test_a_set_global_batch_is_kept_with_more_micro_batches():
 def test_the_same_layout_changes_nothing_and_an_excluded_position_is_not_resharded():
     assert resume_changes(FSDP2, FSDP2, step=3, data_loaded=True, global_batch_set=False) == ([], [])
     notes, warnings = resume_changes(FSDP2, TP2_KEPT, step=3, data_loaded=False, global_batch_set=True)
-    assert not any("reshards" in n for n in notes) and warnings == []
+    assert not any("position" in n for n in notes) and warnings == []
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(streaming=True), r"saved by 2 data-parallel rank\(s\) reading a streaming dataset .* this run has 1"),
+    (dict(streaming=True, position="stream"),
+     r"saved by 2 data-parallel rank\(s\) reading a streaming dataset .* this run has 1"),
     (dict(seq_len=128), r"saved with training.seq_len=64, this run has 128"),
     (dict(dataset="data/*.jsonl"), r"saved with data.dataset='embedded', this run has 'data/\*.jsonl'"),
 ])
 def test_positions_that_cannot_continue_are_refused(change, message):
-    saved = DataLayout(**(FSDP2.to_record() | ({"streaming": True} if "streaming" in change else {})))
+    saved = DataLayout(**(FSDP2.to_record() | ({"streaming": True, "position": "stream"} if "streaming" in change
+                                               else {})))
     now = DataLayout(**(TP2.to_record() | change))
     with pytest.raises(ValueError, match=message + ".*--checkpoint.exclude_from_loading dataloader"):
         resume_changes(saved, now, step=20, data_loaded=True, global_batch_set=False)
@@ -59,6 +63,17 @@ def test_a_position_from_before_layouts_were_recorded_is_refused_unless_excluded
                                          r"--checkpoint.exclude_from_loading dataloader"):
         resume_changes(None, TP2, step=7, data_loaded=True, global_batch_set=False)
     assert resume_changes(None, TP2, step=7, data_loaded=False, global_batch_set=False) == ([], [])
+
+
+def test_a_per_rank_document_position_is_refused_unless_excluded():
+    # A marker of the loader that read documents per rank records no position kind.
+    record = FSDP2.to_record()
+    del record["position"]
+    saved = DataLayout.from_record(record)
+    with pytest.raises(ValueError, match=r"step 7 counts documents read per rank.*reads windows of a token store.*"
+                                         r"--checkpoint.exclude_from_loading dataloader"):
+        resume_changes(saved, TP2, step=7, data_loaded=True, global_batch_set=False)
+    assert resume_changes(saved, TP2, step=7, data_loaded=False, global_batch_set=False)[1] != []
 
 
 def _config(folder, *extra):
@@ -79,7 +94,7 @@ def test_check_resume_reads_the_newest_complete_checkpoint(tmp_path):
     os.makedirs(step_dir(str(tmp_path / "checkpoint"), 30))  # incomplete: no marker, never resumed from
     config = _config(tmp_path, "--parallelism.tp", "2")
     notes, warnings = check_resume(config, resolve_run(config, world_size=2, device_type="cpu"))
-    assert "reshards from 2 to 1" in notes[0] and "saved 16 = local 8 x data-parallel 2" in warnings[0]
+    assert "continues from 2 on 1" in notes[0] and "saved 16 = local 8 x data-parallel 2" in warnings[0]
     config = _config(tmp_path, "--parallelism.tp", "2", "--checkpoint.load_step", "10")
     assert check_resume(config, resolve_run(config, world_size=2, device_type="cpu")) == ([], [])
 

@@ -70,7 +70,7 @@ def test_packing_separates_documents_with_the_tokenizers_bos_and_eos(tmp_path, t
     docs = [CODE, f"quoting {EOS} inside", UNICODE, "short"] * 3
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    loader = TextDataLoader.Config(dataset=str(data), shuffle=False).build(
+    loader = TextDataLoader.Config(dataset=str(data), shuffle="none").build(
         tokenizer=tokenizer, dp_rank=0, dp_world_size=1, seq_len=15, local_batch_size=2, infinite=False)
     stream = np.concatenate([np.concatenate([inputs[:, :1], labels], axis=1).reshape(-1) for inputs, labels in loader])
     as_text = LibTokenizer.from_str(lib_tokenizer.to_str())

@@ -3,7 +3,8 @@
     python scripts/first_window_bench.py --megabytes 50 --folder /tmp/first_window_bench
 
 Writes one JSON-lines file holding the huge document (Python-like source lines) and a small one after
-it, then for each repeat builds a ``TextDataLoader`` over it with the default tokenizer
+it, then for each repeat builds a streaming ``TextDataLoader`` over it (a stream tokenises as it reads; a
+random-access source is tokenised into its store whole before the first batch) with the default tokenizer
 (``seq_len`` 256, 8 windows a batch, as ``llama3_debug``) and times: building the loader (``datasets``
 reading the file into its Arrow cache, the bad-record scan), the first batch, and the next ten. Then,
 once, a finite pass over the whole file (every batch of the document). The peak resident memory of the
@@ -42,7 +43,7 @@ def main(argv: list[str]) -> int:
     build_s, first_s, next_s = [], [], []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        loader = TextDataLoader.Config(dataset=path, shuffle=False).build(
+        loader = TextDataLoader.Config(dataset=path, streaming=True, shuffle="none").build(
             tokenizer=tokenizer, dp_rank=0, dp_world_size=1, seq_len=256, local_batch_size=8)
         built = time.perf_counter()
         batches = iter(loader)
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> int:
         first_s.append(first - built)
         next_s.append(time.perf_counter() - first)
     start = time.perf_counter()
-    finite = TextDataLoader.Config(dataset=path, shuffle=False).build(
+    finite = TextDataLoader.Config(dataset=path, streaming=True, shuffle="none").build(
         tokenizer=tokenizer, dp_rank=0, dp_world_size=1, seq_len=256, local_batch_size=8, infinite=False)
     n_batches = sum(1 for _ in finite)
     whole_s = time.perf_counter() - start

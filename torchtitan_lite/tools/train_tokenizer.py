@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     source = TextDataLoader.Config(
         dataset=args.input, dataset_config=args.dataset_config, data_format=args.data_format,
-        text_field=args.text_field, train_split=args.split, streaming=args.streaming, shuffle=False,
+        text_field=args.text_field, train_split=args.split, streaming=args.streaming, shuffle="none",
     )
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

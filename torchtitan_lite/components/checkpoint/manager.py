@@ -16,8 +16,9 @@ on every rank, its partial folder is removed, and the run stops or warns (``on_s
 Model and optimizer state are sharded tensors that DCP reshards on load (save on FSDP 2, load on
 1 process or FSDP x TP). Per-rank state that is not a sharded tensor (``dataloader``,
 ``train_state`` with its RNGs) is stored under rank-unique keys ``<name>.rank<r>``. A state with
-``load_rank_states`` (the data loader) reshards itself: when the data-parallel degree or the world size
-changed since the save, every rank reads all saved ranks' copies and hands them over. The marker records
+``load_rank_states`` (the data loader) takes every saved rank's copy: when the data-parallel degree or the
+world size changed since the save, every rank reads all of them and the loader continues from them (a
+window position is the same on every rank; a stream's refuses another degree). The marker records
 the run's data layout (``components/data/layout.py``), readable before launch.
 
 Each checkpoint also holds the resolved config of the run that wrote it (``step-<N>/config.toml``,

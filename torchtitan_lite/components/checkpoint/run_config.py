@@ -37,8 +37,19 @@ def find_run_config(checkpoint_dir: str) -> Path | None:
 
 def load_config_file(path: str | Path, *, registry: ConfigRegistry, base: str = BASE_CONFIG) -> Any:
     """A root config read back from a saved ``config.toml``."""
-    overrides = overrides_from_dict(load_toml_overrides(str(path)), origin=str(path))
+    saved = _renamed_values(load_toml_overrides(str(path)))
+    overrides = overrides_from_dict(saved, origin=str(path))
     return apply_overrides(registry.get(base), overrides, base_label=f"config '{base}'")
+
+
+def _renamed_values(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config in today's spelling: data.shuffle was a bool (true read documents in a shuffled order,
+    what 'documents' reads; false the source order, 'none'). A new run is refused such a value; a checkpoint
+    that was trained with it still exports, converts and generates."""
+    data = saved.get("data")
+    if isinstance(data, dict) and isinstance(data.get("shuffle"), bool):
+        data["shuffle"] = "documents" if data["shuffle"] else "none"
+    return saved
 
 
 def config_for_checkpoint(checkpoint_dir: str, *, registry: ConfigRegistry, config_name: str | None = None) -> Any:

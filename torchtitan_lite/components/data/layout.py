@@ -1,9 +1,10 @@
 """How a run feeds its data, recorded in every checkpoint and compared when a run resumes from one.
 
 Every checkpoint's marker holds the ``DataLayout`` it was trained with (JSON, readable without loading
-anything else), so ``--check-config`` can tell before launch what a resume changes: a new data-parallel
-degree reshards the data position (``position.py``; map-style data only), and a new global batch changes
-the optimisation. ``resume_changes`` is the one place that judges it, for the check and for the trainer.
+anything else), so ``--check-config`` can tell before launch what a resume changes: a random-access
+source's position is a count of windows read in one global order, valid on any data-parallel degree; a
+stream's is each rank's own reader, valid on the same degree only; a new global batch changes the
+optimisation. ``resume_changes`` is the one place that judges it, for the check and for the trainer.
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ class DataLayout:
     seq_len: int
     dataset: str
     streaming: bool
+    position: str = "windows"
+    """How the data position counts: 'windows' (windows of the global order read, any layout), 'stream' (each
+    rank's stream reader), 'documents' (the per-rank document order of earlier versions, whose records have no
+    such field)."""
 
     @property
     def global_batch_size(self) -> int:
@@ -38,7 +43,7 @@ class DataLayout:
 
     @staticmethod
     def from_record(record: dict[str, Any] | None) -> DataLayout | None:
-        return None if record is None else DataLayout(**record)
+        return None if record is None else DataLayout(**({"position": "documents"} | record))
 
 
 def resume_changes(saved: DataLayout | None, now: DataLayout, *, step: int, data_loaded: bool,
@@ -59,9 +64,9 @@ def resume_changes(saved: DataLayout | None, now: DataLayout, *, step: int, data
         _check_position_applies(saved, now, step)
         if saved.dp_degree != now.dp_degree:
             notes.append(
-                f"the data position of step {step} reshards from {saved.dp_degree} to {now.dp_degree} data-parallel "
-                f"rank(s): every document of the current epoch not yet read is read once, none twice (README, "
-                f"'Resuming with another layout')")
+                f"the data position of step {step} continues from {saved.dp_degree} on {now.dp_degree} data-parallel "
+                f"rank(s): it counts the windows of the global order read so far, so every window is read once, "
+                f"none twice (README, 'Resuming with another layout')")
     if saved.global_batch_size != now.global_batch_size:
         keep = "" if global_batch_set else f"; {keep_global_batch(saved.global_batch_size, now)}"
         warnings.append(f"the global batch changes on resume from step {step}: saved {saved.describe()}, now "
@@ -112,5 +117,11 @@ def _check_position_applies(saved: DataLayout, now: DataLayout, step: int) -> No
                              f"for the same data and seq_len. Restore it; start a new run in another folder with "
                              f"--job.dump_folder DIR; or keep the folder's weights and start the data from the "
                              f"beginning with --checkpoint.exclude_from_loading dataloader")
+    if saved.position == "documents" and not saved.streaming:
+        raise ValueError(
+            f"the data position of the checkpoint of step {step} counts documents read per rank, as an earlier "
+            f"version of the data loader did; the loader now reads windows of a token store in one global order, "
+            f"which that position does not name. Resume with --checkpoint.exclude_from_loading dataloader to start "
+            f"the data from the beginning (the weights and optimizer still load)")
     if saved.streaming and saved.dp_degree != now.dp_degree:
         raise ValueError(f"step {step}: {reshard_refusal(saved.dp_degree, now.dp_degree)}")

@@ -1,7 +1,8 @@
 """Packing: tokenised documents laid end to end and cut into fixed windows.
 
 Every document is ``BOS tokens EOS``; documents are concatenated into one token stream, which is cut
-into consecutive, non-overlapping windows of ``seq_len + 1`` tokens: window ``k`` is stream tokens
+into consecutive, non-overlapping windows of ``seq_len + 1`` tokens (a stream is packed here as it is read;
+a token store holds the same stream, and ``windows.py`` cuts it the same way): window ``k`` is stream tokens
 ``[k (seq_len+1), (k+1) (seq_len+1))``. A window gives ``inputs = w[:-1]`` and ``labels = w[1:]``,
 so each position predicts the next token, across document boundaries too (attention is not masked
 per document). Windows never pad: the stream's tail that does not fill a window stays in the buffer
@@ -15,7 +16,6 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 TOKEN_DTYPE = np.int32
 
@@ -40,9 +40,3 @@ def cut_windows(buffer: np.ndarray, n_windows: int, window: int) -> tuple[np.nda
     if used > len(buffer):
         raise ValueError(f"{n_windows} windows of {window} tokens need {used} tokens, the buffer has {len(buffer)}")
     return buffer[:used].reshape(n_windows, window), buffer[used:].copy()
-
-
-def to_batch(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, labels)`` int64 tensors [n, window - 1] from windows [n, window]."""
-    block = torch.from_numpy(windows.astype(np.int64))
-    return block[:, :-1].contiguous(), block[:, 1:].contiguous()

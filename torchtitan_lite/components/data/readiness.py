@@ -52,6 +52,9 @@ def data_problems(data: TextDataLoader.Config, tokenizer: Tokenizer.Config, *, v
         check_options(data, validation=validation)
     except DataSourceError as error:
         problems.append(str(error))
+    if data.token_store is not None:
+        problems.extend(_store_problems(data, validation=validation))
+        return problems
     try:
         _check_source(data, timeout=timeout)
         if validation and data.validation_files is not None:
@@ -92,6 +95,19 @@ def scan_local_records(data: TextDataLoader.Config, *, validation: bool) -> tupl
         if not bad.count:
             clean.append(prescan.fingerprint(files, builder, field))
     return problems, clean
+
+
+def _store_problems(data: TextDataLoader.Config, *, validation: bool) -> list[str]:
+    """A pretokenised store's files, checked for presence and size (the checksums are read by the loader)."""
+    from torchtitan_lite.components.data.window_loader import run_store
+
+    problems = []
+    for role in ("train", "validation") if validation else ("train",):
+        try:
+            run_store(data, role, tokenizer=None)
+        except DataSourceError as error:
+            problems.append(str(error))
+    return problems
 
 
 def not_ready_text(problems: list[str]) -> str:
