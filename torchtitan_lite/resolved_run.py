@@ -98,7 +98,7 @@ class ResolvedRun:
     def data_layout(self, data: TextDataLoader.Config) -> DataLayout:
         """How this run feeds ``data``: recorded in its checkpoints, compared on resume."""
         return DataLayout(dp_degree=self.parallel_dims.dp_degree, local_batch_size=self.training.local_batch_size,
-                          n_microbatches=self.n_microbatches, seq_len=self.training.seq_len, dataset=data.dataset,
+                          n_microbatches=self.n_microbatches, seq_len=self.training.seq_len, dataset=data.describe_source(),
                           streaming=data.streaming, position="stream" if data.streaming else "windows")
 
     @property

@@ -238,16 +238,23 @@ class Trainer(Configurable):
         cfg = self.config
         if not cfg.validation.enable:
             return None
-        val_loader_factory = lambda: cfg.data.build(  # noqa: E731 - a fresh pass per validation
-            tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank, dp_world_size=self.parallel_dims.dp_degree,
-            seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="validation",
-            infinite=False, seed=cfg.training.seed, vocab_size=self.model_args.vocab_size,
-        )
+        from torchtitan_lite.components.data.mixture_loader import validation_loaders
+
+        runtime = dict(tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank,
+                       dp_world_size=self.parallel_dims.dp_degree, seq_len=cfg.training.seq_len,
+                       local_batch_size=cfg.training.local_batch_size, seed=cfg.training.seed,
+                       vocab_size=self.model_args.vocab_size)
+        # A fresh pass per validation; a mixture validates each source's held-out split on its own.
+        factories = validation_loaders(cfg.data, **runtime) if cfg.data.sources else {
+            "": lambda: cfg.data.build(split="validation", infinite=False, **runtime)}
         # Built once now: a validation store that is missing, corrupt or of another tokenizer stops the run
         # before training (and the cache's store is written before the first step, not in the middle).
-        val_loader_factory()
+        for factory in factories.values():
+            factory()
+        sources = {"source_factories": factories, "source_weights": {s.name: s.weight for s in cfg.data.sources}} \
+            if cfg.data.sources else {"dataloader_factory": factories[""]}
         return cfg.validation.build(
-            dataloader_factory=val_loader_factory, loss_fn=self.loss_fn, device=self.device,
+            **sources, loss_fn=self.loss_fn, device=self.device,
             dp_group=self._dp_group(), autocast=self.precision.eval_autocast,
             loss_context=lambda: loss_parallel_context(self.run.loss_parallel),
             pipeline_eval=self.pipeline.eval if self.pipeline is not None else None, pp_group=self._pp_group(),
@@ -339,7 +346,8 @@ class Trainer(Configurable):
                     mean_loss = self.train_state.take_mean_loss(fallback=values.loss)
                     self.metrics.log(step, loss=mean_loss, grad_norm=values.grad_norm,
                                      lr=self.lr_schedulers.last_lr, extra=self._extra_metrics(),
-                                     scalars=model_scalars | {"train/loss_step": values.loss}, summary=model_summary)
+                                     scalars=model_scalars | {"train/loss_step": values.loss} | self._data_scalars(),
+                                     summary=model_summary)
                 if self.spikes is not None and verdict is not None:
                     self.spikes.report(step, verdict, logged=logged)
                     if verdict.action == "rollback":
@@ -495,6 +503,11 @@ class Trainer(Configurable):
             extra["skipped_steps"] = float(self.grad_scaler.skipped_steps)
         return extra
 
+    def _data_scalars(self) -> dict[str, float]:
+        """A mixture's input tokens per source so far, all ranks together (from the data position alone)."""
+        per_source = getattr(self.dataloader, "tokens_per_source", None)
+        return {} if per_source is None else {f"data/tokens/{name}": float(n) for name, n in per_source().items()}
+
     def _model_stats(self) -> tuple[dict[str, float], str | None]:
         """The models' own statistics since the previous log step (MoE router balance), read in one transfer,
         and their console summary, for the whole model (under a pipeline, every stage's). Collective: every rank
@@ -512,7 +525,7 @@ class Trainer(Configurable):
             self._settle()  # a non-finite step stops the run before its weights are validated
             with self.metrics.exclude_from_throughput():
                 val_loss = self.validator.validate(self.model_parts, step)
-            self.metrics.log_validation(step, val_loss)
+            self.metrics.log_validation(step, val_loss, by_source=self.validator.last_by_source)
 
     def close(self) -> None:
         self.watcher.close()

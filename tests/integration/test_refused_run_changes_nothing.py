@@ -171,3 +171,37 @@ def test_a_token_store_that_cannot_be_trained_on(dump, caplog, written_store, tm
     _damage(store, case)
     error = refuse(dump, caplog, "--data.token_store", str(store))
     assert re.search(message, error), error
+
+
+# --------------------------------------------------------------------------------------------------
+# A mixture (data.sources) that cannot be trained on
+
+
+def _mixture(tmp_path: Path, *, prose_weight: float, prose_dataset: str | None = None) -> str:
+    """A TOML file of two sources, code (3) and prose; prose_dataset None writes prose's file."""
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n"
+                                                 for i in range(40)))
+    if prose_dataset is None:
+        prose_dataset = str(tmp_path / "prose.jsonl")
+        Path(prose_dataset).write_text("".join(json.dumps({"text": f"Day {i} was calm."}) + "\n" for i in range(40)))
+    path = tmp_path / "mixture.toml"
+    path.write_text(f'[[data.sources]]\nname = "code"\nweight = 3\ndataset = "{tmp_path / "code.jsonl"}"\n\n'
+                    f'[[data.sources]]\nname = "prose"\nweight = {prose_weight}\ndataset = "{prose_dataset}"\n')
+    return str(path)
+
+
+@pytest.mark.parametrize("weight", [0, -1])
+def test_a_mixture_weight_that_is_not_positive(dump, capsys, tmp_path, weight):
+    before = tree_digest(dump)
+    mixture = _mixture(tmp_path, prose_weight=weight)
+    assert train.main([*TINY, "--training.steps", "4", "--job.dump_folder", str(dump), "--config-file", mixture]) == 2
+    assert tree_digest(dump) == before
+    error = capsys.readouterr().err
+    assert f"source 'prose' has weight={weight}" in error and "must be a positive number: set it above 0" in error
+
+
+def test_a_mixture_source_that_does_not_exist(dump, caplog, tmp_path):
+    missing = tmp_path / "nowhere" / "prose.jsonl"
+    error = refuse(dump, caplog, "--config-file", _mixture(tmp_path, prose_weight=1, prose_dataset=str(missing)))
+    assert f"source 'prose' (data.sources.1): data.sources.1.dataset='{missing}' matches no files" in error
+    assert "check the path or glob" in error

@@ -256,7 +256,8 @@ def test_a_working_config_warns_once_about_the_broken_files(registry_with_broken
 def test_the_readme_registry_example_runs_as_written():
     # Saved as a file of config_registry/, the README's example registers a config that builds.
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    (example,) = [block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "@register" in block]
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                  if "def llama3_debug_fp8_rowwise_ac" in block]
     module = types.ModuleType("config_registry.readme_example")
     try:
         exec(compile(example, "README.md", "exec"), module.__dict__)
@@ -265,3 +266,17 @@ def test_the_readme_registry_example_runs_as_written():
         config_registry.DEFAULT_REGISTRY.unregister("llama3_debug_fp8_rowwise_ac")
     assert config.activation_checkpoint.mode == "selective"
     assert config.model_converters == config_registry.get("llama3_debug_fp8_rowwise").model_converters
+
+
+def test_the_readme_mixture_example_runs_as_written():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                  if "def llama3_debug_mixture" in block]
+    module = types.ModuleType("config_registry.readme_mixture_example")
+    try:
+        exec(compile(example, "README.md", "exec"), module.__dict__)
+        config = config_registry.get("llama3_debug_mixture")
+    finally:
+        config_registry.DEFAULT_REGISTRY.unregister("llama3_debug_mixture")
+    assert [(s.name, s.weight) for s in config.data.sources] == [("code", 3), ("prose", 1)]
+    assert config.data.source_config(1).token_store == "data/prose-tokens"

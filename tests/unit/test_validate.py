@@ -64,6 +64,19 @@ def test_loss_is_token_weighted_over_all_batches():
     assert loss != pytest.approx(sum(per_batch) / len(per_batch), rel=1e-6)
 
 
+def test_a_mixture_gets_each_sources_loss_and_their_mean_by_mixture_weight():
+    model = Recorder()
+    code, prose = _batches(3, seed=1), _batches(1, seed=2)  # unequal token counts: weights, not tokens, decide
+    validator = _validator(source_factories={"code": lambda: code, "prose": lambda: prose},
+                           source_weights={"code": 3.0, "prose": 1.0})
+    loss = validator.validate([model], step=5)
+    by_source = validator.last_by_source
+    assert by_source == pytest.approx({"code": _reference(model, code), "prose": _reference(model, prose)}, rel=1e-6)
+    assert by_source["code"] != pytest.approx(by_source["prose"], rel=1e-3)
+    assert loss == pytest.approx((3 * by_source["code"] + by_source["prose"]) / 4, rel=1e-9)
+    assert _validator(dataloader=code).validate([model], step=5) and not _validator(dataloader=code).last_by_source
+
+
 def test_steps_limits_batches_and_every_call_restarts_the_data():
     model, data = Recorder(), _batches(5)
     calls = []
@@ -138,7 +151,7 @@ def test_no_tokens_is_an_error():
 
 
 def test_interface_errors():
-    with pytest.raises(ValueError, match="exactly one of dataloader_factory= or dataloader="):
+    with pytest.raises(ValueError, match="exactly one of dataloader_factory=, dataloader= or source_factories="):
         Validator.Config().build(loss_fn=cross_entropy_sum, device="cpu")
     with pytest.raises(ValueError, match="exactly one of"):
         Validator.Config().build(loss_fn=cross_entropy_sum, device="cpu", dataloader=[], dataloader_factory=list)

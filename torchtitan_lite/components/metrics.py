@@ -371,11 +371,16 @@ class MetricsProcessor(Configurable):
             since = "" if last is None else f"; up from {100 * last:.3g}% when last reported"
             logger.warning(crossing.message + since)
 
-    def log_validation(self, step: int, loss: float) -> None:
-        self._write_scalars({"val/loss": float(loss)}, step)
+    def log_validation(self, step: int, loss: float, by_source: dict[str, float] | None = None) -> None:
+        """``val/loss``, and ``val/loss/<source>`` for each source of a mixture (``by_source``)."""
+        by_source = by_source or {}
+        self._write_scalars({"val/loss": float(loss)} | {f"val/loss/{n}": float(v) for n, v in by_source.items()},
+                            step)
         if self.console:
             c = self.colors
-            logger.info(f"{c['step']}step {step:>6}{c['reset']}  {c['loss']}validation loss {loss:8.4f}{c['reset']}")
+            sources = f" ({', '.join(f'{n} {v:.4f}' for n, v in by_source.items())})" if by_source else ""
+            logger.info(f"{c['step']}step {step:>6}{c['reset']}  {c['loss']}validation loss {loss:8.4f}{c['reset']}"
+                        f"{sources}")
 
     def close(self) -> None:
         if self.writer is not None:

@@ -5,6 +5,10 @@ The value is the token-weighted mean over every validation batch of every data-p
 curves are comparable. Every call starts the validation data from its beginning, so values at
 different steps are measured on the same tokens.
 
+A mixture (data.sources) validates each source's held-out split on its own: ``last_by_source`` holds each
+source's loss, and the returned loss is their mean weighted by the mixture weights, the loss of the
+distribution training reads (not of however many validation tokens each source happens to hold).
+
 ``low_precision`` decides what the FP8 / MX Linears of a converted model compute: as in training
 (True), or ``nn.Linear.forward`` on the same weights, i.e. the precision section's policy without the
 converter (False); the remaining ops follow ``precision.mixed_precision_eval`` either way.
@@ -14,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -73,6 +77,8 @@ class Validator(Configurable):
         loss_context: ContextFactory | None = None,
         pipeline_eval: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
         pp_group: dist.ProcessGroup | None = None,
+        source_factories: Mapping[str, Callable[[], Iterable[Batch]]] | None = None,
+        source_weights: Mapping[str, float] | None = None,
     ) -> None:
         """
         Args:
@@ -87,15 +93,20 @@ class Validator(Configurable):
                 pipeline schedule's forward-only pass (nonzero on the last stage's rank only); the model parts
                 are then this rank's stages.
             pp_group: the pipeline's ranks, over which the last stage's sums are shared.
+            source_factories: instead of one loader, a fresh validation loader per source of a mixture (by
+                name), weighted by ``source_weights`` in the returned loss.
         """
         self.config = config
-        if (dataloader_factory is None) == (dataloader is None):
-            raise ValueError("Validator needs exactly one of dataloader_factory= or dataloader=")
-        if dataloader_factory is None:
-            assert dataloader is not None  # exactly one of the two was given (checked above)
+        if sum(x is not None for x in (dataloader_factory, dataloader, source_factories)) != 1:
+            raise ValueError("Validator needs exactly one of dataloader_factory=, dataloader= or source_factories=")
+        if dataloader is not None:
             fixed = dataloader
             dataloader_factory = lambda: fixed  # noqa: E731
-        self.dataloader_factory = dataloader_factory
+        self.factories: dict[str, Callable[[], Iterable[Batch]]] = \
+            dict(source_factories) if source_factories is not None else {"": dataloader_factory}  # type: ignore[dict-item]
+        self.weights = {name: float((source_weights or {}).get(name, 1.0)) for name in self.factories}
+        self.last_by_source: dict[str, float] = {}
+        """Each source's loss at the latest validation (empty without data.sources)."""
         self.loss_fn = loss_fn
         self.device = torch.device(device)
         self.dp_group = dp_group
@@ -118,25 +129,31 @@ class Validator(Configurable):
             for part in model_parts:
                 part.eval()
             with torch.no_grad(), linears:
-                loss_sum, tokens, batches = self._sum_over_split(model_parts[0])
+                sums = {name: self._sum_over_split(model_parts[0], factory) for name, factory in self.factories.items()}
         finally:
             for part, mode in zip(model_parts, modes):
                 part.train(mode)
-        if tokens == 0:
-            raise RuntimeError(
-                f"validation at step {step} saw no target tokens ({batches} batches): the validation split is "
-                f"empty or all labels are ignored; check the data section's validation split"
-            )
-        loss = loss_sum / tokens
-        logger.debug("validation at step %d: %d batches per rank, %d tokens, loss %.4f, %.1fs",
-                     step, batches, tokens, loss, time.perf_counter() - start)
+        losses = {}
+        for name, (loss_sum, tokens, batches) in sums.items():
+            if tokens == 0:
+                which = f"source {name!r}'s validation split" if name else "the validation split"
+                raise RuntimeError(
+                    f"validation at step {step} saw no target tokens ({batches} batches): {which} is empty or all "
+                    f"labels are ignored; check the data section's validation split"
+                )
+            losses[name] = loss_sum / tokens
+            logger.debug("validation at step %d%s: %d batches per rank, %d tokens, loss %.4f", step,
+                         f" of {name}" if name else "", batches, tokens, losses[name])
+        loss = sum(self.weights[n] * v for n, v in losses.items()) / sum(self.weights.values())
+        self.last_by_source = {} if "" in losses else losses
+        logger.debug("validation at step %d: loss %.4f, %.1fs", step, loss, time.perf_counter() - start)
         return loss
 
-    def _sum_over_split(self, model: nn.Module) -> tuple[float, int, int]:
+    def _sum_over_split(self, model: nn.Module, factory: Callable[[], Iterable[Batch]]) -> tuple[float, int, int]:
         # float64: a whole split's summed loss keeps full precision.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         batches = 0
-        data = iter(self.dataloader_factory())
+        data = iter(factory())
         while self.config.steps < 0 or batches < self.config.steps:
             batch = next(data, None)
             if not self._every_rank_has(batch is not None) or batch is None:

@@ -223,6 +223,8 @@ def _typed_entries(base: type, override: Override) -> tuple[list[Any], list[tupl
         if isinstance(item, Mapping):
             fields = dict(item)
             kind = fields.pop("kind", None)
+            if kind is None and len(kinds(base)) == 1:  # a list of one kind of entry needs no kind = ...
+                (kind,) = kinds(base)
             if kind is None:
                 raise ConfigError(f"{override.label}: entry {index} needs a kind = ... key "
                                   f"(one of {', '.join(kinds(base))})")

@@ -9,15 +9,23 @@ reading its own shards (``stream_loader.py``).
 
 Both hand out ``Batch`` es (``batch.py``): ``(inputs, labels)`` LongTensors [B, S] with each row's document
 starts, and checkpoint a state that loads with ``torch.load(weights_only=True)``.
+
+``data.sources`` makes the run read a weighted mixture of random-access sources (``mixture_loader.py``):
+each source its own store and window order, interleaved by weight (``mixture.py``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import re
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from torchtitan_lite.components.data.mixture_source import MixtureSource
 from torchtitan_lite.components.data.sources import DataFormat
 from torchtitan_lite.components.data.windows import SHUFFLE_MODES, ShuffleMode
 from torchtitan_lite.config import Configurable
+
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class TextDataLoader(Configurable):
@@ -69,7 +77,15 @@ class TextDataLoader(Configurable):
         shard and record); 'skip' leaves such records out, logging how many per reason (the remaining
         documents resume exactly like any other source)."""
 
+        sources: list[MixtureSource] = field(default_factory=list)
+        """A weighted mixture: several sources, each with a name, a weight (its share of the training
+        tokens) and the fields of one source (dataset, dataset_config, data_format, text_field, splits,
+        validation_files, token_store), e.g. TOML [[data.sources]] tables. data.shuffle and
+        data.on_bad_record apply to every source; data.dataset and the other single-source fields are not
+        read. Empty: the single source data.dataset."""
+
         def __post_init__(self) -> None:
+            self._check_sources()
             if not self.dataset:
                 raise ValueError("data.dataset is empty; use 'embedded', a local path or glob, or a hub name")
             if not self.text_field:
@@ -87,7 +103,44 @@ class TextDataLoader(Configurable):
                 raise ValueError("data.token_store is read by random access, data.streaming=true streams the source; "
                                  "unset one of them")
 
+        def _check_sources(self) -> None:
+            for i, source in enumerate(self.sources):
+                if not _SOURCE_NAME.fullmatch(source.name):
+                    raise ValueError(f"data.sources.{i} (dataset={source.dataset!r}) has name={source.name!r}; give "
+                                     f"it a name of letters, digits, '_', '-' or '.' (it names the source's metrics)")
+            names = [source.name for source in self.sources]
+            if twice := sorted({n for n in names if names.count(n) > 1}):
+                raise ValueError(f"data.sources names {', '.join(map(repr, twice))} more than once; every source "
+                                 f"needs its own name (it names its metrics and its place in a checkpoint)")
+            if self.sources and self.streaming:
+                raise ValueError("data.sources mixes random-access sources (each read from its token store); a mixture "
+                                 "of streams is not supported: set data.streaming=false, or train on one stream "
+                                 "(data.dataset, with data.sources empty)")
+            if self.sources and self.token_store is not None:
+                raise ValueError("data.token_store names one source's store, but data.sources lists the sources: set "
+                                 "token_store in each source's table (data.sources.N.token_store) and unset "
+                                 "data.token_store")
+
+        def source_config(self, index: int) -> TextDataLoader.Config:
+            """Source ``index`` of data.sources as a single-source data config (the run's shared settings)."""
+            source = self.sources[index]
+            return dataclasses.replace(
+                self, sources=[], dataset=source.dataset, dataset_config=source.dataset_config,
+                data_format=source.data_format, text_field=source.text_field, train_split=source.train_split,
+                validation_split=source.validation_split, validation_files=source.validation_files,
+                token_store=source.token_store)
+
+        def describe_source(self) -> str:
+            """What the run reads, for a checkpoint's data layout: data.dataset, or the mixture's sources."""
+            if not self.sources:
+                return self.dataset
+            return "mixture " + ", ".join(f"{s.name}={s.dataset} x{s.weight:g}" for s in self.sources)
+
         def build(self, **runtime: Any) -> Any:
+            if self.sources:
+                from torchtitan_lite.components.data.mixture_loader import MixtureLoader
+
+                return MixtureLoader(self, **runtime)
             if self.streaming:
                 from torchtitan_lite.components.data.stream_loader import StreamLoader
 

@@ -48,6 +48,19 @@ def data_problems(data: TextDataLoader.Config, tokenizer: Tokenizer.Config, *, v
             locate_tokenizer(tokenizer.path, missing_hint=tokenizer_fetch_hint(tokenizer.path))
         except TokenizerError as error:
             problems.append(str(error))
+    if data.sources:
+        from torchtitan_lite.components.data.mixture_loader import for_source
+
+        # Each source is checked as a single source is, its problems naming the source and its own fields.
+        for i, source in enumerate(data.sources):
+            problems.extend(str(for_source(DataSourceError(p), i, source.name)) for p in
+                            _source_problems(data.source_config(i), validation=validation, timeout=timeout))
+        return problems
+    return problems + _source_problems(data, validation=validation, timeout=timeout)
+
+
+def _source_problems(data: TextDataLoader.Config, *, validation: bool, timeout: float) -> list[str]:
+    problems = []
     try:
         check_options(data, validation=validation)
     except DataSourceError as error:
@@ -79,6 +92,9 @@ def scan_local_records(data: TextDataLoader.Config, *, validation: bool) -> tupl
     """Scan the run's local data files for bad records as the workers would: (problems, fingerprints of the
     clean sources). A bad record is a problem under data.on_bad_record=error; under 'skip' it is logged
     and its source gets no fingerprint, so the workers scan it again to leave the bad records out."""
+    if data.sources:
+        scans = [scan_local_records(data.source_config(i), validation=validation) for i in range(len(data.sources))]
+        return [p for problems, _ in scans for p in problems], [f for _, clean in scans for f in clean]
     sources = []
     if source_kind(data.dataset) == "files":
         sources.append((data.dataset, f"data.dataset={data.dataset!r}"))

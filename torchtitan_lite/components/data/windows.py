@@ -14,8 +14,8 @@ The *position* of a read is how many windows were read before it, over all ranks
   and cuts that stream; windows are read in order (consecutive windows continue the same documents).
 - ``none``: the store's stream, windows in order (validation reads this way).
 
-Which rank reads which position is ``rank_positions``. A mixture of sources would keep one ``WindowIndex``
-per source and map a global position to ``(source, that source's position)``.
+Which rank reads which position is ``rank_positions``. A mixture of sources (``mixture.py``) keeps one
+``WindowIndex`` per source and maps a global position to ``(source, that source's position)``.
 """
 from __future__ import annotations
 
