@@ -65,8 +65,14 @@ LONG_RUNNING = {
     "--job.dump_folder outputs/my_data":
         "trains; needs the user's data (tests/unit/test_data_held_out.py checks its files are held out)",
     "./run_train.sh --data.dataset my_org/my_corpus --data.streaming true --data.shuffle none "
-    "--job.dump_folder outputs/my_corpus":
+    "--data.shuffle_buffer 1024 --job.dump_folder outputs/my_corpus":
         "trains; downloads a hub data set",
+    "python scripts/fp8_sqnr.py --check": "~1 minute of CPU; tests/unit/test_fp8_gates.py runs the gates",
+    "scripts/fp8_sqnr.py --check": "~1 minute of CPU; tests/unit/test_fp8_gates.py runs the gates",
+    "python scripts/fp8_sqnr.py --check --recipes rowwise,experts_rowwise":
+        "tests/unit/test_fp8_gates.py runs the gates per recipe",
+    "python scripts/fp8_sqnr.py --check --fault wrong_axis":
+        "tests/unit/test_fp8_gates.py::test_cli_check_passes_and_a_planted_fault_fails_it runs a fault through the CLI",
     "python scripts/train_tokenizer.py --input 'data/*.jsonl' --vocab-size 32000 --output tok.model":
         "needs the user's data",
     "python scripts/pretokenize.py --dataset 'data/train-*.jsonl' --validation-files data/val.jsonl --output "

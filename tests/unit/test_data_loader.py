@@ -1,3 +1,4 @@
+import dataclasses
 import io
 import json
 import time
@@ -123,11 +124,12 @@ def test_resume_streaming_embedded(tokenizer):
     _assert_resumes_exactly(lambda: _build(cfg, tokenizer, rank=1, world=2))
 
 
-@pytest.mark.parametrize("streaming,shuffle", [(False, "windows"), (False, "documents"), (True, "none")])
-def test_resume_across_epochs_at_every_cut(tmp_path, streaming, shuffle):
+@pytest.mark.parametrize("streaming,shuffle,buffer", [(False, "windows", 0), (False, "documents", 0),
+                                                      (True, "none", 0), (True, "none", 5)])
+def test_resume_across_epochs_at_every_cut(tmp_path, streaming, shuffle, buffer):
     # ~20 short documents per rank and epoch, ~8 batches: the cuts fall in at least three epochs.
     pattern, _ = _write_shards(tmp_path, n_files=3)
-    cfg = TextDataLoader.Config(dataset=pattern, streaming=streaming, shuffle=shuffle)
+    cfg = TextDataLoader.Config(dataset=pattern, streaming=streaming, shuffle=shuffle, shuffle_buffer=buffer)
     make = lambda: _build(cfg, CharTokenizer(), rank=0, world=2, seq_len=9, batch=3, seed=5)  # noqa: E731
     reference = _take(make(), 30)
     for cut in (1, 4, 11, 17, 23):
@@ -333,3 +335,50 @@ def test_a_dataset_smaller_than_one_step_warns_once_naming_the_sizes(tmp_path, c
         f"fewer than one step reads (training.local_batch_size x data-parallel ranks x local batches per step = "
         f"4 x 1 x 2 = 8), so every step reads the same windows about 2.0 times; add data, or lower "
         f"training.local_batch_size / training.seq_len / training.global_batch_size"]
+
+
+# --------------------------------------------------------------------------------------------------
+# A stream's shuffle buffer
+
+
+def _rows(batches):
+    return [tuple(x.tolist() + y[-1:].tolist()) for inputs, labels in batches for x, y in zip(inputs, labels)]
+
+
+def test_a_stream_shuffle_buffer_hands_out_every_window_once_in_a_mixed_order(tmp_path):
+    """After k batches of B, the windows handed out plus the N held are exactly the stream's first k B + N windows."""
+    pattern, _ = _write_shards(tmp_path, n_docs=60, n_files=3)
+    plain = TextDataLoader.Config(dataset=pattern, streaming=True, shuffle="none")
+    mixed = dataclasses.replace(plain, shuffle_buffer=8)
+    build = lambda cfg: _build(cfg, CharTokenizer(), seq_len=9, batch=3, seed=7)  # noqa: E731
+    in_order = _rows(_take(build(plain), 12))
+    loader = build(mixed)
+    out = _rows(_take(loader, 9))
+    held = [tuple(row) for row in loader.state_dict()["shuffle"]["held"].tolist()]
+    assert len(held) == 8 and sorted(out + held) == sorted(in_order[:27 + 8])
+    assert out != in_order[:27]  # mixed: not the stream's order
+    # Seeded: the same seed, the same order; another seed, another.
+    assert _rows(_take(build(mixed), 9)) == out
+    other = _build(mixed, CharTokenizer(), seq_len=9, batch=3, seed=8)
+    assert _rows(_take(other, 9)) != out
+    # Validation reads the stream in order, buffer or not.
+    validation = _build(mixed, CharTokenizer(), seq_len=9, batch=3, seed=7, infinite=False)
+    assert _rows(_take(validation, 3)) == in_order[:9]
+
+
+def test_the_shuffle_buffer_is_refused_where_it_cannot_apply_and_on_a_resume_of_another_size(tmp_path):
+    with pytest.raises(ValueError, match=r"data.shuffle_buffer=4 shuffles a stream's windows, but "
+                                         r"data.streaming=false: a random-access source is shuffled globally"):
+        TextDataLoader.Config(shuffle_buffer=4)
+    with pytest.raises(ValueError, match=r"data.shuffle_buffer=-1 is negative"):
+        TextDataLoader.Config(streaming=True, shuffle="none", shuffle_buffer=-1)
+    pattern, _ = _write_shards(tmp_path)
+    cfg = TextDataLoader.Config(dataset=pattern, streaming=True, shuffle="none", shuffle_buffer=4)
+    loader = _build(cfg, CharTokenizer(), seq_len=9, batch=2, seed=1)
+    _take(loader, 3)
+    state = _roundtrip(loader.state_dict())
+    for size, message in ((6, "saved with data.shuffle_buffer=4, this run has 6"),
+                          (0, "saved with data.shuffle_buffer=4, this run has 0")):
+        other = _build(dataclasses.replace(cfg, shuffle_buffer=size), CharTokenizer(), seq_len=9, batch=2, seed=1)
+        with pytest.raises(ValueError, match=message):
+            other.load_state_dict(state)

@@ -63,6 +63,12 @@ class TextDataLoader(Configurable):
         streaming: bool = False
         """Read the source as a streaming IterableDataset (no Arrow cache, no full download first),
         tokenised as it is read."""
+        shuffle_buffer: int = 0
+        """Streams only: windows held in a bounded shuffle buffer (seeded, exactly resumable): each window
+        the stream produces replaces one drawn at random from it, so a batch mixes windows from a span of
+        this many. 0 reads the stream's windows in order. Costs shuffle_buffer x (seq_len + 1) x 4 bytes of
+        memory and checkpoint per data-parallel rank. Random-access sources shuffle globally instead
+        (data.shuffle=windows)."""
         shuffle: ShuffleMode = "windows"
         """Training order, seeded by training.seed and the epoch, exactly resumable on any layout:
         'windows' reads the seq_len+1 windows of each epoch in a random permutation (a batch mixes the
@@ -99,6 +105,13 @@ class TextDataLoader(Configurable):
                 raise ValueError(f"data.shuffle={self.shuffle!r} needs a random-access source, but "
                                  f"data.streaming=true; a stream is read in its stable shard order so that it resumes "
                                  f"exactly: set data.shuffle=none (or data.streaming=false)")
+            if self.shuffle_buffer < 0:
+                raise ValueError(f"data.shuffle_buffer={self.shuffle_buffer} is negative; give a number of windows, "
+                                 f"or 0 for none")
+            if self.shuffle_buffer and not self.streaming:
+                raise ValueError(f"data.shuffle_buffer={self.shuffle_buffer} shuffles a stream's windows, but "
+                                 f"data.streaming=false: a random-access source is shuffled globally "
+                                 f"(data.shuffle=windows). Set data.shuffle_buffer=0, or data.streaming=true")
             if self.streaming and self.token_store is not None:
                 raise ValueError("data.token_store is read by random access, data.streaming=true streams the source; "
                                  "unset one of them")

@@ -12,6 +12,7 @@ class LoaderConfig(SourceConfig, Protocol):
 
     token_store: str | None
     shuffle: ShuffleMode
+    shuffle_buffer: int
 
 
 def check_build_args(dp_rank: int, dp_world_size: int, seq_len: int, local_batch_size: int, split: str) -> None:

@@ -42,6 +42,7 @@ from torchtitan_lite.components.data.layout import reshard_refusal
 from torchtitan_lite.components.data.loader_args import LoaderConfig, check_build_args
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer
 from torchtitan_lite.components.data.records import bad_record_error, log_skipped
+from torchtitan_lite.components.data.shuffle_buffer import ShuffleBuffer
 from torchtitan_lite.components.data.sources import load_split
 
 DOCS_PER_ENCODE = 16
@@ -87,8 +88,8 @@ class StreamLoader:
     ) -> None:
         """``batches_per_step``: local batches one optimizer step reads (gradient accumulation); only the warning
         about a split smaller than one step uses it. ``vocab_size`` (the model's) is unused: a stream's ids come
-        from the run's own tokenizer."""
-        del seed, vocab_size
+        from the run's own tokenizer. ``seed`` seeds the training pass's shuffle buffer (data.shuffle_buffer)."""
+        del vocab_size
         self.config = config
         check_build_args(dp_rank, dp_world_size, seq_len, local_batch_size, split)
         self.tokenizer = tokenizer
@@ -111,6 +112,12 @@ class StreamLoader:
         self._resume_doc, self._resume_char = 0, 0
         self._buffer = empty_buffer()
         self._live_iterator: object | None = None
+        # Validation reads the stream in order; training through the buffer when data.shuffle_buffer is set.
+        self._shuffle = None
+        if config.shuffle_buffer and split == "train" and infinite:
+            if seed is None:
+                raise ValueError("data.shuffle_buffer needs a seed shared by the ranks (training.seed)")
+            self._shuffle = ShuffleBuffer(config.shuffle_buffer, seed, dp_rank, seq_len + 1)
         self._pass_has_content = False
         self._pass_tokens = 0  # tokens this rank read in the current pass over its documents
         self._warned_small = False
@@ -125,13 +132,14 @@ class StreamLoader:
         return self._batches(token)
 
     def _batches(self, token: object) -> Iterator[Batch]:
+        if self._shuffle is not None:
+            yield from self._shuffled_batches(token)
+            return
         window = self.seq_len + 1
         needed = self.local_batch_size * window
         pieces = self._token_pieces()
         while True:
-            if self._live_iterator is not token:
-                raise RuntimeError("this data loader iterator is stale: a newer iterator was created or "
-                                   "load_state_dict() was called; call iter(loader) again")
+            self._check_live(token)
             while len(self._buffer) < needed:
                 token_lists = next(pieces, None)
                 if token_lists is None:  # a finite pass ended: the last full windows, then stop
@@ -140,10 +148,41 @@ class StreamLoader:
                         windows, self._buffer = cut_windows(self._buffer, n_windows, window)
                         yield self._to_batch(windows)
                     return
-                self._buffer = append_documents(self._buffer, token_lists)
-                self._pass_tokens += sum(len(tokens) for tokens in token_lists)
+                self._add_tokens(token_lists)
             windows, self._buffer = cut_windows(self._buffer, self.local_batch_size, window)
             yield self._to_batch(windows)
+
+    def _shuffled_batches(self, token: object) -> Iterator[Batch]:
+        """Training through the shuffle buffer: every window cut from the stream goes into the buffer at once,
+        and a batch is the next ``local_batch_size`` windows it hands out. Nothing is held between a window's
+        cut and its place in the buffer or the batch, so the state between two batches is whole."""
+        assert self._shuffle is not None
+        window = self.seq_len + 1
+        pieces = self._token_pieces()
+        rows: list[np.ndarray] = []
+        while True:
+            self._check_live(token)
+            while len(self._buffer) < window:
+                token_lists = next(pieces, None)
+                assert token_lists is not None, "a training stream is infinite"
+                self._add_tokens(token_lists)
+            while len(self._buffer) >= window and len(rows) < self.local_batch_size:
+                cut, self._buffer = cut_windows(self._buffer, 1, window)
+                out = self._shuffle.push(cut[0].copy())
+                if out is not None:
+                    rows.append(out)
+            if len(rows) == self.local_batch_size:
+                yield self._to_batch(np.stack(rows))
+                rows = []
+
+    def _check_live(self, token: object) -> None:
+        if self._live_iterator is not token:
+            raise RuntimeError("this data loader iterator is stale: a newer iterator was created or "
+                               "load_state_dict() was called; call iter(loader) again")
+
+    def _add_tokens(self, token_lists: list[list[int]]) -> None:
+        self._buffer = append_documents(self._buffer, token_lists)
+        self._pass_tokens += sum(len(tokens) for tokens in token_lists)
 
     def _to_batch(self, windows: np.ndarray) -> Batch:
         starts = [np.flatnonzero(w[:-1] == self._bos) if self._bos is not None else np.empty(0, np.int64)
@@ -292,6 +331,7 @@ class StreamLoader:
             "resume_doc": self._resume_doc,
             "resume_char": self._resume_char,
             "buffer": torch.from_numpy(self._buffer.copy()),
+            **({"shuffle": self._shuffle.state_dict()} if self._shuffle is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -310,6 +350,14 @@ class StreamLoader:
         self._bad_records = Counter(state.get("bad_records", {}))
         self._resume_doc, self._resume_char = int(state["resume_doc"]), int(state["resume_char"])
         self._buffer = state["buffer"].numpy().astype(self._buffer.dtype, copy=True)
+        if (self._shuffle is None) != ("shuffle" not in state):
+            saved = state["shuffle"]["size"] if "shuffle" in state else 0
+            now = self._shuffle.size if self._shuffle is not None else 0
+            raise ValueError(f"data loader state was saved with data.shuffle_buffer={saved}, this run has {now}: the "
+                             f"windows the buffer held would be lost or invented. Restore that setting, or start "
+                             f"the data from the beginning by excluding 'dataloader' from checkpoint loading")
+        if self._shuffle is not None:
+            self._shuffle.load_state_dict(state["shuffle"])
         self._live_iterator = None
 
     def load_rank_states(self, states: list[dict[str, Any]]) -> None:
