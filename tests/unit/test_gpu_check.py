@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from config_registry import DEFAULT_REGISTRY
-from torchtitan_lite.tools import gpu_check
+from torchtitan_lite.tools import gpu_check, gpu_check_stages
 from torchtitan_lite.tools import gpu_check_figures as figures
 from torchtitan_lite.tools.benchmark import runner as benchmark
 
@@ -39,7 +39,7 @@ def test_plan_gives_each_stage_its_expected_time_in_priority_order_and_cuts_what
     lines = result.stdout.splitlines()
     stages = [line for line in lines if line.startswith("# stage ")]
     assert [s.split(":")[0] for s in stages] == [f"# stage {k}" for k in gpu_check.PRIORITY]
-    expected = gpu_check.EXPECTED_S
+    expected = gpu_check_stages.EXPECTED_S
     # b, c and e fit the default 540 s (130 + 200 + 200); the rest is cut; f and g need two GPUs.
     assert f"(expected ~{expected['b']} s, done by ~130 s; blockwise not timed" in stages[0]
     assert "(expected ~200 s, done by ~330 s)" in stages[1] and "(expected ~200 s, done by ~530 s)" in stages[2]
@@ -360,7 +360,7 @@ def test_the_moe_stage_writes_both_configs_profiles_by_category(tmp_path):
     for name, records in (("qwen3_moe_30b_a3b", [grouped]), ("qwen3_moe_30b_a3b_fp8", [scaled, casts])):
         (tmp_path / "e_profiles" / f"{name}.json").write_text(json.dumps(
             {"steps": 2, "vocab_size": 151936, "converted": [], "records": records}))
-    ok, figure = gpu_check.moe_figure(tmp_path, "")
+    ok, figure = gpu_check_stages.moe_figure(tmp_path, "")
     assert ok and "qwen3_moe_30b_a3b_fp8: 1,000 tok/s" in figure
     table = (tmp_path / "e_profiles.md").read_text()
     assert "| BF16 GEMMs (blocks) | 10.00 | 0.00 |" in table and "| FP8 GEMMs | 0.00 | 8.00 |" in table
