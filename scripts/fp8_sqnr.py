@@ -11,7 +11,7 @@ import torchtitan_lite.tools.script_start  # noqa: E402, F401  (before torchao p
 # isort: split
 import models  # noqa: E402, F401  (registers the model families)
 from config_registry import DEFAULT_REGISTRY  # noqa: E402
-from torchtitan_lite.tools.fp8_sqnr import main  # noqa: E402
+from torchtitan_lite.tools.fp8_sqnr_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], registry=DEFAULT_REGISTRY))

@@ -23,14 +23,22 @@ COMMON = ["--training.seq_len", "32", "--training.local_batch_size", "4",
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "10", "--validation.steps", "2"]
 FP32_RTOL = 1e-5
 """float32, summation order only (micro-batch losses and gradients summed one by one instead of in one batch):
-measured at most 4.0e-7 relative over the 20 steps of each schedule, 1.2e-7 for TP 2 x PP 2."""
-GRAD_NORM_RTOL = 5e-5
-"""The gradient norm sums the squares of every gradient, whose last bits the order of sums moves: measured
-4.5e-6 relative at most (4.2e-5 under TP 2 x PP 2, not compared)."""
-MOMENT_RTOL = 3e-4
+measured at most 3.7e-6 relative over the 20 steps of 1F1B on the global window order (4.0e-7 on the earlier
+document order), 1.2e-7 for TP 2 x PP 2."""
+VAL_RTOL = 1e-4
+"""The validation loss at step 20, after 20 updates whose summation-order differences the steps amplify: measured
+2.3e-5 relative under 1F1B and ZBVZeroBubble on the global window order. A pipeline that drops or doubles a
+micro-batch moves it by percents."""
+GRAD_NORM_RTOL = 5e-4
+"""The gradient norm sums the squares of every gradient, whose last bits the order of sums moves, and the steps
+amplify those bits: on the global window order, 1F1B's norms agree to 4e-7 over steps 1-13 and then drift to
+1.3e-4 at step 17 (measured; the losses stay within 4e-6). A gradient counted twice or missed moves the norm by
+tens of percent."""
+MOMENT_RTOL = 1e-2
 """The AdamW moments after the 20 steps (running means of the gradients and of their squares), per tensor
-|difference| / |one process's| (2-norms): the order of sums again, compounded over the steps (measured 3.1e-5 at most
-under 1F1B, 2.5e-5 under ZBVZeroBubble); a gradient counted twice or missed moves its moments by 0.5 to 3."""
+|difference| / |one process's| (2-norms): the order of sums again, compounded over the steps (measured 3.7e-3 at
+most under 1F1B and ZBVZeroBubble on the global window order, 3.1e-5 on the earlier per-rank document order, whose
+batches moved the weights less); a gradient counted twice or missed moves its moments by 0.5 to 3."""
 FP16_RTOL = 1e-5
 """float16 against float16 on the same micro-batches (the same matmul shapes): only the order of the float32
 sums differs. Measured: bit-identical losses and scales over the 5 steps (3 skipped)."""
@@ -101,7 +109,7 @@ def test_1f1b_trains_and_validates_as_one_process_and_rank_0_logs_the_last_stage
     assert worst <= MOMENT_RTOL
     # Validation runs the eval schedule; only the last stage's rank sees the loss, and it is shared.
     assert set(run["val/loss"]) == {0, 10, 20}
-    assert max_rel_diff(run["val/loss"], reference["val/loss"]) <= FP32_RTOL
+    assert max_rel_diff(run["val/loss"], reference["val/loss"]) <= VAL_RTOL
 
 
 def test_zbv_trains_and_validates_as_one_process(seed, reference, tmp_path):
@@ -115,7 +123,7 @@ def test_zbv_trains_and_validates_as_one_process(seed, reference, tmp_path):
     worst = max_moment_rel_diff(adam_moments(run, STEPS), adam_moments(reference, STEPS))
     assert worst <= MOMENT_RTOL
     assert set(run["val/loss"]) == {0, 10, 20}
-    assert max_rel_diff(run["val/loss"], reference["val/loss"]) <= FP32_RTOL
+    assert max_rel_diff(run["val/loss"], reference["val/loss"]) <= VAL_RTOL
 
 
 @pytest.mark.slow

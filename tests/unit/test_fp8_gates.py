@@ -9,6 +9,7 @@ import pytest
 from config_registry import DEFAULT_REGISTRY
 from torchtitan_lite.tools import fp8_gates as gates
 from torchtitan_lite.tools import fp8_sqnr as sq
+from torchtitan_lite.tools import fp8_sqnr_cli as cli
 from torchtitan_lite.tools.fp8_faults import FAULTS, plant
 
 # The gate each fault must fail on every recipe it applies to, and why that one:
@@ -84,19 +85,19 @@ def test_a_failed_gate_names_recipe_layer_tensor_and_numbers():
 
 
 def test_cli_check_passes_and_a_planted_fault_fails_it(capsys):
-    assert sq.main(["--check", "--recipes", "tensorwise"], registry=DEFAULT_REGISTRY) == 0
+    assert cli.main(["--check", "--recipes", "tensorwise"], registry=DEFAULT_REGISTRY) == 0
     out = capsys.readouterr().out
     assert "every gate passed" in out and "layers.0.feed_forward.w2" in out
-    assert sq.main(["--check", "--recipes", "tensorwise", "--fault", "e5m2_forward"], registry=DEFAULT_REGISTRY) == 1
+    assert cli.main(["--check", "--recipes", "tensorwise", "--fault", "e5m2_forward"], registry=DEFAULT_REGISTRY) == 1
     out = capsys.readouterr().out
     assert "with planted fault e5m2_forward" in out
     assert "FAIL tensorwise layers.0.attention.wq output: SQNR 22.4 dB is below its floor 27.4 dB" in out
 
 
 def test_cli_check_refusals_name_the_fix(capsys):
-    assert sq.main(["--check", "--recipes", "fp4"], registry=DEFAULT_REGISTRY) == 2
+    assert cli.main(["--check", "--recipes", "fp4"], registry=DEFAULT_REGISTRY) == 2
     assert "unknown FP8 recipe(s) fp4; choose from: tensorwise" in capsys.readouterr().err
-    assert sq.main(["--check", "--recipes", "mxfp8", "--fault", "stale_amax"], registry=DEFAULT_REGISTRY) == 2
+    assert cli.main(["--check", "--recipes", "mxfp8", "--fault", "stale_amax"], registry=DEFAULT_REGISTRY) == 2
     assert "fault 'stale_amax' applies to none of mxfp8" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         sq.main(["--fault", "stale_amax", "--config", "llama3_debug_fp8"], registry=DEFAULT_REGISTRY)

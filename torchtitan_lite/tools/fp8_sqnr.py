@@ -408,8 +408,9 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     from torchtitan_lite.library_notices import silence_known_library_notices
 
     silence_known_library_notices()
-    if args.check:
-        return check_gates(args.recipes, args.fault)
+    if args.check:  # scripts/fp8_sqnr.py routes --check to the gates (fp8_sqnr_cli.py) before this
+        print("error: --check runs the layer gates: use scripts/fp8_sqnr.py --check", file=sys.stderr)
+        return 2
     from torchtitan_lite.components.checkpoint.verify import CheckpointError
     from torchtitan_lite.components.quantization.float8_plan import float8_plan
     from torchtitan_lite.config import ConfigError, parse_cli
@@ -444,31 +445,3 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     if args.min_fwd_sqnr is not None and any(r.db("output") < args.min_fwd_sqnr for r in results):
         return 1
     return 0
-
-
-
-def check_gates(recipes: str | None, fault: str | None) -> int:
-    """``--check``: the gate table and every failed gate; exit status 0 (all pass), 1 (a gate failed) or 2."""
-    from torchtitan_lite.tools import fp8_gates
-
-    names = list(fp8_gates.RECIPES) if recipes is None else [r.strip() for r in recipes.split(",") if r.strip()]
-    unknown = [r for r in names if r not in fp8_gates.RECIPES]
-    if unknown:
-        print(f"error: unknown FP8 recipe(s) {', '.join(unknown)}; choose from: {', '.join(fp8_gates.RECIPES)}",
-              file=sys.stderr)
-        return 2
-    try:
-        results, failures = fp8_gates.run_check(names, fault)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if not results:
-        print(f"error: fault {fault!r} applies to none of {', '.join(names)}", file=sys.stderr)
-        return 2
-    planted = f" with planted fault {fault}" if fault else ""
-    print(f"FP8 layer gates{planted}: {len({r.recipe for r in results})} recipe(s), {len(results)} layers\n")
-    print(fp8_gates.format_results(results))
-    for failure in failures:
-        print(f"FAIL {failure}")
-    print(f"\n{len(failures)} gate(s) failed" if failures else "\nevery gate passed")
-    return 1 if failures else 0
