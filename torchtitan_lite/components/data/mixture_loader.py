@@ -22,6 +22,7 @@ import numpy as np
 
 from torchtitan_lite.components.data.batch import Batch, to_batch
 from torchtitan_lite.components.data.errors import DataSourceError
+from torchtitan_lite.components.data.live_iterator import SingleLiveIterator
 from torchtitan_lite.components.data.loader_args import check_build_args
 from torchtitan_lite.components.data.mixture import MixtureOrder, source_seed
 from torchtitan_lite.components.data.window_loader import STATE_FORMAT, WindowLoader
@@ -51,7 +52,7 @@ def validation_loaders(config: Any, **runtime: Any) -> dict[str, Callable[[], Wi
             for i, source in enumerate(config.sources)}
 
 
-class MixtureLoader:
+class MixtureLoader(SingleLiveIterator):
     """Batches of windows of several sources by weight (``Batch``: inputs, labels, document starts)."""
 
     def __init__(
@@ -93,7 +94,6 @@ class MixtureLoader:
         self.order = MixtureOrder(self.weights, self.seed)
         self.consumed = 0
         """Positions of the global order read so far, by all ranks together."""
-        self._live_iterator: object | None = None
         logger.info("data: a mixture of %s (token shares %s), %s",
                     ", ".join(f"{n} ({loader.n_windows} windows per epoch)" for n, loader in
                               zip(self.names, self.loaders, strict=True)),
@@ -105,19 +105,11 @@ class MixtureLoader:
         counts = self.order.counts(self.consumed)
         return {name: int(c) * self.seq_len for name, c in zip(self.names, counts, strict=True)}
 
-    def __iter__(self) -> Iterator[Batch]:
-        """Batches from the current position on. Only the newest iterator of a loader is usable."""
-        token = object()
-        self._live_iterator = token
-        return self._batches(token)
-
     def _batches(self, token: object) -> Iterator[Batch]:
         from torchtitan_lite.components.data.windows import rank_positions
 
         while True:
-            if self._live_iterator is not token:
-                raise RuntimeError("this data loader iterator is stale: a newer iterator was created or "
-                                   "load_state_dict() was called; call iter(loader) again")
+            self._check_live(token)
             positions = rank_positions(self.consumed, self.local_batch_size, self.dp_rank, self.dp_world_size)
             self.consumed += self.local_batch_size * self.dp_world_size
             yield self._read(positions)

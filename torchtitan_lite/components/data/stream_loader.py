@@ -39,6 +39,7 @@ from torchtitan_lite.components.data.batch import to_batch as windows_to_batch
 from torchtitan_lite.components.data.chunked_encode import encode_large, is_large, specials
 from torchtitan_lite.components.data.errors import DataSourceError
 from torchtitan_lite.components.data.layout import reshard_refusal
+from torchtitan_lite.components.data.live_iterator import SingleLiveIterator
 from torchtitan_lite.components.data.loader_args import LoaderConfig, check_build_args
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer
 from torchtitan_lite.components.data.records import bad_record_error, log_skipped
@@ -68,7 +69,7 @@ class _Group(NamedTuple):
     end_stream_state: dict | None
 
 
-class StreamLoader:
+class StreamLoader(SingleLiveIterator):
     """Batches of packed token windows of a stream (``Batch``: inputs, labels, document starts)."""
 
     def __init__(
@@ -111,7 +112,6 @@ class StreamLoader:
         # Of the group read from there on: documents already tokenised, and characters of the next one.
         self._resume_doc, self._resume_char = 0, 0
         self._buffer = empty_buffer()
-        self._live_iterator: object | None = None
         # Validation reads the stream in order; training through the buffer when data.shuffle_buffer is set.
         self._shuffle = None
         if config.shuffle_buffer and split == "train" and infinite:
@@ -124,12 +124,6 @@ class StreamLoader:
 
     # ----------------------------------------------------------------------------------------------
     # Iteration
-
-    def __iter__(self) -> Iterator[Batch]:
-        """Batches from the current position on. Only the newest iterator of a loader is usable."""
-        token = object()
-        self._live_iterator = token
-        return self._batches(token)
 
     def _batches(self, token: object) -> Iterator[Batch]:
         if self._shuffle is not None:
@@ -174,11 +168,6 @@ class StreamLoader:
             if len(rows) == self.local_batch_size:
                 yield self._to_batch(np.stack(rows))
                 rows = []
-
-    def _check_live(self, token: object) -> None:
-        if self._live_iterator is not token:
-            raise RuntimeError("this data loader iterator is stale: a newer iterator was created or "
-                               "load_state_dict() was called; call iter(loader) again")
 
     def _add_tokens(self, token_lists: list[list[int]]) -> None:
         self._buffer = append_documents(self._buffer, token_lists)

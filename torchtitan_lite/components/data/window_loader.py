@@ -28,6 +28,7 @@ import numpy as np
 from torchtitan_lite.components.data.batch import Batch, to_batch
 from torchtitan_lite.components.data.cache import build_once, cache_root
 from torchtitan_lite.components.data.errors import DataSourceError
+from torchtitan_lite.components.data.live_iterator import SingleLiveIterator
 from torchtitan_lite.components.data.loader_args import LoaderConfig, check_build_args
 from torchtitan_lite.components.data.token_store import TokenStore, TokenStoreError, open_store
 from torchtitan_lite.components.data.tokenize_store import cached_store, tokenizer_fingerprint
@@ -83,7 +84,7 @@ def verify_once(store: TokenStore, vocab_size: int) -> None:
     build_once(record, verify)
 
 
-class WindowLoader:
+class WindowLoader(SingleLiveIterator):
     """Batches of windows of a token store (``Batch``: inputs, labels, document starts)."""
 
     def __init__(
@@ -135,19 +136,10 @@ class WindowLoader:
                 local_batch_size, dp_world_size, batches_per_step, per_step, per_step / self.n_windows)
         self.consumed = 0
         """Positions of the global order read so far, by all ranks together."""
-        self._live_iterator: object | None = None
-
-    def __iter__(self) -> Iterator[Batch]:
-        """Batches from the current position on. Only the newest iterator of a loader is usable."""
-        token = object()
-        self._live_iterator = token
-        return self._batches(token)
 
     def _batches(self, token: object) -> Iterator[Batch]:
         while True:
-            if self._live_iterator is not token:
-                raise RuntimeError("this data loader iterator is stale: a newer iterator was created or "
-                                   "load_state_dict() was called; call iter(loader) again")
+            self._check_live(token)
             positions = rank_positions(self.consumed, self.local_batch_size, self.dp_rank, self.dp_world_size)
             if not self.infinite:
                 positions = positions[positions < self.n_windows]
