@@ -6,20 +6,10 @@ import time
 import datasets
 import pytest
 import torch
+from _char_tokenizer import BOS, EOS, OFFSET, CharTokenizer
 
 from torchtitan_lite.components.data import DataSourceError, TextDataLoader
 from torchtitan_lite.components.tokenizer import Tokenizer
-
-BOS, EOS, OFFSET = 1, 2, 10
-
-
-class CharTokenizer:
-    """One token per character, so documents can be read back from the windows."""
-
-    vocab_size = 200
-
-    def encode_batch(self, texts, bos=True, eos=True):
-        return [[BOS] * bos + [ord(c) + OFFSET for c in t] + [EOS] * eos for t in texts]
 
 
 @pytest.fixture(autouse=True)

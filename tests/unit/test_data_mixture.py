@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tomllib
 import torch
+from _char_tokenizer import BOS, CharTokenizer
 
 from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.data.errors import DataSourceError
@@ -16,18 +17,10 @@ from torchtitan_lite.components.data.mixture_source import MixtureSource
 from torchtitan_lite.components.data.windows import epoch_permutation
 from torchtitan_lite.config.overrides import apply_overrides, overrides_from_dict
 
-BOS, EOS, OFFSET = 1, 2, 10
 SEQ_LEN = 7
 SEED = 11
 
 
-class CharTokenizer:
-    """One token per character, so every window's tokens can be looked up in its store."""
-
-    vocab_size = 200
-
-    def encode_batch(self, texts, bos=True, eos=True):
-        return [[BOS] * bos + [ord(c) + OFFSET for c in t] + [EOS] * eos for t in texts]
 
 
 @pytest.fixture(autouse=True)

@@ -4,21 +4,11 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from _char_tokenizer import BOS, EOS, OFFSET, CharTokenizer
 
 from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.data.batch import to_batch
 from torchtitan_lite.components.data.packing import append_documents, cut_windows, empty_buffer
-
-BOS, EOS, OFFSET = 1, 2, 10
-
-
-class CharTokenizer:
-    """One token per character (ord + OFFSET), so expected streams can be written down exactly."""
-
-    vocab_size = 200
-
-    def encode_batch(self, texts, bos=True, eos=True):
-        return [[BOS] * bos + [ord(c) + OFFSET for c in t] + [EOS] * eos for t in texts]
 
 
 @pytest.fixture(autouse=True)

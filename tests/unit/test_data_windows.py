@@ -8,21 +8,14 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from _char_tokenizer import BOS, EOS, OFFSET, CharTokenizer
 
 from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.data.windows import epoch_permutation, rank_positions
 
-BOS, EOS, OFFSET = 1, 2, 10
 SEQ_LEN = 7
 
 
-class CharTokenizer:
-    """One token per character, so every window's tokens can be looked up in the store."""
-
-    vocab_size = 200
-
-    def encode_batch(self, texts, bos=True, eos=True):
-        return [[BOS] * bos + [ord(c) + OFFSET for c in t] + [EOS] * eos for t in texts]
 
 
 @pytest.fixture(autouse=True)

@@ -8,23 +8,13 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from _char_tokenizer import BOS, EOS, CharTokenizer
 
 from torchtitan_lite.components.checkpoint.checksums import hash_file
 from torchtitan_lite.components.data import TextDataLoader, tokenize_store
 from torchtitan_lite.components.data.token_store import TokenStore, TokenStoreError, open_store
 from torchtitan_lite.components.data.tokenize_store import write_store
 from torchtitan_lite.tools import pretokenize
-
-BOS, EOS, OFFSET = 1, 2, 10
-
-
-class CharTokenizer:
-    """One token per character."""
-
-    vocab_size = 200
-
-    def encode_batch(self, texts, bos=True, eos=True):
-        return [[BOS] * bos + [ord(c) + OFFSET for c in t] + [EOS] * eos for t in texts]
 
 
 class WideTokenizer(CharTokenizer):
