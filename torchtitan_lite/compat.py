@@ -19,6 +19,9 @@
   type for float8_e8m0fnu: "missing from DTYPE_TO_CPP"). ``inductor_cpu_mx_cast_error`` compiles one cast
   once (a few seconds, only asked when MX is compiled for CPU) so that the converter refuses the combination
   before training instead of failing inside the first compiled step.
+- A CPU ``torch._scaled_mm`` that is oneDNN's reference kernel (no FP8 kernel for this CPU; measured 10 s for
+  one 2048x256x768 GEMM on an Intel Xeon with AMX) is replaced at import, before any FP8 GEMM runs, by one at
+  matmul speed with the same result (cpu_scaled_mm.py). Every module that builds FP8 layers imports this one.
 """
 from __future__ import annotations
 
@@ -34,6 +37,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement
+
+from torchtitan_lite.cpu_scaled_mm import use_fast_cpu_scaled_mm
+
+use_fast_cpu_scaled_mm()  # one probe per process: microseconds, ~0.1 s where the kernel is the slow one
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

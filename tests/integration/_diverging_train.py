@@ -1,4 +1,5 @@
-"""``train.py`` whose loss turns non-finite from step ``TTL_TEST_DIVERGE_AT`` on.
+"""``train.py`` whose loss turns non-finite from step ``TTL_TEST_DIVERGE_AT`` on, and is 1e6 times too large
+(finite: a blow-up the spike bounds see) at step ``TTL_TEST_SPIKE_AT`` where that is set.
 
 A real divergence (a high learning rate) reaches a non-finite loss at a step that depends on the CPU's
 matmul kernels: about step 25 at lr 5 on an AVX2 host, never within 100 steps on an AVX-512 one (the
@@ -16,6 +17,7 @@ from pathlib import Path
 from torchtitan_lite.trainer import Trainer
 
 DIVERGE_AT = int(os.environ["TTL_TEST_DIVERGE_AT"])
+SPIKE_AT = int(os.environ.get("TTL_TEST_SPIKE_AT", "0"))
 _init = Trainer.__init__
 
 
@@ -27,6 +29,8 @@ def _init_with_diverging_loss(self: Trainer, *args, **kwargs) -> None:
         loss_sum, count = loss_fn(logits, labels)
         if self.train_state.step >= DIVERGE_AT:
             loss_sum = loss_sum * float("nan")
+        elif self.train_state.step == SPIKE_AT:
+            loss_sum = loss_sum * 1e6
         return loss_sum, count
 
     self.loss_fn = diverging

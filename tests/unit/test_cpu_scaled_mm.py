@@ -1,12 +1,12 @@
-"""The CPU _scaled_mm that replaces a slow native kernel computes what _scaled_mm means: the float64 product of the
-dequantized FP8 operands, rounded once to out_dtype."""
+"""The CPU _scaled_mm that replaces a slow native kernel computes what _scaled_mm means: the exact product of the
+dequantized FP8 operands, rounded once to out_dtype, whatever the shape (a shard of a GEMM agrees with the whole)."""
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from torchtitan_lite.components.quantization.cpu_scaled_mm import scaled_mm_float32
+from torchtitan_lite.cpu_scaled_mm import scaled_mm_float32
 
 
 def _operands(rows: int = 48, inner: int = 80, cols: int = 32):
@@ -30,18 +30,26 @@ def test_matches_the_float64_product_of_the_fp8_values(rowwise):
     bias = torch.randn(b.shape[1], generator=torch.Generator().manual_seed(1))
     out = scaled_mm_float32(a, b, scale_a, scale_b, bias=bias, out_dtype=torch.float32)
     expected = _reference(a, b, scale_a, scale_b, bias)
-    # Products of FP8 values are exact in float32; 80 float32 additions and two scalings stay within 1e-5
-    # relative of the float64 result (measured 2e-7); a dropped scale is off by 30-50%.
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # Exact: the same float64 arithmetic rounded once (the products of FP8 values and their sum over 80 terms are
+    # exact in float64; only the scalings round, identically). A dropped scale is off by 30-50%.
+    assert torch.equal(out, expected.float())
     dropped = scaled_mm_float32(a, b, scale_a, torch.ones_like(scale_b), bias=bias, out_dtype=torch.float32)
     assert not torch.allclose(dropped.double(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_a_column_shard_equals_the_columns_of_the_whole_gemm():
+    """Tensor parallelism computes a GEMM's columns on separate ranks: bitwise the same columns as the whole."""
+    a, b, row_scales, col_scales = _operands(rows=64, inner=256, cols=96)
+    whole = scaled_mm_float32(a, b, row_scales, col_scales, out_dtype=torch.bfloat16)
+    half = scaled_mm_float32(a, b[:, :48], row_scales, col_scales[:, :48], out_dtype=torch.bfloat16)
+    assert torch.equal(half, whole[:, :48])
 
 
 def test_rounds_once_to_bfloat16():
     a, b, row_scales, col_scales = _operands()
     out = scaled_mm_float32(a, b, row_scales, col_scales, out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, _reference(a, b, row_scales, col_scales).float().to(torch.bfloat16))
+    assert torch.equal(out, _reference(a, b, row_scales, col_scales).to(torch.bfloat16))
 
 
 def test_refuses_blockwise_scales_and_fp8_outputs():
@@ -57,7 +65,7 @@ def test_registered_kernel_serves_torch_scaled_mm():
     child process, because the registration holds for the process."""
     code = (
         "import torch\n"
-        "from torchtitan_lite.components.quantization import cpu_scaled_mm as m\n"
+        "from torchtitan_lite import cpu_scaled_mm as m\n"
         "m.use_fast_cpu_scaled_mm.cache_clear(); m._library = None\n"
         "m.MIN_GFLOPS = float('inf')\n"
         "assert m.use_fast_cpu_scaled_mm()\n"

@@ -328,8 +328,9 @@ FAULTS: dict[str, Fault] = {fault.name: fault for fault in (
 )}
 
 
-def plant(name: str, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-    """Fault ``name`` installed into ``model`` for the ``with`` block; ValueError naming the faults otherwise."""
+def plant(name: str, model: nn.Module | None = None) -> contextlib.AbstractContextManager[None]:
+    """Fault ``name`` installed (into ``model`` where given, else process-wide, which is what every fault does
+    today) for the ``with`` block; ValueError naming the faults otherwise."""
     if name not in FAULTS:
         raise ValueError(f"unknown planted fault {name!r}; choose one of: {', '.join(FAULTS)}")
-    return FAULTS[name].install(model)
+    return FAULTS[name].install(model if model is not None else nn.Module())

@@ -5,6 +5,7 @@
     python scripts/loss_compare.py --configs llama3_debug llama3_debug_fp8 --steps 50 \
         -- --precision.param_dtype float32 --model.n_layers 2
     python scripts/loss_compare.py --runs outputs/loss_compare/llama3_debug_bf16 outputs/loss_compare/llama3_debug_fp8 --last 50
+    python scripts/loss_compare.py --verdict llama3 --seeds 4 --parallel 2   # the FP8 verdict: fp8_verdict.py
 
 With ``--configs`` each config trains in its own folder ``<dump-root>/<config>`` (train.py, or
 run_train.sh with ``--nproc`` > 1) with every step logged and checkpointing off (unless the overrides
@@ -33,8 +34,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_lite.tools import seed_noise
-from torchtitan_lite.tools.loss_compare_runs import CompareError, check_passthrough, run_config
+from torchtitan_lite.tools import fp8_verdict, seed_noise
+from torchtitan_lite.tools.loss_compare_runs import CompareError, check_passthrough, read_losses, run_config
 from torchtitan_lite.tools.loss_smoothing import ema, ema_curve
 from torchtitan_lite.tools.seed_noise import SeedCurves, SeedVerdict
 
@@ -57,27 +58,6 @@ class GapSummary:
 
 # --------------------------------------------------------------------------------------------------
 # Reading losses
-
-
-def tensorboard_folder(run: Path) -> Path:
-    """``<run>/tb`` when it exists, else ``run`` itself (a TensorBoard folder given directly)."""
-    tb = run / "tb"
-    return tb if tb.is_dir() else run
-
-
-def read_losses(run: Path, tag: str = LOSS_TAG) -> dict[int, float]:
-    """step -> value of ``tag`` from the TensorBoard event files of ``run``; the last write of a step wins."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    folder = tensorboard_folder(run)
-    if not folder.is_dir() or not any(p.name.startswith("events.out.tfevents") for p in folder.iterdir()):
-        raise CompareError(f"{run}: no TensorBoard event files in {folder}; give a run's dump folder (with tb/) "
-                           f"or its TensorBoard folder")
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    if tag not in acc.Tags()["scalars"]:
-        raise CompareError(f"{folder} has no '{tag}' scalar (it has {sorted(acc.Tags()['scalars'])})")
-    return {event.step: event.value for event in acc.Scalars(tag)}
 
 
 def seed_folders(run: Path) -> dict[str, Path]:
@@ -362,6 +342,8 @@ def collect_runs(args: argparse.Namespace, overrides: list[str]) -> dict[str, Se
 def main(argv: list[str]) -> int:
     """Compare the curves ``argv`` names; exit status 0 (within tolerance / noise), 1 (a gap exceeds it) or 2
     (error)."""
+    if "--verdict" in (argv[:argv.index("--")] if "--" in argv else argv):
+        return fp8_verdict.main(argv)
     args, overrides = parse_args(argv)
     try:
         runs = collect_runs(args, overrides)

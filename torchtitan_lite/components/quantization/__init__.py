@@ -5,7 +5,6 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from torchtitan_lite.components.quantization.cpu_scaled_mm import use_fast_cpu_scaled_mm
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
 from torchtitan_lite.components.quantization.float8_blockwise import Float8BlockwiseConverter
 from torchtitan_lite.components.quantization.float8_plan import format_plan_summary
@@ -13,9 +12,6 @@ from torchtitan_lite.components.quantization.linear_quantizer import LinearQuant
 from torchtitan_lite.components.quantization.moe_experts import GroupedExpertsConverter
 from torchtitan_lite.components.quantization.mx import MXLinearConverter
 from torchtitan_lite.protocols.model_converter import ModelConverter
-
-# Before any FP8 GEMM runs on this CPU: one probe (milliseconds; ~0.1 s where the kernel is the slow one).
-use_fast_cpu_scaled_mm()
 
 __all__ = ["Float8BlockwiseConverter", "Float8LinearConverter", "GroupedExpertsConverter", "LinearQuantizer",
            "MXLinearConverter", "expert_quantizer", "fp8_plan_summary", "linear_quantizer", "low_precision_plan"]

@@ -29,6 +29,7 @@ from torchtitan_lite.components.quantization.float8_plan import (
     float8_shape_reason,
 )
 from torchtitan_lite.components.quantization.linear_quantizer import LinearQuantizer
+from torchtitan_lite.cpu_scaled_mm import replacement_note
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConverter
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,8 @@ class Float8LinearConverter(LinearQuantizer):
             logger.info("%s.emulate=True: FP8 numerics emulated in high precision (for testing; slower than BF16)",
                         _FIELD)
             return
+        if self.context.device_type == "cpu" and (note := replacement_note()) is not None:
+            logger.info("%s: %s", _FIELD, note)
         if self.context.device_type != "cuda" or not torch.cuda.is_available():
             return  # torch._scaled_mm has a CPU implementation; a GPU job sized from a login node is not checked
         capability = torch.cuda.get_device_capability()

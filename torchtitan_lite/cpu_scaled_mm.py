@@ -6,9 +6,12 @@ with AMX (torch 2.13), one 2048x256x768 GEMM took 10 s (0.07 s through this modu
 step of a 4-block debug model 14 minutes; on an AMD EPYC (AVX2) the same kernel runs at matmul speed.
 ``use_fast_cpu_scaled_mm`` times the kernel once per process and, where it runs below ``MIN_GFLOPS``,
 registers a CPU implementation of ``aten::_scaled_mm`` that computes the same result from the same FP8
-operands: every product of two FP8 values is exact in float32, the products are summed in float32 (in
-another order than oneDNN's, as between any two GEMM kernels), then scaled, biased and cast to
-``out_dtype``. Nothing about the FP8 rounding of the operands changes; CUDA keeps its kernels.
+operands: every product of two FP8 values is exact, the products are summed, scaled and biased in float64
+and the result is rounded once to ``out_dtype``. Float64 makes the result independent of the order of the
+sum: float32 GEMMs block the sum by the operands' shapes, so a tensor-parallel shard of a GEMM and the whole
+GEMM would disagree in the last bit, and the next FP8 cast turns such bits into flipped roundings (measured:
+the TP 2 vs one-process loss gap of a float8 run grew from 1.7e-7 to 4.6e-5 with float32 sums). Nothing about
+the FP8 rounding of the operands changes; CUDA keeps its kernels.
 """
 from __future__ import annotations
 
@@ -31,13 +34,19 @@ _PROBE = 128
 
 _library: torch.library.Library | None = None
 """Holds the registration: dropping the Library would remove the kernel."""
+_why: str | None = None
+
+
+def replacement_note() -> str | None:
+    """What an FP8 run on CPU should say about its GEMMs: the reason the kernel was replaced, or None."""
+    return _why
 
 
 def scaled_mm_float32(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                       bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None,
                       out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
     """``torch._scaled_mm`` for float8 operands with one scale per tensor or per row of ``a`` / column of ``b``,
-    computed as a float32 matmul of the FP8 values. ``use_fast_accum`` changes nothing on CPU."""
+    computed in float64 from the FP8 values and rounded once. ``use_fast_accum`` changes nothing on CPU."""
     del use_fast_accum
     m, n = a.shape[0], b.shape[1]
     _check_scale("scale_a", scale_a, (m, 1))
@@ -48,9 +57,9 @@ def scaled_mm_float32(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
                                   f"{out_dtype}: an FP8 output (scale_result) has no user on CPU here")
     if scale_result is not None:
         raise NotImplementedError("torchtitan_lite's CPU _scaled_mm takes no scale_result (FP8 outputs only)")
-    out = (a.float() @ b.float()) * scale_a.float().reshape(-1, 1) * scale_b.float().reshape(1, -1)
+    out = (a.double() @ b.double()) * scale_a.double().reshape(-1, 1) * scale_b.double().reshape(1, -1)
     if bias is not None:
-        out = out + bias.float()
+        out = out + bias.double()
     return out.to(out_dtype)
 
 
@@ -89,6 +98,8 @@ def use_fast_cpu_scaled_mm() -> bool:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # replacing the kernel is the point
         _library.impl("_scaled_mm", scaled_mm_float32, "CPU")
-    logger.info("this CPU's torch._scaled_mm runs at %.2f GFLOP/s (oneDNN without an FP8 kernel): CPU FP8 GEMMs "
-                "run as float32 matmuls of the same FP8 operands instead (same products, float32 sums)", gflops)
+    global _why
+    _why = (f"this CPU's torch._scaled_mm runs at {gflops:.2f} GFLOP/s (oneDNN without an FP8 kernel): CPU FP8 "
+            f"GEMMs run as float64 matmuls of the same FP8 operands instead, rounded once")
+    logger.debug("%s", _why)
     return True
