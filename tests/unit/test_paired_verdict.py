@@ -121,3 +121,21 @@ def test_verdict_cli_refuses_bad_input(capsys):
     with pytest.raises(SystemExit):
         fp8_verdict.main(["--verdict", "llama3", "--fault", "bitflip"])
     assert "unknown planted fault 'bitflip'" in capsys.readouterr().err
+
+
+def test_a_finished_run_is_reused_only_for_the_same_command(tmp_path):
+    import json
+
+    from torchtitan_lite.tools.loss_compare_runs import FINISHED, finished_wall_s, train_command
+
+    dump = tmp_path / "tensorwise" / "seed-1"
+    dump.mkdir(parents=True)
+    assert finished_wall_s("llama3_debug_fp8", dump, steps=None, overrides=["--model.n_layers", "4"], seed=1) is None
+    cmd = train_command("llama3_debug_fp8", dump, steps=None, overrides=["--model.n_layers", "4"], nproc=1, seed=1)
+    (dump / FINISHED).write_text(json.dumps({"command": cmd[1:], "wall_s": 97.0}))
+    assert finished_wall_s("llama3_debug_fp8", dump, steps=None, overrides=["--model.n_layers", "4"], seed=1) == 97.0
+    # Another layer count, seed or fault is another run.
+    assert finished_wall_s("llama3_debug_fp8", dump, steps=None, overrides=["--model.n_layers", "2"], seed=1) is None
+    assert finished_wall_s("llama3_debug_fp8", dump, steps=None, overrides=["--model.n_layers", "4"], seed=2) is None
+    assert finished_wall_s("llama3_debug_fp8", dump, steps=None, overrides=["--model.n_layers", "4"], seed=1,
+                           fault="round_toward_zero") is None
