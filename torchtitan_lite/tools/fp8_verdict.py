@@ -104,7 +104,13 @@ def train_arms(args: argparse.Namespace, arms: list[Arm], overrides: list[str]) 
     failed, lock = threading.Event(), threading.Lock()
     stats: dict[str, dict[str, float]] = {arm.name: {} for arm in arms}
     walls: dict[str, list[float]] = {arm.name: [] for arm in arms}
-    start, done = time.perf_counter(), [0]
+    start = time.perf_counter()
+    done, trained = [0], [0]
+
+    def say(line: str) -> None:
+        with lock:  # one write per line: runs side by side would interleave print's pieces
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
 
     def train(number: int, arm: Arm, seed: int) -> None:
         if failed.is_set():
@@ -112,10 +118,12 @@ def train_arms(args: argparse.Namespace, arms: list[Arm], overrides: list[str]) 
         dump = args.dump_root / setup.family / arm.name / f"seed-{seed}"
         arm_overrides = [*setup.overrides, *overrides]
         try:
-            wall = finished_wall_s(arm.config, dump, steps=None, overrides=arm_overrides, seed=seed,
-                                   fault=arm.fault) if args.reuse else None
-            if wall is not None:
-                print(f"[verdict] run {number}/{len(jobs)} {arm.name} seed {seed}: reused {dump}", flush=True)
+            earlier = finished_wall_s(arm.config, dump, steps=None, overrides=arm_overrides, seed=seed,
+                                      fault=arm.fault) if args.reuse else None
+            reused = earlier is not None
+            if earlier is not None:
+                wall = earlier
+                say(f"[verdict] run {number}/{len(jobs)} {arm.name} seed {seed}: reused {dump}")
             else:
                 wall = run_config(arm.config, dump, steps=None, overrides=arm_overrides, nproc=1, seed=seed,
                                   label=f"run {number}/{len(jobs)} {arm.name} seed {seed}",
@@ -125,12 +133,15 @@ def train_arms(args: argparse.Namespace, arms: list[Arm], overrides: list[str]) 
             failed.set()
             raise
         with lock:
-            stats[arm.name][str(seed)], done[0] = value, done[0] + 1
+            stats[arm.name][str(seed)] = value
             walls[arm.name].append(wall)
+            done[0] += 1
+            trained[0] += 0 if reused else 1
             elapsed = time.perf_counter() - start
-            left = elapsed / done[0] * (len(jobs) - done[0])
-            print(f"[verdict] {done[0]}/{len(jobs)} runs done, {format_duration(elapsed)} elapsed, "
-                  f"~{format_duration(left)} left", flush=True)
+            # The rate of the runs trained here (reused ones take no time), over the runs still to train.
+            left = elapsed / trained[0] * (len(jobs) - done[0]) if trained[0] else None
+        say(f"[verdict] {done[0]}/{len(jobs)} runs done, {format_duration(elapsed)} elapsed"
+            + (f", ~{format_duration(left)} left" if left is not None else ""))
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
         futures = [pool.submit(train, n, arm, seed) for n, (arm, seed) in enumerate(jobs, start=1)]
