@@ -40,7 +40,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torchtitan_lite.cpu_scaled_mm import use_fast_cpu_scaled_mm
 
-use_fast_cpu_scaled_mm()  # one probe per process: microseconds, ~0.1 s where the kernel is the slow one
+use_fast_cpu_scaled_mm()  # one probe per process: a millisecond, ~0.3 s where the kernel is the slow one
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

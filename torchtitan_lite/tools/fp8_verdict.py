@@ -178,7 +178,7 @@ def report(args: argparse.Namespace, verdicts: Verdicts, walls: dict[str, list[f
              f"Interval: mean gap ± t({CONFIDENCE:g}, {args.seeds - 1}) x SE; PASS when its top <= δ, FAIL when "
              f"its bottom > δ. Wall time {format_duration(wall_s)} for {sum(map(len, walls.values()))} runs "
              f"(--parallel {args.parallel}).", "",
-             "| comparison | mean gap | SE | 95% interval | gap per seed | outcome | verdict |",
+             "| comparison | mean gap | SE | one-sided 95% bounds | gap per seed | outcome | verdict |",
              "|---|---:|---:|---|---|---|---|",
              _row(verdicts.control, "control: must PASS"), _row(verdicts.fault, "control: must FAIL")]
     lines += [_row(v, verdicts.final(v)) for v in verdicts.recipes]
