@@ -45,7 +45,7 @@ def replacement_note() -> str | None:
     return _why
 
 
-def scaled_mm_float32(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+def scaled_mm_float64(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                       bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None,
                       out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
     """``torch._scaled_mm`` for float8 operands with one scale per tensor or per row of ``a`` / column of ``b``,
@@ -95,17 +95,16 @@ def native_gflops() -> float:
 
 @functools.cache
 def use_fast_cpu_scaled_mm() -> bool:
-    """Register ``scaled_mm_float32`` as the CPU ``aten::_scaled_mm`` when the native kernel is slow; whether it
+    """Register ``scaled_mm_float64`` as the CPU ``aten::_scaled_mm`` when the native kernel is slow; whether it
     did. Once per process (the registration holds for the process)."""
-    global _library
+    global _library, _why
     gflops = native_gflops()
     if gflops >= MIN_GFLOPS:
         return False
     _library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # replacing the kernel is the point
-        _library.impl("_scaled_mm", scaled_mm_float32, "CPU")
-    global _why
+        _library.impl("_scaled_mm", scaled_mm_float64, "CPU")
     _why = (f"this CPU's torch._scaled_mm runs at {gflops:.2f} GFLOP/s (oneDNN without an FP8 kernel): CPU FP8 "
             f"GEMMs run as float64 matmuls of the same FP8 operands instead, rounded once")
     logger.debug("%s", _why)
