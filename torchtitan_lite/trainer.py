@@ -41,6 +41,7 @@ from torchtitan_lite.config.sections import (
     ParallelismConfig,
     TrainingConfig,
 )
+from torchtitan_lite.cpu_vector_codegen import use_correct_cpu_vector_width
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.compile import compile_stats, first_step_compile_label, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
@@ -133,6 +134,9 @@ class Trainer(Configurable):
         logger.info("tokenizer: %s; model vocabulary %d", self.tokenizer.describe(), self.model_args.vocab_size)
 
         self.precision = cfg.precision.build(resolved=self.run.precision, device=self.device)
+        if cfg.compile.enable and cfg.compile.backend == "inductor" and self.device.type == "cpu":
+            if note := use_correct_cpu_vector_width():
+                logger.warning(note)
         self.loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss,
                                           backend=cfg.compile.backend)
         built = build_model_parts(self.run, mp_policy=self.precision.mp_policy(), device=self.device,
