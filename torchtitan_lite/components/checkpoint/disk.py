@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import uuid
@@ -15,8 +16,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan_lite.components.checkpoint.stateful import PER_RANK_STATES
+from torchtitan_lite.components.checkpoint.verify import CheckpointError
+
+# Under the checkpoint manager's name: the checkpoint lines of a run carry one name, whichever module writes them.
+logger = logging.getLogger("torchtitan_lite.components.checkpoint.manager")
 
 _NEARLY_FULL = 64 << 20
 """Free bytes under which a failed write without errno is put down to a full disk."""
@@ -118,6 +126,28 @@ def whole_checkpoint_bytes(per_rank: list[dict[str, int]]) -> int:
         for key, n in sizes.items():
             whole[key] = max(whole.get(key, 0), n)
     return sum(whole.values())
+
+
+def check_storage_before_training(folder: str, states: dict[str, Stateful], *, rank: int, world_size: int,
+                                  on_save_error: str) -> None:
+    """``folder`` is writable and has room for one checkpoint of ``states`` (rank 0 checks, every rank gets
+    the verdict; collective)."""
+    # Every rank writes its part into the same folder; under a pipeline each holds only its stage's layers.
+    own = expected_checkpoint_sizes({n: s for n, s in states.items() if n not in PER_RANK_STATES})
+    sizes: list[Any] = [own]
+    if dist.is_initialized() and world_size > 1:
+        sizes = [None] * world_size
+        dist.all_gather_object(sizes, own)
+    expected = whole_checkpoint_bytes(sizes)
+    verdict = [check_writable_with_space(folder, expected) if rank == 0 else None]
+    if dist.is_initialized() and world_size > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    problem = verdict[0]
+    if problem is None:
+        return
+    if on_save_error == "stop" or problem.startswith("cannot write"):
+        raise CheckpointError(f"{problem} (checked before training, checkpoint.on_save_error=stop)")
+    logger.warning("%s; training anyway (checkpoint.on_save_error=warn)", problem)
 
 
 def check_writable_with_space(folder: str, expected_bytes: int) -> str | None:

@@ -7,19 +7,10 @@ past ``dcp.save`` (or its async future resolves) only after every rank finished 
 considers only folders with the marker; rank 0 scans the folder and broadcasts what it found, so all
 ranks load the same step even on filesystems with lagging metadata caches.
 
-The marker also holds a content hash of every file (``checksums.py``). Before loading, the ranks
-split the files between them and verify them; an automatic resume skips a latest checkpoint that
-fails (corrupt, truncated, ``.metadata`` missing) and takes the previous one, an explicit
-``load_step`` fails instead. A save that fails (disk full, quota, read-only) is described in words
-on every rank, its partial folder is removed, and the run stops or warns (``on_save_error``).
-
-Model and optimizer state are sharded tensors that DCP reshards on load (save on FSDP 2, load on
-1 process or FSDP x TP). Per-rank state that is not a sharded tensor (``dataloader``,
-``train_state`` with its RNGs) is stored under rank-unique keys ``<name>.rank<r>``. A state with
-``load_rank_states`` (the data loader) takes every saved rank's copy: when the data-parallel degree or the
-world size changed since the save, every rank reads all of them and the loader continues from them (a
-window position is the same on every rank; a stream's refuses another degree). The marker records
-the run's data layout (``components/data/layout.py``), readable before launch.
+The manager decides when to save and what to resume from; the work is done by ``saving.py`` (writing a
+checkpoint, background saves, a failed save), ``resume.py`` (which checkpoint, verified, a run resumes
+from), ``loading.py`` (restoring states, resharded, per rank) and ``disk.py`` (room before training). The
+marker records the run's data layout (``components/data/layout.py``), readable before launch.
 
 Each checkpoint also holds the resolved config of the run that wrote it (``step-<N>/config.toml``,
 written before the marker and covered by its checksums): the export and generation tools read that
@@ -34,38 +25,26 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 import warnings
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan_lite.components.checkpoint import hf_io
-from torchtitan_lite.components.checkpoint.checksums import ALGORITHM, ChecksummingWriter, hash_file
-from torchtitan_lite.components.checkpoint.disk import (
-    check_writable_with_space,
-    describe_save_error,
-    expected_checkpoint_sizes,
-    whole_checkpoint_bytes,
-)
+from torchtitan_lite.components.checkpoint.checksums import ChecksummingWriter
+from torchtitan_lite.components.checkpoint.disk import check_storage_before_training
 from torchtitan_lite.components.checkpoint.followups import Followups
-from torchtitan_lite.components.checkpoint.key_accounting import check_loadable
 from torchtitan_lite.components.checkpoint.layout import (
     ABNORMAL,
-    MARKER_NAME,
     NORMAL,
     Marker,
     check_same_top_k,
     describe_steps,
-    hf_export_dir,
     new_marker,
     purge_old,
     read_json,
@@ -73,20 +52,21 @@ from torchtitan_lite.components.checkpoint.layout import (
     set_aside,
     step_dir,
     write_json_atomically,
-    write_text_atomically,
 )
-from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
-from torchtitan_lite.components.checkpoint.stateful import decode, encode
-from torchtitan_lite.components.checkpoint.verify import (
-    CheckpointError,
-    WeightsOnlyLoadPlanner,
-    describe_failure,
-    newest_verified_step,
-    read_metadata,
-    saved_state_names,
-    saved_tensor_shape,
-    verify_together,
+from torchtitan_lite.components.checkpoint.loading import count_rank_keys, load_states
+from torchtitan_lite.components.checkpoint.resume import LoadedCheckpoint, initial_weights_passed_over, step_to_resume
+from torchtitan_lite.components.checkpoint.saving import (
+    EXPORT_DTYPES as EXPORT_DTYPES,  # re-exported: convert.py imports it from the manager
 )
+from torchtitan_lite.components.checkpoint.saving import (
+    BackgroundSave,
+    conclude_save,
+    export_hf,
+    mark_complete,
+    prepare_folder,
+    state_to_save,
+)
+from torchtitan_lite.components.checkpoint.verify import CheckpointError, read_metadata, saved_state_names, verify_together
 from torchtitan_lite.components.data.layout import DataLayout
 from torchtitan_lite.config import Configurable
 from torchtitan_lite.distributed import utils as dist_utils
@@ -94,32 +74,6 @@ from torchtitan_lite.distributed import utils as dist_utils
 logger = logging.getLogger(__name__)
 # A run without a process group is a normal single-process run here, not a mistake worth a warning.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-PER_RANK_STATES = ("dataloader", "train_state", "spike_guard")
-"""States that are not sharded tensors; each rank saves and restores its own copy (the data position and
-RNGs differ per rank; the spike guard's statistics are the same on every rank but vary in size)."""
-
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def initial_weights_passed_over(initial_load_path: str, folder: str, step: int) -> str:
-    """Why checkpoint.initial_load_path is not read: the run's folder holds a checkpoint, which it resumes."""
-    return (f"checkpoint.initial_load_path={initial_load_path} is not read: {folder} holds the checkpoint of step "
-            f"{step}, which this run resumes (initial weights only start a folder without checkpoints); to start "
-            f"from {initial_load_path}, use another --job.dump_folder")
-
-
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    """The checkpoint a run resumed (or was initialised) from, as far as it can be vouched for."""
-
-    path: str
-    step: int
-    unchecked: str | None
-    """Why its files were not checked against checksums ('checkpoint.verify_checksums=false', 'it was
-    written without checksums'), None when they were."""
-    followed_by: str | None
-    """``Marker.followed_by`` when it loaded: 'nothing', 'normal', 'abnormal', or None (not recorded)."""
 
 
 class CheckpointManager(Configurable):
@@ -215,17 +169,8 @@ class CheckpointManager(Configurable):
                 raise ValueError("checkpoint.last_save_in_hf=True needs a model with a Hugging Face state-dict "
                                  "adapter; this model has none, set checkpoint.last_save_in_hf=False")
             self.hf_adapter = adapter_cls(model_args)
-        # Background saves talk over their own gloo group so they never interleave with the
-        # training loop's collectives on the default group.
-        self._save_group = None
-        self._poll_group = None
-        if config.enable and config.async_mode == "async" and dist.is_initialized():
-            self._save_group = dist.new_group(backend="gloo")
-            # Each step's "has every rank's background save finished?" goes over a third group: the save
-            # group is busy inside the save, and the default group may be NCCL (a device sync each step).
-            self._poll_group = dist.new_group(backend="gloo")
-        self._pending: Future | None = None
-        self._pending_path: str | None = None
+        self._background = BackgroundSave(enabled=config.enable and config.async_mode == "async",
+                                          world_size=self.world_size)
         self._loaded_step: int | None = None
         self._last_saved_step: int | None = None
         self._known_good: frozenset[int] = frozenset()
@@ -263,26 +208,11 @@ class CheckpointManager(Configurable):
             # Initial weights do not need checkpoints of the run's own: a run may start from a seed and save nothing.
             return self._initial_load(cfg.initial_load_path) if cfg.initial_load_path is not None else 0
         complete, incomplete = self._agreed_scan()
-        if incomplete:
-            logger.warning("ignoring checkpoint folder(s) without a %s marker (interrupted saves): %s",
-                           MARKER_NAME, [step_dir(self.folder, s) for s in incomplete])
-        if cfg.load_step >= 0:
-            if cfg.load_step not in complete:
-                raise CheckpointError(f"checkpoint.load_step={cfg.load_step}: there is no complete "
-                                      f"{step_dir(self.folder, cfg.load_step)}; {describe_steps(self.folder)}")
-            problems = verify_together(step_dir(self.folder, cfg.load_step), checksums=cfg.verify_checksums,
-                                       rank=self.rank, world_size=self.world_size)
-            if problems:
-                raise CheckpointError(f"checkpoint.load_step={cfg.load_step}: {step_dir(self.folder, cfg.load_step)} "
-                                      f"fails verification: {'; '.join(problems)}. Load another step "
-                                      f"({describe_steps(self.folder)}), or -1 for the newest one that verifies")
-            step = cfg.load_step
-        elif complete:
-            step = newest_verified_step(self.folder, complete, checksums=cfg.verify_checksums, rank=self.rank,
-                                            world_size=self.world_size)
-        elif cfg.initial_load_path is not None:
-            return self._initial_load(cfg.initial_load_path)
-        else:
+        step = step_to_resume(self.folder, complete, incomplete, load_step=cfg.load_step,
+                              verify_checksums=cfg.verify_checksums, rank=self.rank, world_size=self.world_size)
+        if step is None:
+            if cfg.initial_load_path is not None:
+                return self._initial_load(cfg.initial_load_path)
             logger.info("no checkpoint in %s: starting from step 0", self.folder)
             return 0
 
@@ -336,7 +266,7 @@ class CheckpointManager(Configurable):
             raise CheckpointError(f"checkpoint.initial_load_path={path} holds none of the states {candidates} "
                                   f"(its top-level names are {sorted(saved)}); write it with this project's "
                                   f"checkpointing or scripts/convert_from_hf.py")
-        saved_world = marker.world_size if marker else _count_rank_keys(metadata)
+        saved_world = marker.world_size if marker else count_rank_keys(metadata)
         restored = self._load_from(path, metadata, names, saved_world,
                                    DataLayout.from_record(marker.data_layout) if marker else None)
         logger.info("initialised %s from %s", names, path)
@@ -346,59 +276,8 @@ class CheckpointManager(Configurable):
 
     def _load_from(self, path: str, metadata: Metadata, names: list[str], saved_world_size: int | None,
                    saved_layout: DataLayout | None = None) -> dict[str, Any]:
-        """DCP-load ``names`` from ``path`` after checking the folder; returns decoded per-rank states."""
-        target: dict[str, Any] = {}
-        per_rank_keys: dict[str, list[str]] = {}
-        for name in names:
-            if name not in PER_RANK_STATES:
-                target[name] = _without_absent_optional_keys(name, self.states[name], metadata)
-                continue
-            keys = self._per_rank_sources(path, metadata, name, saved_world_size, saved_layout)
-            if not keys:
-                continue
-            target[name] = {}
-            for key in keys:
-                shape = saved_tensor_shape(metadata, f"{name}.{key}")
-                if shape is None:
-                    raise CheckpointError(f"checkpoint {path} has no {name!r} state for {key} (it holds "
-                                          f"{sorted(saved_state_names(metadata))})")
-                target[name][key] = torch.empty(shape, dtype=torch.uint8)
-            per_rank_keys[name] = keys
-        check_loadable(path, metadata, target, rank=self.rank, world_size=self.world_size)
-        try:
-            dcp.load(target, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=not dist.is_initialized())
-        except CheckpointException as e:
-            raise CheckpointError(f"loading checkpoint {path} failed: {describe_failure(e)}") from e
-        restored = {}
-        for name, value in target.items():
-            if name in per_rank_keys and hasattr(self.states[name], "load_rank_states"):
-                self.states[name].load_rank_states([decode(value[key]) for key in per_rank_keys[name]])  # type: ignore[attr-defined]
-            elif name in per_rank_keys:
-                restored[name] = decode(value[per_rank_keys[name][0]])
-                self.states[name].load_state_dict(restored[name])
-            else:
-                self.states[name].load_state_dict(value)
-        return restored
-
-    def _per_rank_sources(self, path: str, metadata: Metadata, name: str, saved_world_size: int | None,
-                          saved_layout: DataLayout | None) -> list[str]:
-        """The saved copies of per-rank state ``name`` this rank reads."""
-        own = f"rank{self.rank}"
-        same_world = saved_world_size == self.world_size
-        if hasattr(self.states[name], "load_rank_states"):
-            same_dp = saved_layout is None or self.data_layout is None or \
-                saved_layout.dp_degree == self.data_layout.dp_degree
-            if same_world and same_dp:
-                return [own]
-            saved_ranks = saved_world_size if saved_world_size is not None else _count_rank_keys(metadata)
-            if saved_ranks is None:
-                logger.warning("%s does not say how many ranks saved it: %s starts from the beginning", path, name)
-                return []
-            return [f"rank{r}" for r in range(saved_ranks)]
-        if same_world:
-            return [own]
-        # The step is the same on every rank; RNG streams come from rank 0 where this rank has none.
-        return [own if saved_tensor_shape(metadata, f"{name}.{own}") is not None else "rank0"]
+        return load_states(path, metadata, names, saved_world_size, saved_layout, states=self.states, rank=self.rank,
+                           world_size=self.world_size, data_layout=self.data_layout)
 
     def _agreed_scan(self) -> tuple[list[int], list[int]]:
         found: list[Any] = [scan_steps(self.folder) if self.rank == 0 else None]
@@ -490,18 +369,18 @@ class CheckpointManager(Configurable):
         model_only = model_only or (last_step and cfg.last_save_model_only)
         self.wait()
         start = time.perf_counter()
-        state = self._state_to_save(model_only)
+        state = state_to_save(self.states, model_only, export_dtype=cfg.export_dtype, rank=self.rank)
         path = step_dir(self.folder, step)
-        self._prepare_folder(path)
+        prepare_folder(path, self.rank)
         layout = None if model_only or self.data_layout is None else self.data_layout.to_record()
         marker = new_marker(step, self.world_size, list(state), model_only, layout, self.moe_top_k)
         self.followups.saving(marker)
         no_dist = not dist.is_initialized()
         writer = ChecksummingWriter(path)
         if cfg.async_mode == "async":
-            upload = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, process_group=self._save_group,
-                                    no_dist=no_dist)
-            self._pending, self._pending_path = self._then_mark_complete(upload, path, marker, writer), path  # type: ignore[arg-type]  # a Future without async_stager
+            upload = dcp.async_save(state, checkpoint_id=path, storage_writer=writer,
+                                    process_group=self._background.save_group, no_dist=no_dist)
+            self._background.start(upload, path, marker, lambda: self._mark_complete(path, marker, writer))  # type: ignore[arg-type]  # a Future without async_stager
             logger.info("staged checkpoint %s in %.1fs; writing in the background", path, time.perf_counter() - start)
         else:
             error: BaseException | None = None
@@ -510,162 +389,47 @@ class CheckpointManager(Configurable):
                 self._mark_complete(path, marker, writer)
             except (Exception, CheckpointException) as e:
                 error = e
-            if not self._conclude_save(path, error):
+            if not conclude_save(self.folder, path, error, rank=self.rank, world_size=self.world_size,
+                                 on_save_error=cfg.on_save_error):
                 return False
             logger.info("saved checkpoint %s in %.1fs", path, time.perf_counter() - start)
         if last_step and self.hf_adapter is not None:
-            self._export_hf(step)
+            export_hf(self.states["model"].state_dict(), self.folder, step, self.hf_adapter, written=self._wait_for(step),
+                      export_dtype=cfg.export_dtype, run_config=self.run_config, rank=self.rank)
         self._last_saved_step = step
         return True
-
-    def _state_to_save(self, model_only: bool) -> dict[str, Any]:
-        if model_only:
-            dtype = EXPORT_DTYPES[self.config.export_dtype]
-            model = self.states["model"].state_dict()
-            return {"model": {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.items()}}
-        state = {}
-        for name, obj in self.states.items():
-            if name in PER_RANK_STATES:
-                state[name] = {f"rank{self.rank}": encode(obj.state_dict())}
-            else:
-                state[name] = obj.state_dict()
-        return state
-
-    def _prepare_folder(self, path: str) -> None:
-        if self.rank == 0 and os.path.exists(path):
-            # Re-saving a step (a resumed run that went back): the old folder must not keep its
-            # marker while being overwritten, and stale shard files must not linger.
-            logger.warning("overwriting existing checkpoint folder %s", path)
-            marker = os.path.join(path, MARKER_NAME)
-            if os.path.exists(marker):
-                os.remove(marker)
-            shutil.rmtree(path)
-        if dist.is_initialized():
-            dist.barrier()
 
     def _mark_complete(self, path: str, marker: Marker, writer: ChecksummingWriter) -> None:
         if self.rank != 0:
             return
-        checksums = dict(writer.checksums or {})
-        if self.run_config is not None:
-            # Before the marker: a checkpoint is complete with the config that describes it, or not at all.
-            write_text_atomically(os.path.join(path, RUN_CONFIG_NAME), self.run_config)
-            checksums[RUN_CONFIG_NAME] = hash_file(os.path.join(path, RUN_CONFIG_NAME))
-        marker.checksum_algorithm, marker.checksums = ALGORITHM, checksums
-        # A normal loss may have followed this state while it was written.
-        self.followups.write_marker(path, marker)
+        mark_complete(path, marker, writer, run_config=self.run_config, followups=self.followups)
         protected = {marker.step} | ({self._loaded_step} if self._loaded_step is not None else set())
         good = [s for s in scan_steps(self.folder)[0] if s in self.known_good]
         protected |= {max(good)} if good else set()
         purge_old(self.folder, self.config.keep_latest_k, protected)
 
-    def _then_mark_complete(self, upload: Future, path: str, marker: Marker, writer: ChecksummingWriter) -> Future:
-        done: Future = Future()
-
-        def finish(f: Future) -> None:
-            try:
-                f.result()
-                self._mark_complete(path, marker, writer)
-                done.set_result(marker.step)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                done.set_exception(e)
-
-        upload.add_done_callback(finish)
-        return done
-
     def _poll(self) -> None:
         """Conclude a background save as soon as it has finished on every rank (collective, called at every
         step, does not block): a failed one stops the run (or warns) at the step it is noticed, not at the
         next save, and its partial folder is removed at once."""
-        if self._pending is None:
-            return
-        done = self._pending.done()
-        if self._poll_group is not None and self.world_size > 1:
-            finished = torch.tensor([int(done)])
-            dist.all_reduce(finished, op=dist.ReduceOp.MIN, group=self._poll_group)
-            done = bool(finished.item())
-        if done:
+        if self._background.finished_on_every_rank():
             self.wait()
 
     def wait(self) -> None:
         """Block until a background save has finished and its marker is written."""
-        if self._pending is None:
-            return
-        pending, self._pending = self._pending, None
-        error: BaseException | None = None
-        try:
-            pending.result()
-        except (Exception, CheckpointException) as e:
-            error = e
-        assert self._pending_path is not None
-        self._conclude_save(self._pending_path, error)
-
-    def _conclude_save(self, path: str, error: BaseException | None) -> bool:
-        """Collective: whether the save of ``path`` succeeded on every rank. On a failure anywhere, rank 0
-        removes the partial folder and every rank stops (raises) or warns, per ``on_save_error``."""
-        reason = None if error is None else describe_save_error(self.folder, error, describe_failure(error))
-        reasons = [reason]
-        if dist.is_initialized() and self.world_size > 1:
-            reasons = [None] * self.world_size
-            dist.all_gather_object(reasons, reason)
-        failed = [r for r in reasons if r is not None]
-        if not failed:
-            return True
-        if self.rank == 0:
-            marker = os.path.join(path, MARKER_NAME)
-            if os.path.exists(marker):
-                os.remove(marker)
-            shutil.rmtree(path, ignore_errors=True)
-        if dist.is_initialized() and self.world_size > 1:
-            dist.barrier()  # every rank then describes the folder without the partial save
-        complete = scan_steps(self.folder)[0]
-        kept = (f"the previous complete checkpoint {step_dir(self.folder, complete[-1])} is kept" if complete
-                else f"there is no complete checkpoint in {self.folder}")
-        message = f"saving checkpoint {path} failed: {failed[0]}. The partial folder was removed; {kept}"
-        if self.config.on_save_error == "stop":
-            resume = (f"the run resumes from step {complete[-1]}" if complete
-                      else "the run starts again from step 0, nothing was saved")
-            raise CheckpointError(f"{message}. Free space or fix the folder, then rerun: {resume} "
-                                  f"(checkpoint.on_save_error=warn trains on without checkpoints instead)") from error
-        logger.warning("%s; training continues (checkpoint.on_save_error=warn)", message)
-        return False
+        finished = self._background.outcome()
+        if finished is not None:
+            path, error = finished
+            conclude_save(self.folder, path, error, rank=self.rank, world_size=self.world_size,
+                          on_save_error=self.config.on_save_error)
 
     def check_storage(self) -> None:
         """Before training: the checkpoint folder is writable and has room for one checkpoint (rank 0
         checks, every rank gets the verdict)."""
         if not self.config.enable:
             return
-        # Every rank writes its part into the same folder; under a pipeline each holds only its stage's layers.
-        own = expected_checkpoint_sizes({n: s for n, s in self.states.items() if n not in PER_RANK_STATES})
-        sizes: list[Any] = [own]
-        if dist.is_initialized() and self.world_size > 1:
-            sizes = [None] * self.world_size
-            dist.all_gather_object(sizes, own)
-        expected = whole_checkpoint_bytes(sizes)
-        verdict = [check_writable_with_space(self.folder, expected) if self.rank == 0 else None]
-        if dist.is_initialized() and self.world_size > 1:
-            dist.broadcast_object_list(verdict, src=0)
-        problem = verdict[0]
-        if problem is None:
-            return
-        if self.config.on_save_error == "stop" or problem.startswith("cannot write"):
-            raise CheckpointError(f"{problem} (checked before training, checkpoint.on_save_error=stop)")
-        logger.warning("%s; training anyway (checkpoint.on_save_error=warn)", problem)
-
-    def _export_hf(self, step: int) -> None:
-        run_config = self.run_config
-
-        def add_config(folder: str) -> None:
-            if run_config is not None:
-                write_text_atomically(os.path.join(folder, RUN_CONFIG_NAME), run_config)
-
-        state = self.states["model"].state_dict()
-        saved = read_metadata(step_dir(self.folder, step)) if self._wait_for(step) else None
-        if saved is not None and not {f"model.{k}" for k in state} >= set(hf_io.model_keys(saved)):
-            # Pipeline stages: no rank holds the whole model, the checkpoint just written does.
-            state = hf_io.load_dcp_model(step_dir(self.folder, step), saved) if self.rank == 0 else {}
-        hf_io.export_model_state(state, hf_export_dir(self.folder, step), self.hf_adapter,
-                                 EXPORT_DTYPES[self.config.export_dtype], write=self.rank == 0, extra=add_config)
+        check_storage_before_training(self.folder, self.states, rank=self.rank, world_size=self.world_size,
+                                      on_save_error=self.config.on_save_error)
 
     def _wait_for(self, step: int) -> bool:
         """Whether the checkpoint of ``step`` is complete once a background save has finished (collective)."""
@@ -675,29 +439,9 @@ class CheckpointManager(Configurable):
     def close(self) -> None:
         """Wait for a background save; call once at the end of training (also after a seed save)."""
         self.wait()
-        for group in (self._save_group, self._poll_group):
-            if group is not None:
-                dist.destroy_process_group(group)
-        self._save_group = self._poll_group = None
+        self._background.close()
 
 
 def _model_only(path: str) -> bool:
     marker = Marker.read(path)
     return marker is None or marker.model_only
-
-
-def _count_rank_keys(metadata: Metadata) -> int | None:
-    ranks = [k for k in metadata.state_dict_metadata if k.startswith("train_state.rank")]
-    return len(ranks) or None
-
-
-def _without_absent_optional_keys(name: str, state: Any, metadata: Metadata) -> dict[str, Any]:
-    """``state``'s state_dict without the keys it declares optional (``OPTIONAL_STATE_KEYS``: added after
-    earlier releases wrote their checkpoints) that the checkpoint lacks, so such a checkpoint still resumes."""
-    state_dict = state.state_dict()
-    saved = metadata.state_dict_metadata
-    for key in getattr(state, "OPTIONAL_STATE_KEYS", ()):
-        if key in state_dict and f"{name}.{key}" not in saved:
-            logger.info("checkpoint has no %s.%s (written by an earlier release): it starts fresh", name, key)
-            del state_dict[key]
-    return state_dict

@@ -79,6 +79,11 @@ def _unwrap(key: str, t: torch.Tensor) -> torch.Tensor:
     return _unwrap(key, candidates[0])
 
 
+PER_RANK_STATES = ("dataloader", "train_state", "spike_guard")
+"""States that are not sharded tensors; each rank saves and restores its own copy (the data position and
+RNGs differ per rank; the spike guard's statistics are the same on every rank but vary in size)."""
+
+
 class PerRankState(Stateful):
     """One rank's copy of a ``Stateful`` stored as ``{f"rank{r}": uint8 tensor}``.
 
