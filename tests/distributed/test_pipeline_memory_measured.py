@@ -92,6 +92,6 @@ def test_pipeline_rank_peaks_match_the_cpu_profiler(schedule, ac, rel):
     moment), ZBVZeroBubble -0.7 / -2.6% (the gradients kept between the I and W passes are approximated),
     DualPipeV +6.8 / +0.9% (the overlapped forward is counted before its paired backward frees anything).
     Not covered: ZBVZeroBubble and DualPipeV with activation checkpointing, which the estimate puts 13-25% low
-    (memory/estimate.py, _awaiting_weight_bytes)."""
+    (memory/pipeline_rank.py, _awaiting_weight_bytes)."""
     for rank, (measured, estimated) in enumerate(run_ranks(_measure, 2, schedule, ac)):
         assert estimated == pytest.approx(measured, rel=rel), (rank, measured, estimated)
