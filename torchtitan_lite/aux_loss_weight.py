@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torchtitan_lite.distributed.parallel_dims import ParallelDims
-    from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
     from torchtitan_lite.protocols.model import BaseModel
 
 
-def set_aux_loss_weight(model_parts: Sequence[BaseModel], *, n_batches: int, pipeline: PipelineRunner | None,
+def set_aux_loss_weight(model_parts: Sequence[BaseModel], *, n_batches: int, forwards_per_batch: int,
                         parallel_dims: ParallelDims, loss_scale: float = 1.0) -> float:
-    """Set the weight on every part (``set_aux_loss_scale``) and return it."""
-    n_forwards = n_batches * (pipeline.layout.n_microbatches if pipeline is not None else 1)
+    """Set the weight on every part (``set_aux_loss_scale``) and return it. ``forwards_per_batch``: the step
+    runner's (1, or the pipeline's micro-batches)."""
+    n_forwards = n_batches * forwards_per_batch
     weight = loss_scale / (n_forwards * parallel_dims.dp_degree)
     for part in model_parts:
         part.set_aux_loss_scale(weight)

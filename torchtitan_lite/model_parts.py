@@ -18,7 +18,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchtitan_lite.components.quantization import fp8_plan_summary
 from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.pipeline import build_stage_modules
-from torchtitan_lite.distributed.pipeline.runner import LossFn, PipelineRunner
+from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
+from torchtitan_lite.distributed.step_runner import LocalRunner, LossFn, StepRunner
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.resolved_run import ResolvedRun
 
@@ -29,8 +30,8 @@ logger = logging.getLogger("torchtitan_lite")
 class ModelParts:
     parts: list[BaseModel]
     """The whole model, or this rank's pipeline stages in the schedule's order."""
-    pipeline: PipelineRunner | None
-    """Runs the stages under pipeline parallelism; None without it."""
+    runner: StepRunner
+    """Runs a batch through the parts: the pipeline's schedule over this rank's stages, or the whole model."""
     flops_per_token: int
     """Training FLOPs per token of the whole model (what MFU counts), whatever part this rank holds."""
 
@@ -62,14 +63,14 @@ def build_model_parts(run: ResolvedRun, *, mp_policy: MixedPrecisionPolicy, devi
         part.train()
     logger.info("model %s: %s params, %.3g FLOPs/token, parallelized in %.1fs", label, f"{n_params:,}",
                 flops_per_token, time.perf_counter() - start)
-    pipeline = None
+    runner: StepRunner = LocalRunner(parts[0], loss_fn)
     if layout is not None:
         pp_mesh = run.parallel_dims.pp_mesh
         assert pp_mesh is not None  # pp > 1 whenever there is a layout
-        pipeline = PipelineRunner(layout, parts, stage_ids, group=pp_mesh.get_group(), device=device, loss_fn=loss_fn)
+        runner = PipelineRunner(layout, parts, stage_ids, group=pp_mesh.get_group(), device=device, loss_fn=loss_fn)
         logger.info("%s; this rank runs %s (%s params)", layout.describe(),
                     ", ".join(layout.stages[i].describe() for i in stage_ids), f"{sum(p.num_params() for p in parts):,}")
-    return ModelParts(parts=parts, pipeline=pipeline, flops_per_token=flops_per_token)
+    return ModelParts(parts=parts, runner=runner, flops_per_token=flops_per_token)
 
 
 def _stage_rng(seed: int | None, stage_id: int, device: torch.device) -> contextlib.AbstractContextManager[None]:

@@ -46,6 +46,7 @@ from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.compile import compile_stats, first_step_compile_label, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.pipeline.stats import gather_over_stages, read_part_stats
+from torchtitan_lite.distributed.step_runner import share_loss
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
 from torchtitan_lite.model_parts import build_model_parts
@@ -144,8 +145,8 @@ class Trainer(Configurable):
                                   label=f"{cfg.model.name} {cfg.model.flavor}")
         self.model_parts = built.parts
         """The whole model, or this rank's pipeline stages."""
-        self.pipeline = built.pipeline
-        """Runs this rank's pipeline stages under pipeline parallelism; None without it."""
+        self.runner = built.runner
+        """Runs a batch through the parts: the whole model, or this rank's stages by the pipeline's schedule."""
         self.flops_per_token = built.flops_per_token
         self.optimizers = cfg.optimizer.build(model_parts=self.model_parts)
         self.lr_schedulers = cfg.lr_scheduler.build(optimizers=self.optimizers, training_steps=cfg.training.steps)
@@ -261,7 +262,7 @@ class Trainer(Configurable):
             **sources, loss_fn=self.loss_fn, device=self.device,
             dp_group=self._dp_group(), autocast=self.precision.eval_autocast,
             loss_context=lambda: loss_parallel_context(self.run.loss_parallel),
-            pipeline_eval=self.pipeline.eval if self.pipeline is not None else None, pp_group=self._pp_group(),
+            runner=self.runner,
         )
 
     def _build_fp8_stats(self) -> Fp8StatsCollector | None:
@@ -282,10 +283,6 @@ class Trainer(Configurable):
 
     def _dp_group(self) -> dist.ProcessGroup | None:
         mesh = self.parallel_dims.dp_mesh
-        return None if mesh is None else mesh.get_group()
-
-    def _pp_group(self) -> dist.ProcessGroup | None:
-        mesh = self.parallel_dims.pp_mesh
         return None if mesh is None else mesh.get_group()
 
     # ----------------------------------------------------------------------------------------------
@@ -385,7 +382,7 @@ class Trainer(Configurable):
         global_tokens = self._global_target_tokens(batches)
         loss_total = torch.zeros((), device=self.device)
         fp8_stats_step = self.fp8_stats is not None and self.fp8_stats.due(self.train_state.step)
-        set_aux_loss_weight(self.model_parts, n_batches=len(batches), pipeline=self.pipeline,
+        set_aux_loss_weight(self.model_parts, n_batches=len(batches), forwards_per_batch=self.runner.forwards_per_batch,
                             parallel_dims=self.parallel_dims,
                             loss_scale=self.grad_scaler.scale_value if self.grad_scaler is not None else 1.0)
         for i, (inputs, labels) in enumerate(batches):
@@ -395,25 +392,14 @@ class Trainer(Configurable):
             self.metrics.record_tokens(inputs.numel())
             with (self._fp8_capture(fp8_stats_step and i == 0), self.precision.autocast(),
                   loss_parallel_context(self.run.loss_parallel)):
-                if self.pipeline is not None:
-                    loss_total += local_loss(self.pipeline.step(inputs, labels, global_tokens=global_tokens,
-                                                                objective=self._scaled))
-                    continue
-                model = self.model_parts[0]
-                logits = model(inputs)
-                loss_sum, _ = self.loss_fn(logits, labels)
-                loss = loss_sum / global_tokens
-                del logits
-                self._scaled(loss).backward()
-            loss_total += local_loss(loss.detach())
+                loss = self.runner.step(inputs, labels, global_tokens=global_tokens, objective=self._scaled)
+            loss_total += local_loss(loss)
 
         overflow = self.grad_scaler is not None and self.grad_scaler.unscale_(self.optimizers)
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.config.training.max_norm, pp_mesh=self.parallel_dims.pp_mesh)
-        if (pp_group := self._pp_group()) is not None:
-            # Only the last stage's rank computed the loss: every rank logs, checks and judges that one.
-            dist.all_reduce(loss_total, group=pp_group)
-        loss_total = self._sum_over_dp(loss_total)
+        # Under a pipeline only the last stage's rank computed the loss: every rank logs, checks and judges that one.
+        loss_total = self._sum_over_dp(share_loss(loss_total, self.runner))
         step = self.train_state.step
         verdict: Verdict | None = None
         if self.spikes is None:
@@ -518,7 +504,7 @@ class Trainer(Configurable):
         calls it at every log step."""
         parts = read_part_stats([part.training_stats(self._dp_group()) for part in self.model_parts])
         model = self.model_parts[0]
-        values = model.merge_training_stats(gather_over_stages(parts, self._pp_group()))
+        values = model.merge_training_stats(gather_over_stages(parts, self.runner.loss_group))
         return (values, model.training_stats_summary(values)) if values else ({}, None)
 
     def _maybe_validate(self, *, force: bool) -> None:

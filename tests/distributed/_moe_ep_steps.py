@@ -153,7 +153,7 @@ def train(run: Run, model, dims: ParallelDims, precision: Precision, optimizer, 
     for step, (global_inputs, global_labels) in enumerate(batches, start=first):
         global_tokens = (global_labels != IGNORE_INDEX).sum().float()
         total = torch.zeros(())
-        set_aux_loss_weight([model], n_batches=run.shares, pipeline=None, parallel_dims=dims)  # 1 / shares
+        set_aux_loss_weight([model], n_batches=run.shares, forwards_per_batch=1, parallel_dims=dims)  # 1 / shares
         for share in range(first_share, first_share + run.shares):
             inputs, labels = (t[share * rows:(share + 1) * rows] for t in (global_inputs, global_labels))
             with precision.autocast():

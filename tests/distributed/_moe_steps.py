@@ -178,7 +178,7 @@ def train_step(run: Run, model: BaseModel, optimizer: torch.optim.Optimizer, dim
     first_share = dims.dp_rank * run.dp_micro_batches
     global_tokens = (global_labels != IGNORE_INDEX).sum().float()
     share_losses = []
-    set_aux_loss_weight([model], n_batches=run.dp_micro_batches, pipeline=None, parallel_dims=dims)  # 1 / shares
+    set_aux_loss_weight([model], n_batches=run.dp_micro_batches, forwards_per_batch=1, parallel_dims=dims)  # 1 / shares
     for share in range(first_share, first_share + run.dp_micro_batches):
         inputs = global_inputs[share * rows:(share + 1) * rows]
         labels = global_labels[share * rows:(share + 1) * rows]

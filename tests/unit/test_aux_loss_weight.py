@@ -22,9 +22,7 @@ class Part:
                                                                     (None, 2, 8 / 6), (4, 2, 8 / 24)])
 def test_every_part_weights_its_balance_loss_by_its_share_of_the_step(pipeline_microbatches, dp_degree, want):
     parts = [Part(), Part()]
-    pipeline = None if pipeline_microbatches is None else \
-        SimpleNamespace(layout=SimpleNamespace(n_microbatches=pipeline_microbatches))
-    weight = set_aux_loss_weight(parts, n_batches=3, pipeline=pipeline,  # type: ignore[arg-type]
+    weight = set_aux_loss_weight(parts, n_batches=3, forwards_per_batch=pipeline_microbatches or 1,
                                  parallel_dims=SimpleNamespace(dp_degree=dp_degree), loss_scale=8.0)  # type: ignore[arg-type]
     assert weight == pytest.approx(want, rel=1e-15)
     assert [part.scale for part in parts] == [weight, weight]

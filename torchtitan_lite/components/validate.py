@@ -28,11 +28,11 @@ from torch import nn
 
 from torchtitan_lite.components.quantization.low_precision_linears import high_precision_linears
 from torchtitan_lite.config import Configurable
+from torchtitan_lite.distributed.step_runner import LocalRunner, LossFn, StepRunner
 
 logger = logging.getLogger("torchtitan_lite")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ContextFactory = Callable[[], AbstractContextManager]
 
 
@@ -75,8 +75,7 @@ class Validator(Configurable):
         dp_group: dist.ProcessGroup | None = None,
         autocast: ContextFactory | None = None,
         loss_context: ContextFactory | None = None,
-        pipeline_eval: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-        pp_group: dist.ProcessGroup | None = None,
+        runner: StepRunner | None = None,
         source_factories: Mapping[str, Callable[[], Iterable[Batch]]] | None = None,
         source_weights: Mapping[str, float] | None = None,
     ) -> None:
@@ -89,10 +88,9 @@ class Validator(Configurable):
             dp_group: data-parallel group to sum losses and tokens over; None for one data-parallel rank.
             autocast: returns the context the forward runs in (e.g. ``Precision.eval_autocast``).
             loss_context: returns the context around forward and loss (e.g. tensor-parallel loss_parallel).
-            pipeline_eval: under pipeline parallelism, ``(inputs, labels) -> (loss_sum, n_tokens)`` through the
-                pipeline schedule's forward-only pass (nonzero on the last stage's rank only); the model parts
-                are then this rank's stages.
-            pp_group: the pipeline's ranks, over which the last stage's sums are shared.
+            runner: runs each batch's forward (``eval``) and names the group its sums are shared over: the
+                trainer's step runner (the pipeline's, whose model parts are this rank's stages); without one,
+                the single model part runs locally.
             source_factories: instead of one loader, a fresh validation loader per source of a mixture (by
                 name), weighted by ``source_weights`` in the returned loss.
         """
@@ -112,16 +110,16 @@ class Validator(Configurable):
         self.dp_group = dp_group
         self.autocast = autocast or contextlib.nullcontext
         self.loss_context = loss_context or contextlib.nullcontext
-        self.pipeline_eval = pipeline_eval
-        self.pp_group = pp_group
+        self.runner = runner
 
     def validate(self, model_parts: Sequence[nn.Module], step: int) -> float:
         """Validation loss of the model at training step ``step``; the model's train/eval modes are kept."""
-        if len(model_parts) != 1 and self.pipeline_eval is None:
+        if len(model_parts) != 1 and self.runner is None:
             raise ValueError(
                 f"validation runs a single-module model, got {len(model_parts)} model parts (pipeline stages) "
-                "and no pipeline_eval to run them"
+                "and no step runner to run them"
             )
+        runner = self.runner or LocalRunner(model_parts[0], self.loss_fn)
         modes = [part.training for part in model_parts]
         start = time.perf_counter()
         linears = contextlib.nullcontext() if self.config.low_precision else high_precision_linears(model_parts)
@@ -129,7 +127,7 @@ class Validator(Configurable):
             for part in model_parts:
                 part.eval()
             with torch.no_grad(), linears:
-                sums = {name: self._sum_over_split(model_parts[0], factory) for name, factory in self.factories.items()}
+                sums = {name: self._sum_over_split(runner, factory) for name, factory in self.factories.items()}
         finally:
             for part, mode in zip(model_parts, modes):
                 part.train(mode)
@@ -149,7 +147,7 @@ class Validator(Configurable):
         logger.debug("validation at step %d: loss %.4f, %.1fs", step, loss, time.perf_counter() - start)
         return loss
 
-    def _sum_over_split(self, model: nn.Module, factory: Callable[[], Iterable[Batch]]) -> tuple[float, int, int]:
+    def _sum_over_split(self, runner: StepRunner, factory: Callable[[], Iterable[Batch]]) -> tuple[float, int, int]:
         # float64: a whole split's summed loss keeps full precision.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         batches = 0
@@ -161,15 +159,11 @@ class Validator(Configurable):
             inputs, labels = batch
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             with self.autocast(), self.loss_context():
-                if self.pipeline_eval is not None:
-                    loss_sum, n_tokens = self.pipeline_eval(inputs, labels)
-                else:
-                    logits = model(inputs)
-                    loss_sum, n_tokens = self.loss_fn(logits, labels)
+                loss_sum, n_tokens = runner.eval(inputs, labels)
             totals[0] += _full(loss_sum).double()
             totals[1] += _full(n_tokens).double()
             batches += 1
-        for group in (self.dp_group, self.pp_group):
+        for group in (self.dp_group, runner.loss_group):
             if group is not None:
                 dist.all_reduce(totals, group=group)
         return float(totals[0]), int(totals[1]), batches

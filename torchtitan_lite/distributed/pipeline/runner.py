@@ -8,7 +8,8 @@ objective is scaled by the FP16 loss scaler when there is one. Gradients are not
 (``scale_grads=False``): the normalisation above already makes them the global mean.
 
 Only the rank holding the last stage sees losses; ``step`` returns their sum there and zero elsewhere, and
-the trainer sums it over the pipeline group so that every rank logs, checks and judges the same loss.
+the trainer sums it over the pipeline group (``loss_group``) so that every rank logs, checks and judges the same
+loss.
 """
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from torchtitan_lite.distributed.pipeline.layout import PipelineLayout
+from torchtitan_lite.distributed.step_runner import LossFn
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.placeholder_forward import in_placeholder_forward, placeholder_forward
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""(logits, labels) -> (summed loss, target tokens), e.g. cross_entropy_sum."""
-
 
 class PipelineRunner:
+    """The step runner (distributed/step_runner.py) of a rank holding pipeline stages."""
+
     def __init__(self, layout: PipelineLayout, modules: list[BaseModel], stage_ids: tuple[int, ...], *,
                  group: dist.ProcessGroup, device: torch.device, loss_fn: LossFn) -> None:
         self.layout = layout
@@ -37,6 +38,9 @@ class PipelineRunner:
                        for module, stage_id in zip(modules, stage_ids, strict=True)]
         self.holds_first = 0 in stage_ids
         self.holds_last = layout.n_stages - 1 in stage_ids
+        self.forwards_per_batch = layout.n_microbatches
+        self.loss_group: dist.ProcessGroup | None = group
+        """Only the last stage's rank computes the loss: the trainer and the validator share it over the pipeline."""
         schedule_cls = getattr(pipelining, layout.facts.torch_class)
         stages = self.stages if layout.facts.looped else self.stages[0]
         self.schedule = schedule_cls(stages, n_microbatches=layout.n_microbatches, loss_fn=self._loss,
