@@ -12,8 +12,8 @@ function makes of ``parallelism.ep``; where it shards the experts by FSDP over a
 bytes per rank are the same as EP x FSDP over dp_shard / ep whenever the degrees divide.
 
 Under pipeline parallelism every pipeline coordinate holds other stages, so one rank of each is built: the
-model is cut into that rank's stages by ``build_stage_modules`` (a deepcopy of the meta model, cheap) and each
-stage is parallelized by the family's function, as the trainer does it; ranks whose stages have the same shape
+model (a deepcopy of the meta model, cheap) is cut into that rank's stages and each stage parallelized by the
+trainer's own ``parallelized_parts`` (model_parts.py); ranks whose stages have the same shape
 are built once. Each rank's shard bytes are printed beside its estimate (memory/estimate.py sizes every
 pipeline rank and names the largest).
 """
@@ -22,21 +22,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.components.quantization import fp8_plan_summary, low_precision_plan
-from torchtitan_lite.distributed.pipeline import StageLayout, build_stage_modules
+from torchtitan_lite.distributed.pipeline import StageLayout
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_pipeline_ranks, estimate_run_memory
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES
 from torchtitan_lite.memory.optimizer_states import state_bytes
-from torchtitan_lite.model_size import expert_layout_text, param_counts, training_flops_per_token
+from torchtitan_lite.model_parts import build_meta_model, parallelized_parts
+from torchtitan_lite.model_size import expert_layout_text, param_counts
 from torchtitan_lite.resolved_run import ResolvedRun
 
 if TYPE_CHECKING:
@@ -51,24 +51,21 @@ def dry_run_text(run: ResolvedRun, precision_config: Precision.Config, *, detail
     (--dry-run-detail) its tables: a row per Linear and expert weight, hundreds of lines for a large model."""
     start = time.perf_counter()
     plan = run.model_spec.parallel_plan
+    dims, args, seq_len = run.parallel_dims, run.model_args, run.training.seq_len
     with _fake_world(run.world_size):
-        run.parallel_dims.build_mesh("cpu")
-        with torch.device("meta"):
-            model = run.model_spec.model_cls(run.model_args)
-        run.converters.convert(model)
+        dims.build_mesh("cpu")
+        model = build_meta_model(run)
         plan_text = _float8_text(run, model, detail=detail)
         counts = param_counts(model, run.moe_facts, blocks=plan.blocks, embedding=plan.embedding)
+        flops = model.flops_per_token(seq_len)  # what the trainer's MFU counts, from the same model
         context = run.parallelize_context(mp_policy=precision_config.build(device="cpu",
                                                                             resolved=run.precision).mp_policy())
         if run.pipeline is None:
-            shards = [_shard_bytes([run.model_spec.parallelize_fn(model, context)], run)]
+            shards = [_shard_bytes(parallelized_parts(model, run, (0,), context), run)]
         else:
             shards = _pipeline_shard_bytes(model, run, context)
     seconds = time.perf_counter() - start
     width = 22
-    dims, args, seq_len = run.parallel_dims, run.model_args, run.training.seq_len
-    flops = training_flops_per_token(counts, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
-                                     seq_len=seq_len)
     which = "rank 0" if run.pipeline is None else f"one rank of each of the {dims.pp} pipeline coordinates"
     lines = [
         f"dry run: {which} of {run.world_size}, {dims.describe()}, built and parallelized on meta "
@@ -101,7 +98,7 @@ def _pipeline_shard_bytes(model: BaseModel, run: ResolvedRun, context: Paralleli
     """Per pipeline rank, the shard bytes of its stages, cut and parallelized as the trainer does it. Ranks
     whose stages have the same shape (as many blocks of the same kinds, the same ends) are built once: the
     middle ranks of a long pipeline differ only in which blocks they hold."""
-    layout, plan = run.pipeline, run.model_spec.parallel_plan
+    layout = run.pipeline
     assert layout is not None
     built: dict[tuple[object, ...], dict[str, int]] = {}
     per_rank = []
@@ -109,8 +106,7 @@ def _pipeline_shard_bytes(model: BaseModel, run: ResolvedRun, context: Paralleli
         stage_ids = layout.stage_ids(rank)
         key = tuple(_stage_shape(layout.stages[i], run) for i in stage_ids)
         if key not in built:
-            parts = build_stage_modules(copy.deepcopy(model), plan, layout, stage_ids)
-            built[key] = _shard_bytes([run.model_spec.parallelize_fn(part, context) for part in parts], run)
+            built[key] = _shard_bytes(parallelized_parts(copy.deepcopy(model), run, stage_ids, context), run)
         per_rank.append(built[key])
     return per_rank
 
@@ -135,7 +131,7 @@ def _fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _shard_bytes(parts: list[nn.Module], run: ResolvedRun) -> dict[str, int]:
+def _shard_bytes(parts: Sequence[nn.Module], run: ResolvedRun) -> dict[str, int]:
     local = [(p.to_local() if isinstance(p, DTensor) else p).numel() for part in parts for p in part.parameters()]
     params = sum(local) * MASTER_WEIGHT_BYTES
     return {

@@ -1,8 +1,9 @@
 """The model a rank trains: built on meta, converted, cut into this rank's pipeline stages (when there is a
 pipeline), each part parallelized by the family's own function, then materialised and initialised.
 
-``build_model_parts`` is what the trainer calls; the dry run and the memory estimate cut the same stages with
-the same ``build_stage_modules`` (torchtitan_lite/distributed/pipeline/stage_model.py).
+``build_model_parts`` is what the trainer calls; the dry run builds and parallelizes with the same
+``build_meta_model`` and ``parallelized_parts`` (and reads the same FLOPs per token off the model), the memory
+estimate cuts the same stages (``build_stage_modules``, torchtitan_lite/distributed/pipeline/stage_model.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torchtitan_lite.distributed.pipeline import build_stage_modules
 from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
 from torchtitan_lite.distributed.step_runner import LocalRunner, LossFn, StepRunner
 from torchtitan_lite.protocols.model import BaseModel
+from torchtitan_lite.protocols.parallelize import ParallelizeContext
 from torchtitan_lite.resolved_run import ResolvedRun
 
 logger = logging.getLogger("torchtitan_lite")
@@ -41,10 +43,7 @@ def build_model_parts(run: ResolvedRun, *, mp_policy: MixedPrecisionPolicy, devi
     """Build, convert, cut, parallelize, materialise and initialise this rank's model parts (see the module doc).
     ``seed`` (training.seed) gives each pipeline stage its own initial random stream (``_stage_rng``); ``label``
     names the model in the log ('llama3 debug')."""
-    spec = run.model_spec
-    with torch.device("meta"):
-        model = spec.model_cls(run.model_args)
-    run.converters.convert(model)
+    model = build_meta_model(run)
     plan = fp8_plan_summary(run.converters.converters, model)
     if plan is not None and dist_utils.is_rank0():
         logger.info("%s", plan)
@@ -53,10 +52,8 @@ def build_model_parts(run: ResolvedRun, *, mp_policy: MixedPrecisionPolicy, devi
     start = time.perf_counter()
     layout = run.pipeline
     stage_ids = layout.stage_ids(run.parallel_dims.pp_rank) if layout is not None else (0,)
-    parts = build_stage_modules(model, spec.parallel_plan, layout, stage_ids) if layout is not None else [model]
-    context = run.parallelize_context(mp_policy=mp_policy)
-    for i, stage_id in enumerate(stage_ids):
-        part = parts[i] = spec.parallelize_fn(parts[i], context)
+    parts = parallelized_parts(model, run, stage_ids, run.parallelize_context(mp_policy=mp_policy))
+    for part, stage_id in zip(parts, stage_ids, strict=True):
         part.to_empty(device="cpu" if cpu_offload else device)
         with torch.no_grad(), _stage_rng(seed, stage_id, device):
             part.init_weights(buffer_device=device if cpu_offload else None)
@@ -71,6 +68,24 @@ def build_model_parts(run: ResolvedRun, *, mp_policy: MixedPrecisionPolicy, devi
         logger.info("%s; this rank runs %s (%s params)", layout.describe(),
                     ", ".join(layout.stages[i].describe() for i in stage_ids), f"{sum(p.num_params() for p in parts):,}")
     return ModelParts(parts=parts, runner=runner, flops_per_token=flops_per_token)
+
+
+def build_meta_model(run: ResolvedRun) -> BaseModel:
+    """The whole model on the meta device, converted (float8 / MX): what every rank cuts its parts from."""
+    with torch.device("meta"):
+        model = run.model_spec.model_cls(run.model_args)
+    run.converters.convert(model)
+    return model
+
+
+def parallelized_parts(model: BaseModel, run: ResolvedRun, stage_ids: tuple[int, ...],
+                       context: ParallelizeContext) -> list[BaseModel]:
+    """``model`` cut into the pipeline stages ``stage_ids`` (the whole model without a pipeline), each parallelized by
+    the family's function. The stages are cut out of ``model`` itself: pass a copy to cut it again."""
+    spec = run.model_spec
+    layout = run.pipeline
+    parts = build_stage_modules(model, spec.parallel_plan, layout, stage_ids) if layout is not None else [model]
+    return [spec.parallelize_fn(part, context) for part in parts]
 
 
 def _stage_rng(seed: int | None, stage_id: int, device: torch.device) -> contextlib.AbstractContextManager[None]:
