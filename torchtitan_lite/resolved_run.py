@@ -92,6 +92,12 @@ class ResolvedRun:
     optimizer: OptimizersContainer.Config
 
     @property
+    def compiles(self) -> bool:
+        """Something is compiled, the blocks or the loss: what the CPU vector-width probe and the first step's
+        compile report follow."""
+        return self.compile_model or self.compile_loss
+
+    @property
     def tokens_per_microbatch(self) -> int:
         return self.training.local_batch_size * self.training.seq_len
 
@@ -114,7 +120,8 @@ class ResolvedRun:
         return ParallelizeContext(
             parallel_dims=self.parallel_dims, mp_policy=mp_policy, sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel, activation_checkpoint=self.activation_checkpoint,
-            compile_model=self.compile_model, compile=self.compile,
+            compile_model=self.compile_model, compile_backend=self.compile.backend,
+            compile_fullgraph=self.compile.fullgraph,
             fsdp_reshard_after_forward=self.fsdp_reshard_after_forward,
             fsdp_cpu_offload=self.parallelism.fsdp_cpu_offload,
         )
@@ -150,13 +157,15 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         logger.info("tokenizer.path=%r does not exist yet: planning with the %s flavor's vocabulary of %d; a training "
                     "launch needs the tokenizer (--check-config says how to fetch it)", config.tokenizer.path,
                     config.model.flavor, args.vocab_size)
+    # Decided once: the pipeline schedule, the family's rules, the converters and parallelize all read it.
+    compile_model = config.compile.enable and "model" in config.compile.components
     pipeline = resolve_pipeline(
         pp=par.pp, schedule=par.pipeline_schedule, stages_per_rank=par.pipeline_stages_per_rank,
         microbatch_size=par.pipeline_microbatch_size, split_points=par.pipeline_split_points,
         layers_per_stage=par.pipeline_layers_per_stage, n_layers=args.n_layers,
         local_batch_size=config.training.local_batch_size, blocks=spec.parallel_plan.blocks,
         tied_embeddings=getattr(args, "tie_word_embeddings", False),
-        compiled_blocks=config.compile.enable and "model" in config.compile.components)
+        compiled_blocks=compile_model)
     moe_facts = spec.moe_facts(args) if spec.moe_facts is not None else None
     check_expert_parallel(dims.ep, moe_facts, config.model)
     check_pipeline_expert_parallel(pipeline, ep=dims.ep, ac_mode=config.activation_checkpoint.mode)
@@ -164,7 +173,6 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     dims.validate_for_model(args, config.training.seq_len, sequence_parallel=sequence_parallel)
     precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
                                   cuda_available=cuda_available)
-    compile_model = config.compile.enable and "model" in config.compile.components
     if spec.check_run is not None:
         spec.check_run(RunFacts(model_args=args, compile_model=compile_model, param_dtype=precision.param_dtype,
                                 ep=dims.ep, tp=dims.tp, ac_mode=config.activation_checkpoint.mode,

@@ -135,7 +135,7 @@ class Trainer(Configurable):
         logger.info("tokenizer: %s; model vocabulary %d", self.tokenizer.describe(), self.model_args.vocab_size)
 
         self.precision = cfg.precision.build(resolved=self.run.precision, device=self.device)
-        if cfg.compile.enable and cfg.compile.backend == "inductor" and self.device.type == "cpu":
+        if self.run.compiles and cfg.compile.backend == "inductor" and self.device.type == "cpu":
             if note := use_correct_cpu_vector_width():
                 logger.warning(note)
         self.loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss,
@@ -322,7 +322,7 @@ class Trainer(Configurable):
                 if cfg.training.gc_freq > 0 and step % cfg.training.gc_freq == 0:
                     gc.collect(1)
                 t0 = time.perf_counter()
-                compiled_before = compile_stats() if step == first_step and cfg.compile.enable else None
+                compiled_before = compile_stats() if step == first_step and self.run.compiles else None
                 # Labelled so profiler traces show the data time per step (tokenisation is on demand).
                 with torch.profiler.record_function("data_loading"):
                     if self.spikes is not None:

@@ -51,9 +51,11 @@ def apply_moe_parallelisms(model: BaseModel, context: ParallelizeContext, plan: 
                   compiled_tp=context.compile_model and dims.tp_enabled)
     keep_exchanges_for_recompute(model.layers)
     layouts.append(f"AC {ac}")
-    if apply_compile(model, context.compile, ep_compile_regions if dims.ep_mesh is not None else ()):
+    if context.compile_model and apply_compile(model, backend=context.compile_backend,
+                                               fullgraph=context.compile_fullgraph,
+                                               regions=ep_compile_regions if dims.ep_mesh is not None else ()):
         what = "blocks but the expert all-to-all" if dims.ep_mesh is not None else "blocks"
-        layouts.append(f"compiled {what} ({context.compile.backend})")
+        layouts.append(f"compiled {what} ({context.compile_backend})")
     if dims.fsdp_mesh is not None:
         apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=context.mp_policy,
                    reshard_after_forward=context.fsdp_reshard_after_forward, cpu_offload=context.fsdp_cpu_offload,

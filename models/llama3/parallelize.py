@@ -60,8 +60,9 @@ def parallelize_llama(model: BaseModel, context: ParallelizeContext) -> BaseMode
                   compiled_tp=context.compile_model and dims.tp_enabled)
     layouts.append(f"AC {ac}")
 
-    if apply_compile(model, context.compile):
-        layouts.append(f"compiled blocks ({context.compile.backend})")
+    if context.compile_model and apply_compile(model, backend=context.compile_backend,
+                                               fullgraph=context.compile_fullgraph):
+        layouts.append(f"compiled blocks ({context.compile_backend})")
 
     if dims.fsdp_mesh is not None:
         apply_fsdp(model, dims.fsdp_mesh, plan, mp_policy=context.mp_policy,

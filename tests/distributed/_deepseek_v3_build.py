@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.deepseek_v3.parallelize import parallelize_deepseek_v3
 from torchtitan_lite.components.precision import Precision
-from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig
+from torchtitan_lite.config.sections import ActivationCheckpointConfig
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
@@ -24,7 +24,8 @@ def build_parallel_deepseek_v3(args: DeepSeekV3ModelArgs, world_size: int, initi
     parallelize_deepseek_v3(model, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=False, loss_parallel=False,
         activation_checkpoint=ActivationCheckpointConfig(mode="full"), compile_model=False,
-        compile=CompileConfig(enable=False), fsdp_reshard_after_forward="default", fsdp_cpu_offload=False))
+        compile_backend="inductor", compile_fullgraph=True, fsdp_reshard_after_forward="default",
+        fsdp_cpu_offload=False))
     model.to_empty(device="cpu")
     model.init_weights()
     set_model_state_dict(model, initial, options=StateDictOptions(full_state_dict=True))

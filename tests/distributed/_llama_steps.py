@@ -199,8 +199,11 @@ def parallel_config(run: Run, dims: ParallelDims) -> SimpleNamespace:
         sequence_parallel=dims.tp_enabled and run.sequence_parallel,
         loss_parallel=dims.tp_enabled and run.loss_parallel,
         activation_checkpoint=ActivationCheckpointConfig(mode=run.ac_mode, selective_option=run.ac_option),
-        compile=CompileConfig(enable=run.compile, components=["model", "loss"], backend=run.compile_backend),
+        # compile.enable with components ['model', 'loss'], as resolve_run decides it.
         compile_model=run.compile,
+        compile_loss=run.compile,
+        compile_backend=run.compile_backend,
+        compile_fullgraph=CompileConfig().fullgraph,
     )
 
 
@@ -231,7 +234,8 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
     parallelize_llama(model, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=config.sequence_parallel,
         loss_parallel=config.loss_parallel, activation_checkpoint=config.activation_checkpoint,
-        compile_model=config.compile_model, compile=config.compile,
+        compile_model=config.compile_model, compile_backend=config.compile_backend,
+        compile_fullgraph=config.compile_fullgraph,
         fsdp_reshard_after_forward=run.reshard_after_forward, fsdp_cpu_offload=False))
     model.to_empty(device="cpu")
     model.init_weights()
@@ -283,7 +287,7 @@ def train(run: Run, model, dims: ParallelDims, precision: Precision, config, *, 
     gradients of the first backward, keyed by parameter name.
     """
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=config.compile.enable, backend=config.compile.backend)
+    loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=config.compile_loss, backend=config.compile_backend)
     shares = dims.dp_degree * run.dp_micro_batches
     rows = GLOBAL_BATCH // shares
     first_share = dims.dp_rank * run.dp_micro_batches

@@ -121,15 +121,18 @@ def build(run: Run, *, load_initial: bool = True):
     precision = Precision.Config(param_dtype=run.param_dtype).build(device="cpu", fsdp_enabled=dims.fsdp_enabled)
     with torch.device("meta"):
         model = Qwen3MoeModel(TINY_MOE)
-    compile_config = CompileConfig(enable=run.compile, components=["model"])
+    compile_config = CompileConfig()  # the default backend and fullgraph
+    # Regions are compiled below, outside parallelize: parallelize then leaves the blocks uncompiled.
     compile_blocks = run.compile and not run.compile_ep_regions
     parallelize_qwen3_moe(model, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=False, loss_parallel=False,
         activation_checkpoint=ActivationCheckpointConfig(mode=run.ac_mode, selective_option=run.ac_option),
-        compile_model=compile_blocks, compile=dataclasses.replace(compile_config, enable=compile_blocks),
+        compile_model=compile_blocks, compile_backend=compile_config.backend,
+        compile_fullgraph=compile_config.fullgraph,
         fsdp_reshard_after_forward="default", fsdp_cpu_offload=False))
     if run.compile_ep_regions:
-        apply_compile(model, compile_config, EP_COMPILE_REGIONS)
+        apply_compile(model, backend=compile_config.backend, fullgraph=compile_config.fullgraph,
+                      regions=EP_COMPILE_REGIONS)
     if run.drop_remote_tokens:
         for moe in moe_layers(model):
             moe.dispatcher = _DroppingDispatcher(TINY_MOE.moe.num_experts, dims.ep_mesh.get_group())

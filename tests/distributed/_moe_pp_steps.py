@@ -27,7 +27,7 @@ from models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
-from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig
+from torchtitan_lite.config.sections import ActivationCheckpointConfig
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.pipeline import build_stage_modules, resolve_pipeline
@@ -82,7 +82,7 @@ def build(run: PPRun):
         parallelize_qwen3_moe(part, ParallelizeContext(
             parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=False, loss_parallel=False,
             activation_checkpoint=ActivationCheckpointConfig(mode=run.ac_mode), compile_model=False,
-            compile=CompileConfig(enable=False),
+            compile_backend="inductor", compile_fullgraph=True,
             fsdp_reshard_after_forward="never" if layout is not None else "default", fsdp_cpu_offload=False))
         part.to_empty(device="cpu")
         part.init_weights()

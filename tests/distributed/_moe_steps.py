@@ -137,7 +137,8 @@ def build(run: Run) -> tuple[BaseModel, ParallelDims, Precision, object]:
     family.parallelize(model, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=config.sequence_parallel,
         loss_parallel=config.loss_parallel, activation_checkpoint=config.activation_checkpoint,
-        compile_model=config.compile_model, compile=config.compile,
+        compile_model=config.compile_model, compile_backend=config.compile_backend,
+        compile_fullgraph=config.compile_fullgraph,
         fsdp_reshard_after_forward=run.reshard_after_forward, fsdp_cpu_offload=False))
     model.to_empty(device="cpu")
     model.init_weights()

@@ -12,7 +12,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models.llama3.model import Llama3ModelArgs, Transformer
 from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN
-from torchtitan_lite.config.sections import CompileConfig
 from torchtitan_lite.distributed.activation_checkpoint import apply_ac
 from torchtitan_lite.distributed.compile import apply_compile, compiled_graphs
 from torchtitan_lite.distributed.fsdp import apply_fsdp
@@ -34,7 +33,7 @@ def _graphs_per_depth(rank: int, world_size: int, layout: str) -> dict[int, int]
         if layout == "tp":  # the trainer's order: TP, then AC, then compile, then FSDP
             apply_tp(model, mesh, LLAMA3_PARALLEL_PLAN, sequence_parallel=True, loss_parallel=False)
         apply_ac(model, "selective", "2", compiled_tp=layout == "tp")  # two block kinds: every second checkpointed
-        apply_compile(model, CompileConfig(enable=True, backend="aot_eager"))
+        apply_compile(model, backend="aot_eager", fullgraph=True)
         if layout == "fsdp":
             apply_fsdp(model, mesh, LLAMA3_PARALLEL_PLAN)
         for _ in range(2):

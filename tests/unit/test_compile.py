@@ -8,7 +8,9 @@ import os
 
 import pytest
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
+import config_registry
 from models.llama3.model import Llama3ModelArgs, Transformer
 from torchtitan_lite.components.loss import cross_entropy_sum
 from torchtitan_lite.config.sections import CompileConfig
@@ -23,9 +25,10 @@ from torchtitan_lite.distributed.compile import (
     first_step_compile_label,
     maybe_compile_loss,
 )
+from torchtitan_lite.resolved_run import resolve_run
 
 ARGS = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
-AOT_EAGER = CompileConfig(enable=True, backend="aot_eager", fullgraph=True)
+AOT_EAGER = {"backend": "aot_eager", "fullgraph": True}
 
 
 def _model() -> torch.nn.Module:
@@ -33,11 +36,22 @@ def _model() -> torch.nn.Module:
     return Transformer(ARGS)
 
 
-def test_disabled_or_not_selected_compiles_nothing():
-    model = _model()
-    assert apply_compile(model, CompileConfig(enable=False)) == 0
-    assert apply_compile(model, CompileConfig(enable=True, components=["loss"])) == 0
-    assert all(block._compiled_call_impl is None for block in model.layers.values())
+@pytest.mark.parametrize("enable, components, blocks, loss", [
+    (False, ["model", "loss"], False, False),
+    (True, ["model", "loss"], True, True),
+    (True, ["loss"], False, True),
+    (True, ["model"], True, False),
+])
+def test_what_is_compiled_is_decided_once_and_parallelize_follows_it(enable, components, blocks, loss):
+    cfg = config_registry.get("llama3_debug")
+    cfg.compile = CompileConfig(enable=enable, components=components, backend="aot_eager")
+    run = resolve_run(cfg, world_size=1, device_type="cpu")
+    assert (run.compile_model, run.compile_loss, run.compiles) == (blocks, loss, blocks or loss)
+    context = run.parallelize_context(mp_policy=MixedPrecisionPolicy())
+    assert (context.compile_model, context.compile_backend, context.compile_fullgraph) == (blocks, "aot_eager", True)
+    with torch.device("meta"):
+        model = run.model_spec.parallelize_fn(run.model_spec.model_cls(run.model_args), context)
+    assert all((block._compiled_call_impl is not None) == blocks for block in model.layers.values())
     assert maybe_compile_loss(cross_entropy_sum, enabled=False, backend="inductor") is cross_entropy_sum
 
 
@@ -45,9 +59,9 @@ def test_checkpointed_blocks_compile_fullgraph_with_unchanged_names_and_numerics
     reference, model = _model(), _model()
     apply_ac(model, "selective", "op")
     names = model.state_dict().keys()
-    assert apply_compile(model, AOT_EAGER) == ARGS.n_layers
+    assert apply_compile(model, **AOT_EAGER) == ARGS.n_layers
     assert model.state_dict().keys() == names  # Module.compile keeps parameter names (no _orig_mod)
-    loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=True, backend=AOT_EAGER.backend)
+    loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=True, backend=AOT_EAGER["backend"])
     assert loss_fn is not cross_entropy_sum
 
     tokens = torch.randint(0, ARGS.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
@@ -88,7 +102,7 @@ def test_blocks_compile_once_per_block_kind_whatever_the_depth(ac_mode, ac_optio
         _fresh_compile_state()
         model = _model_of_depth(n_layers)
         apply_ac(model, ac_mode, ac_option)
-        apply_compile(model, AOT_EAGER)
+        apply_compile(model, **AOT_EAGER)
         model(tokens).sum().backward()
         assert compiled_graphs() == kinds, (n_layers, compiled_graphs())
 
@@ -114,7 +128,7 @@ def test_shared_block_graph_trains_bitwise_like_one_graph_per_block():
 
     _fresh_compile_state()
     shared = _model_of_depth(4)
-    apply_compile(shared, AOT_EAGER)
+    apply_compile(shared, **AOT_EAGER)
     shared_losses = train(shared)
     assert compiled_graphs() == 1
 

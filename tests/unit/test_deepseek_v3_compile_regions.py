@@ -9,7 +9,6 @@ import torch
 
 from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model
 from models.deepseek_v3.parallelize import EP_COMPILE_REGIONS, ep_compile_regions
-from torchtitan_lite.config.sections import CompileConfig
 from torchtitan_lite.distributed.compile import apply_compile
 
 
@@ -20,7 +19,7 @@ def _compiled(module: torch.nn.Module) -> bool:
 def test_dense_blocks_compile_whole_and_moe_blocks_all_but_the_exchange():
     with torch.device("meta"):
         model = DeepSeekV3Model(dataclasses.replace(DEEPSEEK_V3_FLAVORS["debug"], n_layers=3))  # 1 dense + 2 MoE
-    assert apply_compile(model, CompileConfig(enable=True, backend="eager"), ep_compile_regions) == 3
+    assert apply_compile(model, backend="eager", fullgraph=True, regions=ep_compile_regions) == 3
     dense, moe_blocks = model.layers["0"], [model.layers["1"], model.layers["2"]]
     assert _compiled(dense) and not any(_compiled(m) for m in dense.modules() if m is not dense)
     for block in moe_blocks:

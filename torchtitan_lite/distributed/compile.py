@@ -21,30 +21,29 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_lite.config.sections import CompileConfig
 from torchtitan_lite.protocols.model import BaseModel
 
 logger = logging.getLogger(__name__)
 
 
-def apply_compile(model: BaseModel, compile_config: CompileConfig,
+def apply_compile(model: BaseModel, *, backend: str, fullgraph: bool,
                   regions: tuple[str, ...] | Callable[[torch.nn.Module], tuple[str, ...]] = ()) -> int:
     """Compile every block of `model.layers` in place (`Module.compile`, so parameter names are unchanged).
 
+    Whether to compile at all is the caller's: ``ResolvedRun.compile_model`` decides it once, and only a run
+    that compiles its blocks calls this. backend / fullgraph: torch.compile's, as in compile.backend and
+    compile.fullgraph.
     regions: compile these block-relative submodules of each block instead of the whole block, leaving the
     code between them eager (where a block runs something a graph cannot hold, e.g. the host-side split
     sizes of an expert-parallel all-to-all); or a function of the block giving its regions, for a family
-    whose blocks differ (an empty tuple compiles that block whole). Returns the number of compiled blocks. A
-    no-op unless compile is enabled with 'model' in components.
+    whose blocks differ (an empty tuple compiles that block whole). Returns the number of compiled blocks.
     """
-    if not (compile_config.enable and "model" in compile_config.components):
-        return 0
     for block in model.layers.values():
         block_regions = regions(block) if callable(regions) else regions
         for module in _regions(block, block_regions) if block_regions else [block]:
-            module.compile(backend=compile_config.backend, fullgraph=compile_config.fullgraph)
+            module.compile(backend=backend, fullgraph=fullgraph)
     logger.info("compiling %d blocks with backend=%s fullgraph=%s, once per block kind (first step pays the "
-                "compile time)", len(model.layers), compile_config.backend, compile_config.fullgraph)
+                "compile time)", len(model.layers), backend, fullgraph)
     return len(model.layers)
 
 

@@ -11,7 +11,7 @@ from typing import Literal, Protocol
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig
+from torchtitan_lite.config.sections import ActivationCheckpointConfig
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.model import BaseModel
 
@@ -28,8 +28,12 @@ class ParallelizeContext:
     """Logits stay sharded by vocabulary (TP > 1 and enabled)."""
     activation_checkpoint: ActivationCheckpointConfig
     compile_model: bool
-    """The transformer blocks are compiled."""
-    compile: CompileConfig
+    """The transformer blocks are compiled: decided once by ``resolve_run`` (compile.enable with 'model' in
+    compile.components), so parallelize never re-decides it from the config section."""
+    compile_backend: str
+    """torch.compile backend of the blocks (compile.backend); read only when ``compile_model``."""
+    compile_fullgraph: bool
+    """Each compiled block must be one graph (compile.fullgraph); read only when ``compile_model``."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"]
     fsdp_cpu_offload: bool
 

@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
     model.to_empty(device="cpu")
     model.init_weights()
     model.to(getattr(torch, args.dtype))
-    apply_compile(model, CompileConfig(enable=True, components=["model"]))
+    defaults = CompileConfig()  # the trainer's default backend and fullgraph, as a run with compile.enable=true
+    apply_compile(model, backend=defaults.backend, fullgraph=defaults.fullgraph)
     print_result(measure(model, vocab_size=model_args.vocab_size, batch=args.batch, seq_len=args.seq_len,
                          steps=args.steps))
     return 0
