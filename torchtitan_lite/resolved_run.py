@@ -167,7 +167,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         tied_embeddings=getattr(args, "tie_word_embeddings", False),
         compiled_blocks=compile_model)
     moe_facts = spec.moe_facts(args) if spec.moe_facts is not None else None
-    check_expert_parallel(dims.ep, moe_facts, config.model)
+    check_expert_parallel(dims.ep, moe_facts, config.model, config.activation_checkpoint)
     check_pipeline_expert_parallel(pipeline, ep=dims.ep, ac_mode=config.activation_checkpoint.mode)
     sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
     dims.validate_for_model(args, config.training.seq_len, sequence_parallel=sequence_parallel)
@@ -175,8 +175,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
                                   cuda_available=cuda_available)
     if spec.check_run is not None:
         spec.check_run(RunFacts(model_args=args, compile_model=compile_model, param_dtype=precision.param_dtype,
-                                ep=dims.ep, tp=dims.tp, ac_mode=config.activation_checkpoint.mode,
-                                ac_selective_option=config.activation_checkpoint.selective_option))
+                                tp=dims.tp))
     context = ConversionContext(
         device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
         fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,
@@ -204,8 +203,11 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     )
 
 
-def check_expert_parallel(ep: int, facts: MoEFacts | None, model: ModelConfig) -> None:
-    """parallelism.ep splits routed experts: the model must have them, in a number ep divides."""
+def check_expert_parallel(ep: int, facts: MoEFacts | None, model: ModelConfig,
+                          ac: ActivationCheckpointConfig) -> None:
+    """parallelism.ep splits routed experts: the model must have them, in a number ep divides, and per-op
+    selective checkpointing cannot replay the experts' own FSDP unit. The only expert-parallel check: parallelize
+    runs on a resolved run and does not repeat it."""
     if ep == 1:
         return
     if facts is None:
@@ -214,6 +216,13 @@ def check_expert_parallel(ep: int, facts: MoEFacts | None, model: ModelConfig) -
             f"is dense: it has no MoE layers. Set --parallelism.ep 1 (FSDP shards it over dp_shard), or train an "
             f"MoE family (e.g. --config qwen3_moe_debug)")
     facts.check_ep(ep)
+    if ac.mode == "selective" and ac.selective_option == "op":
+        # torch 2.13's selective checkpointing replays ops by count, and the experts' own FSDP unit inside the
+        # block runs its all-gather hooks a different number of times in the recomputation.
+        raise ValueError(
+            f"activation_checkpoint.mode=selective with selective_option=op does not work with expert parallelism "
+            f"(parallelism.ep={ep}) on this PyTorch: per-op checkpointing cannot replay the experts' FSDP hooks; use "
+            "--activation_checkpoint.mode full, or --activation_checkpoint.selective_option 2 (every 2nd block)")
 
 
 def check_validation_precision(validation: Validator.Config, converters: ModelConvertersContainer, *,

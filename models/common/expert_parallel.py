@@ -70,21 +70,3 @@ def keep_exchanges_for_recompute(blocks: nn.ModuleDict) -> int:
                 kept += checkpointed
     return kept
 
-
-def check_expert_parallel(num_experts: int, ep: int, ac_mode: str, ac_selective_option: str) -> None:
-    """ValueError for an expert-parallel degree the MoE layer cannot run (ep=1 always passes): the experts must
-    split evenly, and per-op selective checkpointing cannot replay the experts' own FSDP unit."""
-    if ep == 1:
-        return
-    if num_experts % ep:
-        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise ValueError(
-            f"parallelism.ep={ep} must divide the model's num_experts={num_experts} (every EP rank holds the same "
-            f"number of experts); use an ep among {divisors}")
-    if ac_mode == "selective" and ac_selective_option == "op":
-        # torch 2.13's selective checkpointing replays ops by count, and the experts' own FSDP unit inside the
-        # block runs its all-gather hooks a different number of times in the recomputation.
-        raise ValueError(
-            f"activation_checkpoint.mode=selective with selective_option=op does not work with expert parallelism "
-            f"(parallelism.ep={ep}) on this PyTorch: per-op checkpointing cannot replay the experts' FSDP hooks; use "
-            "--activation_checkpoint.mode full, or --activation_checkpoint.selective_option 2 (every 2nd block)")

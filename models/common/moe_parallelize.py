@@ -1,8 +1,10 @@
 """What every MoE family does after its own tensor-parallel step: expert parallelism, activation
 checkpointing, compile and FSDP2, in that order, and the compile rule of the grouped experts.
 
-A family's parallelize function checks its own layout rules, applies its TP plan (if it has one), then hands
-the model to ``apply_moe_parallelisms`` with its plan and the compile regions its blocks need under EP.
+A family's parallelize function applies its TP plan (if it has one), then hands the model to
+``apply_moe_parallelisms`` with its plan and the compile regions its blocks need under EP. The layout rules are
+not repeated here: parallelize runs on a resolved run, and ``resolve_run`` has already refused what the experts
+cannot run (expert parallelism in its check_expert_parallel, the family's rules below in its check_run).
 """
 from __future__ import annotations
 
@@ -12,8 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models.common.expert_parallel import apply_expert_parallel, check_expert_parallel, keep_exchanges_for_recompute
-from models.common.experts import GroupedExperts
+from models.common.expert_parallel import apply_expert_parallel, keep_exchanges_for_recompute
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import ParallelPlan
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
@@ -21,10 +22,6 @@ from torchtitan_lite.protocols.parallelize import ParallelizeContext
 logger = logging.getLogger(__name__)
 
 CompileRegions = tuple[str, ...] | Callable[[nn.Module], tuple[str, ...]]
-
-
-def grouped_experts(model: nn.Module) -> list[GroupedExperts]:
-    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
 
 
 def apply_moe_parallelisms(model: BaseModel, context: ParallelizeContext, plan: ParallelPlan, *, family: str,
@@ -37,13 +34,7 @@ def apply_moe_parallelisms(model: BaseModel, context: ParallelizeContext, plan: 
     from torchtitan_lite.distributed.fsdp import apply_fsdp
 
     dims, ac_config = context.parallel_dims, context.activation_checkpoint
-    # Also checked by resolve_run (the family's check_run); repeated on the built model for a caller that
-    # parallelizes without resolving a run.
-    experts = grouped_experts(model)
-    check_grouped_mm_compile_dtype(any(m.use_grouped_mm for m in experts), context.compile_model,
-                                   context.mp_policy.param_dtype)
     if dims.ep_mesh is not None:
-        check_expert_parallel(experts[0].num_experts, dims.ep, ac_config.mode, ac_config.selective_option)
         apply_expert_parallel(model, dims.ep_mesh, dims.ep_tp_mesh)
         split = f"EP {dims.ep} x expert TP {dims.tp}" if dims.tp_enabled else f"EP {dims.ep}"
         layouts.append(f"experts split over {split}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
@@ -65,17 +56,14 @@ def apply_moe_parallelisms(model: BaseModel, context: ParallelizeContext, plan: 
 
 
 def apply_moe_tp(model: BaseModel, context: ParallelizeContext, plan: ParallelPlan) -> list[str]:
-    """The family's TP plan applied to ``model`` when the run has TP (the experts' hidden dim split, checked
-    first); returns the layout words of the log line."""
+    """The family's TP plan applied to ``model`` when the run has TP (the family's check_run has checked the
+    experts' hidden dim split); returns the layout words of the log line."""
     from torchtitan_lite.distributed.tensor_parallel import apply_tp
 
     dims = context.parallel_dims
     layouts = [dims.describe()]
     if dims.tp_mesh is None:
         return layouts
-    experts = grouped_experts(model)
-    if experts:
-        check_expert_tp(experts[0].w1.shape[1], dims.tp, any(m.use_grouped_mm for m in experts))
     regions = apply_tp(model, dims.tp_mesh, plan, sequence_parallel=context.sequence_parallel,
                        loss_parallel=context.loss_parallel)
     layouts.append("SP" if context.sequence_parallel else "no SP")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from models.common.expert_parallel import check_expert_parallel
 from models.common.experts import GroupedExperts
 from models.common.moe_parallelize import (
     apply_moe_parallelisms,
@@ -86,11 +85,11 @@ def parallelize_deepseek_v3(model: BaseModel, context: ParallelizeContext) -> Ba
 
 def check_deepseek_v3_run(facts: RunFacts) -> None:
     """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config.
-    (The attention heads' split over tp is ParallelDims.validate_for_model's.)"""
+    (The attention heads' split over tp is ParallelDims.validate_for_model's, expert parallelism's
+    resolve_run's check_expert_parallel.)"""
     args = facts.model_args
     moe = args.moe
     check_grouped_mm_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
-    check_expert_parallel(moe.num_experts, facts.ep, facts.ac_mode, facts.ac_selective_option)
     if facts.tp > 1:
         check_expert_tp(moe.hidden_dim, facts.tp, moe.use_grouped_mm)
         if args.n_dense_layers and args.dense_hidden_dim % facts.tp:

@@ -20,7 +20,6 @@ dim over tp). Order: TP -> EP -> activation checkpointing -> compile -> FSDP.
 """
 from __future__ import annotations
 
-from models.common.expert_parallel import check_expert_parallel
 from models.common.moe_parallelize import (
     apply_moe_parallelisms,
     apply_moe_tp,
@@ -73,9 +72,9 @@ def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> Base
 
 def check_qwen3_moe_run(facts: RunFacts) -> None:
     """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config.
-    (The attention heads' split over tp is ParallelDims.validate_for_model's.)"""
+    (The attention heads' split over tp is ParallelDims.validate_for_model's, expert parallelism's
+    resolve_run's check_expert_parallel.)"""
     moe = facts.model_args.moe
     check_grouped_mm_compile_dtype(moe.use_grouped_mm, facts.compile_model, facts.param_dtype)
-    check_expert_parallel(moe.num_experts, facts.ep, facts.ac_mode, facts.ac_selective_option)
     if facts.tp > 1:
         check_expert_tp(moe.hidden_dim, facts.tp, moe.use_grouped_mm)

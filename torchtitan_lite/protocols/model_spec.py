@@ -183,14 +183,8 @@ class RunFacts:
     """The blocks are compiled."""
     param_dtype: torch.dtype
     """The compute dtype of the parameters (precision.param_dtype, 'auto' decided)."""
-    ep: int = 1
-    """Expert-parallel degree (parallelism.ep)."""
     tp: int = 1
     """Tensor-parallel degree (parallelism.tp)."""
-    ac_mode: str = "none"
-    """activation_checkpoint.mode."""
-    ac_selective_option: str = "op"
-    """activation_checkpoint.selective_option."""
 
 
 RunCheck = Callable[[RunFacts], None]
