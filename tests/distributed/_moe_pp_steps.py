@@ -110,7 +110,8 @@ def train(rank: int, world_size: int, run: PPRun) -> dict:
     for global_inputs, global_labels in global_batches(run.steps):
         global_tokens = (global_labels != IGNORE_INDEX).sum().float()
         inputs, labels = (t[dims.dp_rank * rows:(dims.dp_rank + 1) * rows] for t in (global_inputs, global_labels))
-        weight = set_aux_loss_weight(parts, n_batches=1, forwards_per_batch=runner.forwards_per_batch, parallel_dims=dims)
+        weight = set_aux_loss_weight(parts, n_batches=1, forwards_per_batch=runner.forwards_per_batch if runner else 1,
+                                     parallel_dims=dims)
         if run.aux_weight != 1.0:
             for part in parts:
                 part.set_aux_loss_scale(run.aux_weight * weight)
