@@ -1,12 +1,14 @@
-"""The native training loop: build every component from ``Trainer.Config``, then train."""
+"""The native training loop: build every component from ``Trainer.Config``, then train.
+
+What is built from config sections alone (seeds, validator, FP8 statistics, the resumed-layout report, the
+saved config) is in ``trainer_setup``; what the host does with the steps it reads (the non-finite stop, the
+loss statistics, what a log step reads) is in ``step_reader``."""
 from __future__ import annotations
 
 import contextlib
 import gc
 import logging
-import math
 import os
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -16,11 +18,8 @@ import torch.distributed as dist
 import torchtitan_lite.components.quantization  # noqa: F401  (registers the built-in converter kinds)
 from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
-from torchtitan_lite.components.checkpoint.layout import write_text_atomically
-from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
 from torchtitan_lite.components.checkpoint.seed_warning import seed_over_later_run
 from torchtitan_lite.components.data import TextDataLoader
-from torchtitan_lite.components.data.layout import RESUME_REPORTED_ENV, resume_changes
 from torchtitan_lite.components.data.readiness import require_data
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
@@ -28,7 +27,6 @@ from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.profiler import Profiler
-from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
 from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
 from torchtitan_lite.config import Configurable, config_to_toml
@@ -43,21 +41,30 @@ from torchtitan_lite.config.sections import (
 )
 from torchtitan_lite.cpu_vector_codegen import use_correct_cpu_vector_width
 from torchtitan_lite.distributed import utils as dist_utils
-from torchtitan_lite.distributed.compile import compile_stats, first_step_compile_label, maybe_compile_loss
+from torchtitan_lite.distributed.compile import CompileStats, compile_stats, first_step_compile_label, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
-from torchtitan_lite.distributed.pipeline.stats import gather_over_stages, read_part_stats
 from torchtitan_lite.distributed.step_runner import share_loss
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
 from torchtitan_lite.model_parts import build_model_parts
-from torchtitan_lite.nonfinite import NonFiniteLossError, explain_nonfinite
+from torchtitan_lite.nonfinite import NonFiniteLossError as NonFiniteLossError  # re-exported: train.py catches it here
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.shutdown import PreemptionWatcher
 from torchtitan_lite.spike_guard import SpikeGuard, Verdict
 from torchtitan_lite.spike_response import SpikeResponse
+from torchtitan_lite.step_reader import data_scalars, extra_metrics, model_stats, settle
 from torchtitan_lite.step_values import PendingSteps, StepValues
 from torchtitan_lite.train_state import TrainState, check_steps_ahead
+from torchtitan_lite.trainer_setup import (
+    build_fp8_stats,
+    build_validator,
+    data_order_seed,
+    describe_converters,
+    report_resumed_layout,
+    save_resolved_config,
+    set_determinism,
+)
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -113,7 +120,16 @@ class Trainer(Configurable):
 
     def __init__(self, config: Trainer.Config) -> None:
         self.config = config
-        cfg = config
+        self._resolve()
+        self._build_model_and_optimizers()
+        self._build_loop_components()
+
+    # ----------------------------------------------------------------------------------------------
+    # Construction, in this order: each step uses what the ones before it built
+
+    def _resolve(self) -> None:
+        """Refuse what cannot run, resolve the run, then join the process group and seed the ranks."""
+        cfg = self.config
         # A missing tokenizer or unreachable dataset stops the run here, before any process group exists.
         require_data(cfg.data, cfg.tokenizer, validation=cfg.validation.enable)
         self.tokenizer = cfg.tokenizer.build()
@@ -128,12 +144,15 @@ class Trainer(Configurable):
 
         self.device = dist_utils.init_distributed()
         self.parallel_dims.build_mesh(self.device.type)
-        self._set_determinism()
+        set_determinism(cfg.training.seed, cfg.debug)
         logger.info("precision: %s (%s); model converters: %s",
                     self.run.precision.describe(init_scale=cfg.precision.init_scale), self.run.precision.reason,
-                    _describe_converters(cfg.model_converters.converters))
+                    describe_converters(cfg.model_converters.converters))
         logger.info("tokenizer: %s; model vocabulary %d", self.tokenizer.describe(), self.model_args.vocab_size)
 
+    def _build_model_and_optimizers(self) -> None:
+        """Precision, the loss, this rank's model parts and their optimizers, schedules and FP16 scaler."""
+        cfg = self.config
         self.precision = cfg.precision.build(resolved=self.run.precision, device=self.device)
         if self.run.compiles and cfg.compile.backend == "inductor" and self.device.type == "cpu":
             if note := use_correct_cpu_vector_width():
@@ -158,10 +177,13 @@ class Trainer(Configurable):
             optimizer.register_step_post_hook(lambda *_, part=part: part.post_optimizer_step(self._dp_group()))
         self.grad_scaler = self.precision.grad_scaler(process_group=None)
 
+    def _build_loop_components(self) -> None:
+        """The data, the loop's state, the spike policy, checkpoints, metrics, validation and the signal watcher."""
+        cfg = self.config
         self.dataloader = cfg.data.build(
             tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank, dp_world_size=self.parallel_dims.dp_degree,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="train",
-            infinite=True, seed=self._data_order_seed(), batches_per_step=self.n_microbatches,
+            infinite=True, seed=data_order_seed(cfg.training.seed), batches_per_step=self.n_microbatches,
             vocab_size=self.model_args.vocab_size,
         )
         self.train_state = TrainState()
@@ -196,80 +218,13 @@ class Trainer(Configurable):
         self.spikes = None if self.spike_guard is None else SpikeResponse(
             self.spike_guard, checkpointer=self.checkpointer, metrics=self.metrics, health=self.health,
             device=self.device)
-        self.validator = self._build_validator()
-        self.fp8_stats = self._build_fp8_stats()
+        self.validator = build_validator(
+            cfg.validation, cfg.data, cfg.training, tokenizer=self.tokenizer, parallel_dims=self.parallel_dims,
+            vocab_size=self.model_args.vocab_size, loss_fn=self.loss_fn, device=self.device,
+            dp_group=self._dp_group(), precision=self.precision, loss_parallel=self.run.loss_parallel,
+            runner=self.runner)
+        self.fp8_stats = build_fp8_stats(self.model_parts, freq=cfg.metrics.fp8_stats_freq, dp_group=self._dp_group())
         self.watcher = PreemptionWatcher(self.device)
-
-    # ----------------------------------------------------------------------------------------------
-    # Construction helpers
-
-    def _set_determinism(self) -> None:
-        seed = self.config.training.seed
-        if seed is not None:
-            # Same seed on every rank: the model is initialised identically before sharding takes effect.
-            torch.manual_seed(seed)
-            random.seed(seed)
-        if self.config.debug.deterministic:
-            torch.use_deterministic_algorithms(True)
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.autograd.set_detect_anomaly(self.config.debug.detect_anomaly)
-
-    def _data_order_seed(self) -> int | None:
-        """training.seed, or without one a random seed drawn by rank 0: the ranks read one shared order."""
-        seed = self.config.training.seed
-        if seed is not None or not dist.is_initialized():
-            return seed
-        drawn = [int.from_bytes(os.urandom(4), "big")]
-        dist.broadcast_object_list(drawn, src=0)
-        return drawn[0]
-
-    def _report_resumed_layout(self) -> None:
-        """What resuming changed in how data is fed, unless run_train.sh's check said it before the launch."""
-        cfg, saved = self.config, self.checkpointer.loaded_data_layout
-        if saved is None:
-            return
-        notes, warnings = resume_changes(
-            saved, self.run.data_layout(cfg.data), step=self.train_state.step,
-            data_loaded="dataloader" not in cfg.checkpoint.exclude_from_loading,
-            global_batch_set=cfg.training.global_batch_size > 0)
-        if os.environ.get(RESUME_REPORTED_ENV) == "1":
-            return  # run_train.sh's check printed them before the launch
-        for note in notes:
-            logger.info("%s", note)
-        for warning in warnings:
-            logger.warning("%s", warning)
-
-    def _build_validator(self) -> Validator | None:
-        cfg = self.config
-        if not cfg.validation.enable:
-            return None
-        from torchtitan_lite.components.data.mixture_loader import validation_loaders
-
-        runtime = dict(tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank,
-                       dp_world_size=self.parallel_dims.dp_degree, seq_len=cfg.training.seq_len,
-                       local_batch_size=cfg.training.local_batch_size, seed=cfg.training.seed,
-                       vocab_size=self.model_args.vocab_size)
-        # A fresh pass per validation; a mixture validates each source's held-out split on its own.
-        factories = validation_loaders(cfg.data, **runtime) if cfg.data.sources else {
-            "": lambda: cfg.data.build(split="validation", infinite=False, **runtime)}
-        # Built once now: a validation store that is missing, corrupt or of another tokenizer stops the run
-        # before training (and the cache's store is written before the first step, not in the middle).
-        for factory in factories.values():
-            factory()
-        sources = {"source_factories": factories, "source_weights": {s.name: s.weight for s in cfg.data.sources}} \
-            if cfg.data.sources else {"dataloader_factory": factories[""]}
-        return cfg.validation.build(
-            **sources, loss_fn=self.loss_fn, device=self.device,
-            dp_group=self._dp_group(), autocast=self.precision.eval_autocast,
-            loss_context=lambda: loss_parallel_context(self.run.loss_parallel),
-            runner=self.runner,
-        )
-
-    def _build_fp8_stats(self) -> Fp8StatsCollector | None:
-        freq = self.config.metrics.fp8_stats_freq
-        if freq == 0:
-            return None
-        return Fp8StatsCollector(self.model_parts, freq=freq, dp_group=self._dp_group())
 
     def _fp8_capture(self, on: bool) -> contextlib.AbstractContextManager[None]:
         """Measure the FP8 casts of this micro-batch (the first of a stats step), or do nothing."""
@@ -279,7 +234,7 @@ class Trainer(Configurable):
         # Called once every refusal has passed (storage, the resume): a refused run leaves the file that
         # describes the folder as it was.
         if dist_utils.is_rank0() and self.config.job.save_config:
-            _save_resolved_config(self.config)
+            save_resolved_config(self.config, dump_folder=self.config.job.dump_folder)
 
     def _dp_group(self) -> dist.ProcessGroup | None:
         mesh = self.parallel_dims.dp_mesh
@@ -298,15 +253,7 @@ class Trainer(Configurable):
             logger.info("seed checkpoint written to %s", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
             self.close()
             return
-        self.checkpointer.check_storage()
-        self.train_state.step = self.checkpointer.load()
-        # run_train.sh refused this before launch; a direct launch (train.py, torchrun) is refused here, before
-        # config.toml is written.
-        check_steps_ahead(self.train_state.step, cfg.training.steps, self.checkpointer.folder)
-        self._report_resumed_layout()
-        if self.spikes is not None:
-            self.spikes.resume(self.train_state.step)
-        self._save_config()
+        self._resume()
         first_step = self.train_state.step + 1
         data_iter = iter(self.dataloader)
         if cfg.training.gc_freq > 0:
@@ -330,34 +277,13 @@ class Trainer(Configurable):
                     batches = [next(data_iter) for _ in range(self.n_microbatches)]
                 data_s = time.perf_counter() - t0
                 self.train_step(batches)
-                verdict = self.last_verdict
                 last = step == cfg.training.steps
-                logged = last or self.metrics.should_log(step)
-                # The loss and norm stay on the device until a log step (or a save, validation, rollback) reads them.
-                values = self._settle() if logged else None
-                if step == first_step:
-                    step_s = time.perf_counter() - t0
-                    compiled = ("" if compiled_before is None else
-                                f", {first_step_compile_label(compiled_before, compile_stats(), step_s=step_s)}")
-                    logger.info("first step took %.1fs (%.1fs loading data%s)", step_s, data_s, compiled)
-                if values is not None:
-                    model_scalars, model_summary = self._model_stats()
-                    # The logged loss is the mean since the previous log line (one step's batch is a noisy
-                    # sample); the step's own loss goes to TensorBoard as train/loss_step.
-                    mean_loss = self.train_state.take_mean_loss(fallback=values.loss)
-                    self.metrics.log(step, loss=mean_loss, grad_norm=values.grad_norm,
-                                     lr=self.lr_schedulers.last_lr, extra=self._extra_metrics(),
-                                     scalars=model_scalars | {"train/loss_step": values.loss} | self._data_scalars(),
-                                     summary=model_summary)
-                if self.spikes is not None and verdict is not None:
-                    self.spikes.report(step, verdict, logged=logged)
-                    if verdict.action == "rollback":
-                        self._settle()  # the steps before the spike vouch for the checkpoints to go back to
-                        # Every state, the step included, comes back from the checkpoint; the data restarts there.
-                        self.train_state.step = self.spikes.roll_back(total_steps=cfg.training.steps)
-                        data_iter = iter(self.dataloader)
-                        profiler.step()
-                        continue
+                if self._after_step(step, last=last, first=step == first_step, t0=t0, data_s=data_s,
+                                    compiled_before=compiled_before):
+                    # Rolled back: the data restarts at the checkpoint's step.
+                    data_iter = iter(self.dataloader)
+                    profiler.step()
+                    continue
                 self._maybe_validate(force=last)
                 preempted = self.watcher.should_stop()
                 if preempted or self.checkpointer.due(step, last_step=last):
@@ -373,6 +299,55 @@ class Trainer(Configurable):
                                        "--checkpoint.enable true keeps progress across preemptions", step)
                     break
         self.close()
+
+    def _resume(self) -> None:
+        """Load the checkpoint to resume from (if any), refuse what cannot resume, then write config.toml."""
+        cfg = self.config
+        self.checkpointer.check_storage()
+        self.train_state.step = self.checkpointer.load()
+        # run_train.sh refused this before launch; a direct launch (train.py, torchrun) is refused here, before
+        # config.toml is written.
+        check_steps_ahead(self.train_state.step, cfg.training.steps, self.checkpointer.folder)
+        report_resumed_layout(self.checkpointer.loaded_data_layout, self.run, cfg.data, step=self.train_state.step,
+                              data_loaded="dataloader" not in cfg.checkpoint.exclude_from_loading,
+                              global_batch_set=cfg.training.global_batch_size > 0)
+        if self.spikes is not None:
+            self.spikes.resume(self.train_state.step)
+        self._save_config()
+
+    def _after_step(self, step: int, *, last: bool, first: bool, t0: float, data_s: float,
+                    compiled_before: CompileStats | None) -> bool:
+        """Read, log and report the step just trained; on the spike policy's rollback verdict, roll back and
+        return True. ``first``: the run's first step, whose time is logged from ``t0`` (when it began),
+        ``data_s`` (its seconds loading data) and ``compiled_before`` (the compile counters before it, None
+        when nothing compiles)."""
+        cfg = self.config
+        verdict = self.last_verdict
+        logged = last or self.metrics.should_log(step)
+        # The loss and norm stay on the device until a log step (or a save, validation, rollback) reads them.
+        values = self._settle() if logged else None
+        if first:
+            step_s = time.perf_counter() - t0
+            compiled = ("" if compiled_before is None else
+                        f", {first_step_compile_label(compiled_before, compile_stats(), step_s=step_s)}")
+            logger.info("first step took %.1fs (%.1fs loading data%s)", step_s, data_s, compiled)
+        if values is not None:
+            model_scalars, model_summary = model_stats(self.model_parts, self.runner, dp_group=self._dp_group())
+            # The logged loss is the mean since the previous log line (one step's batch is a noisy
+            # sample); the step's own loss goes to TensorBoard as train/loss_step.
+            mean_loss = self.train_state.take_mean_loss(fallback=values.loss)
+            self.metrics.log(step, loss=mean_loss, grad_norm=values.grad_norm,
+                             lr=self.lr_schedulers.last_lr, extra=extra_metrics(self.grad_scaler),
+                             scalars=model_scalars | {"train/loss_step": values.loss} | data_scalars(self.dataloader),
+                             summary=model_summary)
+        if self.spikes is not None and verdict is not None:
+            self.spikes.report(step, verdict, logged=logged)
+            if verdict.action == "rollback":
+                self._settle()  # the steps before the spike vouch for the checkpoints to go back to
+                # Every state, the step included, comes back from the checkpoint; the data restarts there.
+                self.train_state.step = self.spikes.roll_back(total_steps=cfg.training.steps)
+                return True
+        return False
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``batches``; returns the loss (summed over data-parallel ranks) and the
@@ -430,27 +405,11 @@ class Trainer(Configurable):
         return self.grad_scaler.scale(objective) if self.grad_scaler is not None else objective
 
     def _settle(self) -> StepValues | None:
-        """Read the steps queued since the last read (one device synchronisation) and act on them in step
-        order, as if each had been read when it ended: stop at a non-finite one (with the spike policy on, a
-        non-finite value is a spike the policy handled), and let each normal loss vouch for the checkpoint
-        before it. Returns the newest step's values, None when none was queued.
-
-        Without the spike policy a non-finite step is therefore found at the next log step, checkpoint
-        save, validation or the last step, whichever comes first, and named by its own step number; the
-        steps in between train on and nothing of theirs is logged, validated or saved."""
-        read = self.pending.read()
-        vouched = False
-        for values in read:
-            if self.spikes is None and not (math.isfinite(values.loss) and math.isfinite(values.grad_norm)):
-                self._check_finite(values.loss, values.grad_norm, step=values.step)
-            # A skipped step vouches for no checkpoint and does not join the loss statistics.
-            if values.applied and self.health.observe(values.step, values.loss):
-                vouched = True
-            if values.applied:
-                self.train_state.add_loss(values.loss)
-        if vouched:
-            self.checkpointer.known_good = frozenset(self.health.good_checkpoints)
-        return read[-1] if read else None
+        """``settle`` this trainer's queued steps; a non-finite one stops the run unless the spike policy is on
+        (which has judged each step already)."""
+        return settle(self.pending, health=self.health, train_state=self.train_state, checkpointer=self.checkpointer,
+                      stop_nonfinite=self.spikes is None, scaled=self.grad_scaler is not None,
+                      clipping=self.config.training.max_norm > 0, fp16=self.precision.param_dtype == torch.float16)
 
     def _global_target_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # Counted where the labels are (the host) and sent to the device without reading anything back.
@@ -466,46 +425,6 @@ class Trainer(Configurable):
         if group is not None:
             dist.all_reduce(value, group=group)
         return value
-
-    def _check_finite(self, loss: float, grad_norm: float, *, step: int) -> None:
-        # With FP16 loss scaling an infinite grad norm is an overflow the scaler skips, not a failure.
-        grad_ok = self.grad_scaler is not None or torch.isfinite(torch.tensor(grad_norm))
-        if torch.isfinite(torch.tensor(loss)) and grad_ok:
-            return
-        # A background save still writing holds the last good state: finish it before naming it.
-        self.checkpointer.wait()
-        # The checkpoint this step trained from records it, so that a resume from it later says so.
-        self.checkpointer.note_abnormal_loss(step)
-        complete = self.checkpointer.complete_steps()
-        # Good as this run saw it, or as the checkpoints' markers recorded it in earlier runs.
-        good = sorted({s for s in complete if s in self.health.good_checkpoints}
-                      | set(self.checkpointer.followed_by_normal_loss(complete)))
-        loaded = self.checkpointer.loaded
-        raise NonFiniteLossError(explain_nonfinite(
-            step=step, loss=loss, grad_norm=grad_norm, complete=complete, good=good,
-            resumed_from=loaded if loaded is not None and step == loaded.step + 1 else None,
-            clipping=self.config.training.max_norm > 0, fp16=self.precision.param_dtype == torch.float16))
-
-    def _extra_metrics(self) -> dict[str, float]:
-        extra = {}
-        if self.grad_scaler is not None:
-            extra["loss_scale"] = float(self.grad_scaler.scale_value)
-            extra["skipped_steps"] = float(self.grad_scaler.skipped_steps)
-        return extra
-
-    def _data_scalars(self) -> dict[str, float]:
-        """A mixture's input tokens per source so far, all ranks together (from the data position alone)."""
-        per_source = getattr(self.dataloader, "tokens_per_source", None)
-        return {} if per_source is None else {f"data/tokens/{name}": float(n) for name, n in per_source().items()}
-
-    def _model_stats(self) -> tuple[dict[str, float], str | None]:
-        """The models' own statistics since the previous log step (MoE router balance), read in one transfer,
-        and their console summary, for the whole model (under a pipeline, every stage's). Collective: every rank
-        calls it at every log step."""
-        parts = read_part_stats([part.training_stats(self._dp_group()) for part in self.model_parts])
-        model = self.model_parts[0]
-        values = model.merge_training_stats(gather_over_stages(parts, self.runner.loss_group))
-        return (values, model.training_stats_summary(values)) if values else ({}, None)
 
     def _maybe_validate(self, *, force: bool) -> None:
         if self.validator is None:
@@ -524,17 +443,3 @@ class Trainer(Configurable):
         if self.config.training.gc_freq > 0:
             gc.enable()
 
-
-def _describe_converters(converters: list) -> str:
-    """'float8 tensorwise' for each converter config (its recipe where it has one), or 'none'."""
-    from torchtitan_lite.config.field_types import kind_of
-
-    names = [" ".join(filter(None, (kind_of(c), getattr(c, "recipe_name", None)))) for c in converters]
-    return ", ".join(names) or "none"
-
-
-def _save_resolved_config(cfg: Trainer.Config) -> None:
-    os.makedirs(cfg.job.dump_folder, exist_ok=True)
-    path = os.path.join(cfg.job.dump_folder, RUN_CONFIG_NAME)
-    write_text_atomically(path, config_to_toml(cfg))
-    logger.info("resolved config saved to %s", path)
