@@ -37,7 +37,7 @@ def reference_labels(trainer: Trainer, n: int) -> list[torch.Tensor]:
 
 
 def plant(trainer: Trainer, poisoned: list[torch.Tensor], factor: float = 1e4) -> None:
-    original = trainer.loss_fn
+    original = trainer.runner.loss_fn
 
     def loss_fn(logits, labels):
         loss_sum, count = original(logits, labels)
@@ -45,7 +45,7 @@ def plant(trainer: Trainer, poisoned: list[torch.Tensor], factor: float = 1e4) -
             loss_sum = loss_sum * factor
         return loss_sum, count
 
-    trainer.loss_fn = loss_fn
+    trainer.runner.loss_fn = loss_fn
 
 
 @dataclass

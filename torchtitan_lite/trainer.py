@@ -157,15 +157,15 @@ class Trainer(Configurable):
         if self.run.compiles and cfg.compile.backend == "inductor" and self.device.type == "cpu":
             if note := use_correct_cpu_vector_width():
                 logger.warning(note)
-        self.loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss,
-                                          backend=cfg.compile.backend)
+        loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss, backend=cfg.compile.backend)
         built = build_model_parts(self.run, mp_policy=self.precision.mp_policy(), device=self.device,
-                                  loss_fn=self.loss_fn, seed=cfg.training.seed, cpu_offload=cfg.parallelism.fsdp_cpu_offload,
+                                  loss_fn=loss_fn, seed=cfg.training.seed, cpu_offload=cfg.parallelism.fsdp_cpu_offload,
                                   label=f"{cfg.model.name} {cfg.model.flavor}")
         self.model_parts = built.parts
         """The whole model, or this rank's pipeline stages."""
         self.runner = built.runner
-        """Runs a batch through the parts: the whole model, or this rank's stages by the pipeline's schedule."""
+        """Runs a batch through the parts: the whole model, or this rank's stages by the pipeline's schedule. Its
+        ``loss_fn`` is the training loss."""
         self.flops_per_token = built.flops_per_token
         self.optimizers = cfg.optimizer.build(model_parts=self.model_parts)
         self.lr_schedulers = cfg.lr_scheduler.build(optimizers=self.optimizers, training_steps=cfg.training.steps)
@@ -220,7 +220,7 @@ class Trainer(Configurable):
             device=self.device)
         self.validator = build_validator(
             cfg.validation, cfg.data, cfg.training, tokenizer=self.tokenizer, parallel_dims=self.parallel_dims,
-            vocab_size=self.model_args.vocab_size, loss_fn=self.loss_fn, device=self.device,
+            vocab_size=self.model_args.vocab_size, loss_fn=self.runner.loss_fn, device=self.device,
             dp_group=self._dp_group(), precision=self.precision, loss_parallel=self.run.loss_parallel,
             runner=self.runner)
         self.fp8_stats = build_fp8_stats(self.model_parts, freq=cfg.metrics.fp8_stats_freq, dp_group=self._dp_group())

@@ -23,7 +23,7 @@ _init = Trainer.__init__
 
 def _init_with_diverging_loss(self: Trainer, *args, **kwargs) -> None:
     _init(self, *args, **kwargs)
-    loss_fn = self.loss_fn
+    loss_fn = self.runner.loss_fn
 
     def diverging(logits, labels):
         loss_sum, count = loss_fn(logits, labels)
@@ -33,7 +33,7 @@ def _init_with_diverging_loss(self: Trainer, *args, **kwargs) -> None:
             loss_sum = loss_sum * 1e6
         return loss_sum, count
 
-    self.loss_fn = diverging
+    self.runner.loss_fn = diverging
 
 
 Trainer.__init__ = _init_with_diverging_loss

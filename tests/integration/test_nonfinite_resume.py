@@ -15,13 +15,13 @@ CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
 
 
 def nan_loss_at(trainer: Trainer, step: int) -> Trainer:
-    original = trainer.loss_fn
+    original = trainer.runner.loss_fn
 
     def loss_fn(logits, labels):
         loss_sum, count = original(logits, labels)
         return (loss_sum * float("nan") if trainer.train_state.step == step else loss_sum), count
 
-    trainer.loss_fn = loss_fn
+    trainer.runner.loss_fn = loss_fn
     return trainer
 
 

@@ -83,8 +83,8 @@ def _gate_after_one_step(tmp_path, config: str, *extra: str) -> tuple[torch.Tens
     argv = ["--config", config, *TINY, "--training.steps", "1", "--job.dump_folder", str(tmp_path),
             "--optimizer.weight_decay", "0", "--activation_checkpoint.mode", "full", *extra]
     trainer = parse_cli(argv, registry=DEFAULT_REGISTRY).config.build()
-    original = trainer.loss_fn
-    trainer.loss_fn = lambda logits, labels: (lambda s, n: (s * 0.0, n))(*original(logits, labels))
+    original = trainer.runner.loss_fn
+    trainer.runner.loss_fn = lambda logits, labels: (lambda s, n: (s * 0.0, n))(*original(logits, labels))
     moe = trainer.model_parts[0].layers["1"].moe
     gate, experts = moe.router.gate.weight.detach().clone(), moe.experts.w1.detach().clone()
     trainer.train()
@@ -266,7 +266,7 @@ def test_no_bias_update_on_a_step_the_fp16_scaler_skipped(tmp_path, monkeypatch)
     _flavor(monkeypatch, bias_update_rate=1e-3)
     loads = _spy_bias_updates(monkeypatch)
     trainer = _trainer(tmp_path, 3, "--precision.param_dtype", "float16")
-    original = trainer.loss_fn
+    original = trainer.runner.loss_fn
 
     def loss_fn(logits, labels):
         # Step 2's first micro-batch: a finite loss whose gradient overflows, as an FP16 overflow does.
@@ -276,7 +276,7 @@ def test_no_bias_update_on_a_step_the_fp16_scaler_skipped(tmp_path, monkeypatch)
         return original(logits, labels)
 
     overflowed: list[bool] = []
-    trainer.loss_fn = loss_fn
+    trainer.runner.loss_fn = loss_fn
     trainer.train()
     assert trainer.grad_scaler is not None and trainer.grad_scaler.skipped_steps == 1
     # Steps 1 and 3 applied; step 2's loads were counted, and carry into step 3's update.

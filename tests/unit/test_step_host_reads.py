@@ -75,13 +75,13 @@ def test_moe_router_metrics_are_read_at_log_steps_only(tmp_path, monkeypatch):
 
 def _diverging_at(trainer: Trainer, step: int) -> None:
     """The loss of every step from ``step`` on is NaN."""
-    loss_fn = trainer.loss_fn
+    loss_fn = trainer.runner.loss_fn
 
     def diverging(logits, labels):
         loss_sum, count = loss_fn(logits, labels)
         return (loss_sum * float("nan") if trainer.train_state.step >= step else loss_sum), count
 
-    trainer.loss_fn = diverging
+    trainer.runner.loss_fn = diverging
 
 
 def test_a_non_finite_step_is_found_at_the_next_log_step_and_named(tmp_path, caplog):

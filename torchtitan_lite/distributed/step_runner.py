@@ -24,6 +24,8 @@ Objective = Callable[[torch.Tensor], torch.Tensor]
 
 
 class StepRunner(Protocol):
+    loss_fn: LossFn
+    """The training loss of every forward from now on (assignable)."""
     forwards_per_batch: int
     """Model forwards per local batch: 1, or the pipeline's micro-batches."""
     loss_group: dist.ProcessGroup | None
