@@ -5,16 +5,16 @@ from __future__ import annotations
 from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.deepseek_v3.hf_args import deepseek_v3_args_from_hf
 from models.deepseek_v3.kv_cache import DeepSeekV3KVCache
-from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN, check_deepseek_v3_run, parallelize_deepseek_v3
+from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN, check_deepseek_v3_run
 from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from models.llama3 import LLAMA3_FLAVORS, Llama3ModelArgs, Transformer
 from models.llama3.kv_cache import Llama3KVCache
-from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN, parallelize_llama
+from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel, Qwen3MoeModelArgs
 from models.qwen3_moe.hf_args import qwen3_moe_args_from_hf
 from models.qwen3_moe.kv_cache import Qwen3MoeKVCache
-from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, check_qwen3_moe_run, parallelize_qwen3_moe
+from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, check_qwen3_moe_run
 from models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
 from torchtitan_lite.protocols.model_spec import (
     ModelSpec,
@@ -30,7 +30,6 @@ LLAMA3_SPEC = register_model_spec(ModelSpec(
     args_cls=Llama3ModelArgs,
     flavors=LLAMA3_FLAVORS,
     parallel_plan=LLAMA3_PARALLEL_PLAN,
-    parallelize_fn=parallelize_llama,
     state_dict_adapter_cls=Llama3StateDictAdapter,
     kv_cache_cls=Llama3KVCache,
 ))
@@ -41,7 +40,6 @@ QWEN3_MOE_SPEC = register_model_spec(ModelSpec(
     args_cls=Qwen3MoeModelArgs,
     flavors=QWEN3_MOE_FLAVORS,
     parallel_plan=QWEN3_MOE_PARALLEL_PLAN,
-    parallelize_fn=parallelize_qwen3_moe,
     state_dict_adapter_cls=Qwen3MoeStateDictAdapter,
     kv_cache_cls=Qwen3MoeKVCache,
     moe_facts=Qwen3MoeModelArgs.moe_facts,
@@ -55,7 +53,6 @@ DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
     args_cls=DeepSeekV3ModelArgs,
     flavors=DEEPSEEK_V3_FLAVORS,
     parallel_plan=DEEPSEEK_V3_PARALLEL_PLAN,
-    parallelize_fn=parallelize_deepseek_v3,
     state_dict_adapter_cls=DeepSeekV3StateDictAdapter,
     kv_cache_cls=DeepSeekV3KVCache,
     moe_facts=DeepSeekV3ModelArgs.moe_facts,

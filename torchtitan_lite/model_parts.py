@@ -1,5 +1,5 @@
 """The model a rank trains: built on meta, converted, cut into this rank's pipeline stages (when there is a
-pipeline), each part parallelized by the family's own function, then materialised and initialised.
+pipeline), each part parallelized by the family's plan (distributed/parallelize.py), then materialised and initialised.
 
 ``build_model_parts`` is what the trainer calls; the dry run builds and parallelizes with the same
 ``build_meta_model`` and ``parallelized_parts`` (and reads the same FLOPs per token off the model), the memory
@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchtitan_lite.components.quantization import fp8_plan_summary
 from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.distributed.pipeline import build_stage_modules
 from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
 from torchtitan_lite.distributed.step_runner import LocalRunner, LossFn, StepRunner
@@ -81,11 +82,11 @@ def build_meta_model(run: ResolvedRun) -> BaseModel:
 def parallelized_parts(model: BaseModel, run: ResolvedRun, stage_ids: tuple[int, ...],
                        context: ParallelizeContext) -> list[BaseModel]:
     """``model`` cut into the pipeline stages ``stage_ids`` (the whole model without a pipeline), each parallelized by
-    the family's function. The stages are cut out of ``model`` itself: pass a copy to cut it again."""
+    the family's plan. The stages are cut out of ``model`` itself: pass a copy to cut it again."""
     spec = run.model_spec
     layout = run.pipeline
     parts = build_stage_modules(model, spec.parallel_plan, layout, stage_ids) if layout is not None else [model]
-    return [spec.parallelize_fn(part, context) for part in parts]
+    return [parallelize(part, spec.parallel_plan, context, label=spec.name) for part in parts]
 
 
 def _stage_rng(seed: int | None, stage_id: int, device: torch.device) -> contextlib.AbstractContextManager[None]:

@@ -116,7 +116,7 @@ class ResolvedRun:
         return "never" if setting == "default" and self.pipeline is not None else setting
 
     def parallelize_context(self, *, mp_policy: MixedPrecisionPolicy) -> ParallelizeContext:
-        """What the family's ``parallelize_fn`` needs of this run, with FSDP's ``mp_policy``."""
+        """What ``parallelize`` needs of this run, with FSDP's ``mp_policy``."""
         return ParallelizeContext(
             parallel_dims=self.parallel_dims, mp_policy=mp_policy, sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel, activation_checkpoint=self.activation_checkpoint,

@@ -1,5 +1,5 @@
-"""Expert parallelism for any family built on models/common/moe.py: split every MoE layer's routed experts
-over the EP ranks and swap in the all-to-all dispatcher. The MoE layer itself does not change.
+"""How an MoE layer's routed experts are split over the EP ranks (``MoE.shard_experts``, which also swaps in the
+all-to-all dispatcher; torchtitan_lite/distributed/expert_parallel.py applies it to every MoE layer).
 
 The expert weights become DTensors sharded on dim 0 (the expert dim) over the EP mesh, so a checkpoint
 holds the global [num_experts, ...] tensors and DCP reshards it between EP degrees. The router and its
@@ -18,26 +18,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from models.common.all_to_all_dispatch import AllToAllTokenDispatcher
-from models.common.moe_hooks import moe_layers
+from models.common.experts import GroupedExperts
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> int:
-    """Shard every MoE layer's experts over ``ep_mesh`` (1-D) in place; returns the number of layers.
+def shard_experts(experts: GroupedExperts, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None) -> None:
+    """Shard ``experts``' weights over ``ep_mesh`` (1-D) on their expert dim, in place (re-registered in their
+    order, so the state dict keeps its layout).
 
     ep_tp_mesh: the (ep, tp) mesh, when the experts are already TP-split DTensors on its tp dim (TP applied
     first); their local blocks then become DTensors on it, without communication.
     """
-    layers = moe_layers(model)
-    for moe in layers:
-        experts = moe.experts
-        dispatcher = AllToAllTokenDispatcher(moe.args.num_experts, ep_mesh.get_group())
-        for name, param in list(experts.named_parameters(recurse=False)):
-            sharded = (_split_tp_experts(param, ep_mesh, ep_tp_mesh) if isinstance(param, DTensor)
-                       else distribute_tensor(param, ep_mesh, [Shard(0)]))
-            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        moe.dispatcher = dispatcher
-    return len(layers)
+    for name, param in list(experts.named_parameters(recurse=False)):
+        sharded = (_split_tp_experts(param, ep_mesh, ep_tp_mesh) if isinstance(param, DTensor)
+                   else distribute_tensor(param, ep_mesh, [Shard(0)]))
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 def _split_tp_experts(param: DTensor, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None) -> DTensor:
@@ -55,18 +49,4 @@ def _split_tp_experts(param: DTensor, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMes
     block = local[ep_rank * experts:(ep_rank + 1) * experts].clone()  # not a view pinning the TP slice
     return DTensor.from_local(block, ep_tp_mesh, [Shard(0), param.placements[0]], run_check=False,
                               shape=param.shape, stride=param.stride())
-
-
-def keep_exchanges_for_recompute(blocks: nn.ModuleDict) -> int:
-    """After activation checkpointing is applied: the all-to-all dispatchers of the checkpointed blocks keep
-    their exchanges for the recomputation (which then neither re-routes nor communicates); the others keep
-    nothing. Returns the number of dispatchers that keep them."""
-    kept = 0
-    for block in blocks.values():
-        checkpointed = hasattr(block, "_checkpoint_wrapped_module")
-        for moe in moe_layers(block):
-            if isinstance(moe.dispatcher, AllToAllTokenDispatcher):
-                moe.dispatcher.save_for_recompute = checkpointed
-                kept += checkpointed
-    return kept
 

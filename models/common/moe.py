@@ -24,9 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from models.common.all_to_all_dispatch import AllToAllTokenDispatcher
 from models.common.aux_loss_grad import attach_aux_loss
 from models.common.dispatch import LocalTokenDispatcher, TokenDispatcher, tokens_per_expert
+from models.common.expert_parallel import shard_experts
 from models.common.experts import GroupedExperts
 from models.common.feed_forward import FeedForward
 from models.common.load_balance import expert_bias_delta, sequence_aux_loss
@@ -128,6 +131,21 @@ class MoE(nn.Module):
         # buffer, not a float attribute: a compiled block reads it as an input and recompiles for no new value.
         self.aux_loss_scale: torch.Tensor
         self.register_buffer("aux_loss_scale", torch.ones((), dtype=torch.float32), persistent=False)
+
+    def shard_experts(self, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None) -> None:
+        """Expert parallelism (ExpertParallelLayer): the expert weights become DTensors sharded on dim 0 over
+        ``ep_mesh`` and the tokens are exchanged over it (models/common/expert_parallel.py). ep_tp_mesh: the
+        (ep, tp) mesh, when the experts are already TP-split DTensors on its tp dim (TP applied first)."""
+        dispatcher = AllToAllTokenDispatcher(self.args.num_experts, ep_mesh.get_group())  # checks the split first
+        shard_experts(self.experts, ep_mesh, ep_tp_mesh)
+        self.dispatcher = dispatcher
+
+    def keep_exchanges_for_recompute(self, keep: bool) -> int:
+        """ExpertParallelLayer: only the all-to-all dispatcher has exchanges to keep; the local one ignores it."""
+        if not isinstance(self.dispatcher, AllToAllTokenDispatcher):
+            return 0
+        self.dispatcher.save_for_recompute = keep
+        return int(keep)
 
     @property
     def uses_expert_bias(self) -> bool:

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's parallel plan, as data, and the order in which the parallelisms are applied.
+"""DeepSeek-V3's parallel plan, as data (applied by torchtitan_lite/distributed/parallelize.py), and its run rules.
 
 Tensor parallelism of multi-head latent attention: the attention input is gathered over the sequence and
 read by the low-rank down-projections (wq_a, wkv_a) and their norms (q_norm, kv_norm), which every TP rank
@@ -12,23 +12,13 @@ Sequence-parallel norms, vocabulary-parallel embedding, output and loss as Llama
 
 Data parallelism: FSDP2 / HSDP over every parameter, the 3-D expert weights sharded on their expert dim.
 Expert parallelism (parallelism.ep) splits the routed experts of every MoE block over the EP ranks with
-all-to-all token dispatch (models/common/expert_parallel.py) and FSDP shards them over the ranks left
+all-to-all token dispatch (MoE.shard_experts, models/common/moe.py) and FSDP shards them over the ranks left
 (expert_fsdp_mesh); the dense first blocks, the shared experts, the routers and their expert biases are
 data-parallel as without EP. EP composes with TP as in Qwen3-MoE (the expert weights on the (ep, tp) mesh).
-Order: TP -> EP -> activation checkpointing -> compile -> FSDP.
 """
 from __future__ import annotations
 
-import torch
-
-from models.common.experts import GroupedExperts
-from models.common.moe_parallelize import (
-    apply_moe_parallelisms,
-    apply_moe_tp,
-    check_expert_tp,
-    check_grouped_mm_compile_dtype,
-)
-from torchtitan_lite.protocols.model import BaseModel
+from models.common.moe_checks import check_expert_tp, check_grouped_mm_compile_dtype
 from torchtitan_lite.protocols.model_spec import (
     BlockTPPlan,
     MoETPPlan,
@@ -37,7 +27,6 @@ from torchtitan_lite.protocols.model_spec import (
     TPInput,
     build_tp_plan,
 )
-from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 DEEPSEEK_V3_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
     BlockTPPlan(
@@ -62,26 +51,9 @@ DEEPSEEK_V3_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
     output="output",
     final_norm="norm",
     experts="moe.experts",
+    # Under EP: everything of an MoE block but the MoE layer's dispatch and combine; a dense block compiles whole.
+    ep_compile_regions=("attention_norm", "attention", "ffn_norm", "moe.router", "moe.experts", "moe.shared_experts"),
 )
-
-EP_COMPILE_REGIONS = ("attention_norm", "attention", "ffn_norm", "moe.router", "moe.experts", "moe.shared_experts")
-"""What is compiled of an MoE block under expert parallelism: everything but the MoE layer's dispatch and
-combine, whose all-to-all split sizes are host integers (a whole-block graph would break there). A dense
-block is compiled whole."""
-
-
-def ep_compile_regions(block: torch.nn.Module) -> tuple[str, ...]:
-    """EP_COMPILE_REGIONS for an MoE block, () (the whole block) for a dense one."""
-    return EP_COMPILE_REGIONS if any(isinstance(m, GroupedExperts) for m in block.modules()) else ()
-
-
-def parallelize_deepseek_v3(model: BaseModel, context: ParallelizeContext) -> BaseModel:
-    """TP -> EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
-    plan = DEEPSEEK_V3_PARALLEL_PLAN
-    layouts = apply_moe_tp(model, context, plan)
-    return apply_moe_parallelisms(model, context, plan, family="deepseek_v3", layouts=layouts,
-                                  ep_compile_regions=ep_compile_regions)
-
 
 def check_deepseek_v3_run(facts: RunFacts) -> None:
     """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config.

@@ -1,4 +1,4 @@
-"""Qwen3-MoE's parallel plan, as data, and the order in which the parallelisms are applied.
+"""Qwen3-MoE's parallel plan, as data (applied by torchtitan_lite/distributed/parallelize.py), and its run rules.
 
 Tensor parallelism: the attention as Llama 3's (q / k / v column-parallel, wo row-parallel, so each rank
 holds n_heads / tp query and n_kv_heads / tp key/value heads) with the QK-norm applied to each rank's own
@@ -16,17 +16,11 @@ over dp_shard as without EP. EP composes with TP: the TP ranks of one data rank 
 tokens, so each exchanges them within its own EP group (the ranks of its tp coordinate), computes its
 hidden-dim slice of its local experts and gets partial outputs back, which the MoE region's reduce-scatter
 sums as under TP alone; the expert weights are then DTensors on the (ep, tp) mesh (experts over ep, hidden
-dim over tp). Order: TP -> EP -> activation checkpointing -> compile -> FSDP.
+dim over tp).
 """
 from __future__ import annotations
 
-from models.common.moe_parallelize import (
-    apply_moe_parallelisms,
-    apply_moe_tp,
-    check_expert_tp,
-    check_grouped_mm_compile_dtype,
-)
-from torchtitan_lite.protocols.model import BaseModel
+from models.common.moe_checks import check_expert_tp, check_grouped_mm_compile_dtype
 from torchtitan_lite.protocols.model_spec import (
     BlockTPPlan,
     MoETPPlan,
@@ -35,7 +29,6 @@ from torchtitan_lite.protocols.model_spec import (
     TPInput,
     build_tp_plan,
 )
-from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 QWEN3_MOE_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
     BlockTPPlan(
@@ -55,20 +48,9 @@ QWEN3_MOE_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
     output="output",
     final_norm="norm",
     experts="moe.experts",
+    # Under EP: everything of a block but the MoE layer's dispatch and combine.
+    ep_compile_regions=("attention_norm", "attention", "ffn_norm", "moe.router", "moe.experts"),
 )
-
-EP_COMPILE_REGIONS = ("attention_norm", "attention", "ffn_norm", "moe.router", "moe.experts")
-"""What is compiled of each block under expert parallelism: everything but the MoE layer's dispatch and
-combine, whose all-to-all split sizes are host integers (a whole-block graph would break there)."""
-
-
-def parallelize_qwen3_moe(model: BaseModel, context: ParallelizeContext) -> BaseModel:
-    """TP -> EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) as ``context`` says; returns it."""
-    plan = QWEN3_MOE_PARALLEL_PLAN
-    layouts = apply_moe_tp(model, context, plan)
-    return apply_moe_parallelisms(model, context, plan, family="qwen3_moe", layouts=layouts,
-                                  ep_compile_regions=EP_COMPILE_REGIONS)
-
 
 def check_qwen3_moe_run(facts: RunFacts) -> None:
     """The family's rules on a resolved run (ModelSpec.check_run): refused before launch by --check-config.

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
 from models.llama3.model import Llama3ModelArgs, Transformer
-from models.llama3.parallelize import parallelize_llama
+from models.llama3.parallelize import LLAMA3_PARALLEL_PLAN
 from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
@@ -37,6 +37,7 @@ from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileC
 from torchtitan_lite.distributed.compile import maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
@@ -189,7 +190,7 @@ def initial_state_dict(args: Llama3ModelArgs = TINY) -> dict[str, torch.Tensor]:
 
 
 def parallel_config(run: Run, dims: ParallelDims) -> SimpleNamespace:
-    """The facts of a resolved run that parallelize_llama reads."""
+    """The facts of a resolved run that parallelize reads."""
     return SimpleNamespace(
         parallel_dims=dims,
         parallelism=ParallelismConfig(dp_replicate=run.dp_replicate, dp_shard=run.dp_shard, tp=run.tp,
@@ -208,7 +209,7 @@ def parallel_config(run: Run, dims: ParallelDims) -> SimpleNamespace:
 
 
 def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNamespace]:
-    """Meta model -> float8 conversion -> parallelize_llama -> materialise -> load the initial weights."""
+    """Meta model -> float8 conversion -> parallelize -> materialise -> load the initial weights."""
     one_rank_fsdp = run.world_size == 1 and run.dp_micro_batches > 1
     dims = (_OneRankFsdp if one_rank_fsdp else ParallelDims)(run.dp_replicate, run.dp_shard, run.tp,
                                                               world_size=run.world_size)
@@ -231,12 +232,12 @@ def build(run: Run) -> tuple[torch.nn.Module, ParallelDims, Precision, SimpleNam
         mx_converter(run, dims).convert(model)
     if run.blockwise:
         blockwise_converter(run, dims).convert(model)
-    parallelize_llama(model, ParallelizeContext(
+    parallelize(model, LLAMA3_PARALLEL_PLAN, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=config.sequence_parallel,
         loss_parallel=config.loss_parallel, activation_checkpoint=config.activation_checkpoint,
         compile_model=config.compile_model, compile_backend=config.compile_backend,
         compile_fullgraph=config.compile_fullgraph,
-        fsdp_reshard_after_forward=run.reshard_after_forward, fsdp_cpu_offload=False))
+        fsdp_reshard_after_forward=run.reshard_after_forward, fsdp_cpu_offload=False), label="llama3")
     model.to_empty(device="cpu")
     model.init_weights()
     if not (dims.fsdp_enabled or dims.tp_enabled):

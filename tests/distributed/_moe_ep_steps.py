@@ -32,7 +32,7 @@ from models.common.moe import MoEArgs
 from models.common.moe_hooks import moe_layers
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 from models.qwen3_moe.model import Qwen3MoeModel
-from models.qwen3_moe.parallelize import EP_COMPILE_REGIONS, parallelize_qwen3_moe
+from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN
 from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
@@ -41,6 +41,7 @@ from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileC
 from torchtitan_lite.distributed.compile import apply_compile
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 # 4 experts (split 2 / 2 under EP 2, 1 / 1 / 1 / 1 under EP 4), top-2, both balancing schemes on so that the
@@ -68,7 +69,7 @@ class Run:
     drop_remote_tokens: bool = False
     """Negative control: the all-to-all dispatcher drops the tokens routed to another rank's experts."""
     compile_ep_regions: bool = False
-    """With compile on one process: compile what expert parallelism compiles (EP_COMPILE_REGIONS), not whole
+    """With compile on one process: compile what expert parallelism compiles (QWEN3_MOE_PARALLEL_PLAN.ep_compile_regions), not whole
     blocks, so that inductor's fusions, which change bf16 roundings, are the same as the EP run's."""
 
     @property
@@ -124,15 +125,15 @@ def build(run: Run, *, load_initial: bool = True):
     compile_config = CompileConfig()  # the default backend and fullgraph
     # Regions are compiled below, outside parallelize: parallelize then leaves the blocks uncompiled.
     compile_blocks = run.compile and not run.compile_ep_regions
-    parallelize_qwen3_moe(model, ParallelizeContext(
+    parallelize(model, QWEN3_MOE_PARALLEL_PLAN, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=False, loss_parallel=False,
         activation_checkpoint=ActivationCheckpointConfig(mode=run.ac_mode, selective_option=run.ac_option),
         compile_model=compile_blocks, compile_backend=compile_config.backend,
         compile_fullgraph=compile_config.fullgraph,
-        fsdp_reshard_after_forward="default", fsdp_cpu_offload=False))
+        fsdp_reshard_after_forward="default", fsdp_cpu_offload=False), label="qwen3_moe")
     if run.compile_ep_regions:
         apply_compile(model, backend=compile_config.backend, fullgraph=compile_config.fullgraph,
-                      regions=EP_COMPILE_REGIONS)
+                      regions=QWEN3_MOE_PARALLEL_PLAN.ep_compile_regions)
     if run.drop_remote_tokens:
         for moe in moe_layers(model):
             moe.dispatcher = _DroppingDispatcher(TINY_MOE.moe.num_experts, dims.ep_mesh.get_group())

@@ -23,13 +23,13 @@ from torch.distributed.tensor import DTensor
 
 from models.common.router_stats import named_moe_layers
 from models.qwen3_moe.model import Qwen3MoeModel
-from models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.config.sections import ActivationCheckpointConfig
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.distributed.pipeline import build_stage_modules, resolve_pipeline
 from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
 from torchtitan_lite.protocols.model_spec import get_model_spec
@@ -79,11 +79,12 @@ def build(run: PPRun):
     parts = build_stage_modules(model, plan, layout, stage_ids) if layout is not None else [model]
     initial = initial_state_dict()
     for part in parts:
-        parallelize_qwen3_moe(part, ParallelizeContext(
+        parallelize(part, plan, ParallelizeContext(
             parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=False, loss_parallel=False,
             activation_checkpoint=ActivationCheckpointConfig(mode=run.ac_mode), compile_model=False,
             compile_backend="inductor", compile_fullgraph=True,
-            fsdp_reshard_after_forward="never" if layout is not None else "default", fsdp_cpu_offload=False))
+            fsdp_reshard_after_forward="never" if layout is not None else "default", fsdp_cpu_offload=False),
+            label="qwen3_moe")
         part.to_empty(device="cpu")
         part.init_weights()
         own = get_model_state_dict(part).keys()

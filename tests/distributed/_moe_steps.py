@@ -36,15 +36,16 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from models.common.moe import MoEArgs
 from models.common.yarn import YarnScaling
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
-from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN, parallelize_deepseek_v3
+from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN
 from models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs
-from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN, parallelize_qwen3_moe
+from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN
 from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import ParallelPlan
@@ -81,18 +82,17 @@ TINY_DEEPSEEK_V3_128 = dataclasses.replace(
 class MoEModel:
     model_cls: type[BaseModel]
     args: Any
-    parallelize: Callable[[BaseModel, ParallelizeContext], BaseModel]
     plan: ParallelPlan
+    label: str
 
 
 MOE_MODELS: dict[str, MoEModel] = {
-    "tiny": MoEModel(Qwen3MoeModel, TINY_MOE, parallelize_qwen3_moe, QWEN3_MOE_PARALLEL_PLAN),
-    "deepseek_v3": MoEModel(DeepSeekV3Model, TINY_DEEPSEEK_V3, parallelize_deepseek_v3, DEEPSEEK_V3_PARALLEL_PLAN),
+    "tiny": MoEModel(Qwen3MoeModel, TINY_MOE, QWEN3_MOE_PARALLEL_PLAN, "qwen3_moe"),
+    "deepseek_v3": MoEModel(DeepSeekV3Model, TINY_DEEPSEEK_V3, DEEPSEEK_V3_PARALLEL_PLAN, "deepseek_v3"),
     # Full-rank queries (wq column-parallel on the gathered input, as the 16B flavor).
     "deepseek_v3_full_rank_q": MoEModel(DeepSeekV3Model, dataclasses.replace(TINY_DEEPSEEK_V3, q_lora_rank=0),
-                                        parallelize_deepseek_v3, DEEPSEEK_V3_PARALLEL_PLAN),
-    "deepseek_v3_128": MoEModel(DeepSeekV3Model, TINY_DEEPSEEK_V3_128, parallelize_deepseek_v3,
-                                DEEPSEEK_V3_PARALLEL_PLAN),
+                                        DEEPSEEK_V3_PARALLEL_PLAN, "deepseek_v3"),
+    "deepseek_v3_128": MoEModel(DeepSeekV3Model, TINY_DEEPSEEK_V3_128, DEEPSEEK_V3_PARALLEL_PLAN, "deepseek_v3"),
 }
 LR = 3e-3
 
@@ -134,12 +134,12 @@ def build(run: Run) -> tuple[BaseModel, ParallelDims, Precision, object]:
         convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda m, fqn: ".attention." in fqn)
     if run.blockwise:
         blockwise_converter(run, dims, family.plan).convert(model)
-    family.parallelize(model, ParallelizeContext(
+    parallelize(model, family.plan, ParallelizeContext(
         parallel_dims=dims, mp_policy=precision.mp_policy(), sequence_parallel=config.sequence_parallel,
         loss_parallel=config.loss_parallel, activation_checkpoint=config.activation_checkpoint,
         compile_model=config.compile_model, compile_backend=config.compile_backend,
         compile_fullgraph=config.compile_fullgraph,
-        fsdp_reshard_after_forward=run.reshard_after_forward, fsdp_cpu_offload=False))
+        fsdp_reshard_after_forward=run.reshard_after_forward, fsdp_cpu_offload=False), label=family.label)
     model.to_empty(device="cpu")
     model.init_weights()
     if dims.fsdp_enabled or dims.tp_enabled:

@@ -107,7 +107,7 @@ def test_full_checkpointing_replays_the_exchanges_instead_of_communicating_again
 
 
 # Compile needs bfloat16 (torch._grouped_mm is traced for bf16 only). The reference is the one-process bf16 run
-# (FSDP on a one-rank mesh: the same parameter casts) compiled as EP compiles a block (EP_COMPILE_REGIONS: all
+# (FSDP on a one-rank mesh: the same parameter casts) compiled as EP compiles a block (the plan's ep_compile_regions: all
 # but the MoE dispatch and combine), so inductor's fusions are the same. What EP still changes in bf16: an
 # expert's weight gradient is one bf16 GEMM over both ranks' rows where the reference rounds each share's
 # separately, a bf16-rounding difference that training compounds. Measured per step (20 steps), EP 2 compiled

@@ -11,6 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from torchtitan_lite.components.loss import cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.config.sections import ActivationCheckpointConfig, ModelConfig, ParallelismConfig, TrainingConfig
+from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.distributed.pipeline import build_stage_modules
 from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
 from torchtitan_lite.memory.estimate import estimate_pipeline_ranks
@@ -46,7 +47,7 @@ def _measure(rank: int, world_size: int, schedule: str, ac: str) -> tuple[int, i
     context = run.parallelize_context(mp_policy=precision.mp_policy())
     parts = []
     for part in build_stage_modules(model, spec.parallel_plan, layout, stage_ids):
-        part = spec.parallelize_fn(part, context)
+        part = parallelize(part, spec.parallel_plan, context, label=spec.name)
         part.to_empty(device="cpu")
         with torch.no_grad():
             part.init_weights()

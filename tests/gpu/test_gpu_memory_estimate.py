@@ -11,6 +11,7 @@ from torchtitan_lite.components.optimizer import OptimizersContainer
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.float8 import Float8LinearConverter
 from torchtitan_lite.config.sections import ActivationCheckpointConfig, ModelConfig, TrainingConfig
+from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.memory.estimate import estimate_run_memory
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer
 from torchtitan_lite.resolved_run import resolve_run
@@ -44,7 +45,8 @@ def _measured_peak(cfg: Trainer.Config, run) -> int:
         model = run.model_spec.model_cls(run.model_args)
     run.converters.convert(model)
     precision = cfg.precision.build(device="cuda", resolved=run.precision)
-    model = run.model_spec.parallelize_fn(model, run.parallelize_context(mp_policy=precision.mp_policy()))
+    model = parallelize(model, run.model_spec.parallel_plan, run.parallelize_context(mp_policy=precision.mp_policy()),
+                        label=run.model_spec.name)
     model.to_empty(device="cuda")
     model.init_weights()
     optimizer = cfg.optimizer.build(model_parts=[model])

@@ -25,6 +25,7 @@ from torchtitan_lite.distributed.compile import (
     first_step_compile_label,
     maybe_compile_loss,
 )
+from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.resolved_run import resolve_run
 
 ARGS = Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
@@ -50,7 +51,8 @@ def test_what_is_compiled_is_decided_once_and_parallelize_follows_it(enable, com
     context = run.parallelize_context(mp_policy=MixedPrecisionPolicy())
     assert (context.compile_model, context.compile_backend, context.compile_fullgraph) == (blocks, "aot_eager", True)
     with torch.device("meta"):
-        model = run.model_spec.parallelize_fn(run.model_spec.model_cls(run.model_args), context)
+        spec = run.model_spec
+        model = parallelize(spec.model_cls(run.model_args), spec.parallel_plan, context, label=spec.name)
     assert all((block._compiled_call_impl is not None) == blocks for block in model.layers.values())
     assert maybe_compile_loss(cross_entropy_sum, enabled=False, backend="inductor") is cross_entropy_sum
 

@@ -25,6 +25,7 @@ from torchtitan_lite.config.sections import (
     TrainingConfig,
 )
 from torchtitan_lite.distributed.activation_checkpoint import apply_ac
+from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.memory.activations import ActivationSetup, block_plan, block_saved_bytes
 from torchtitan_lite.memory.estimate import CUDA_CONTEXT_BYTES, estimate_memory, estimate_memory_text
 from torchtitan_lite.memory.optimizer_states import state_bytes
@@ -64,7 +65,8 @@ def _build(cfg: Trainer.Config):
         model = run.model_spec.model_cls(run.model_args)
     run.converters.convert(model)
     precision = cfg.precision.build(device="cpu", resolved=run.precision)
-    model = run.model_spec.parallelize_fn(model, run.parallelize_context(mp_policy=precision.mp_policy()))
+    model = parallelize(model, run.model_spec.parallel_plan, run.parallelize_context(mp_policy=precision.mp_policy()),
+                        label=run.model_spec.name)
     model.to_empty(device="cpu")
     model.init_weights()
     return model, precision, cfg.optimizer.build(model_parts=[model])

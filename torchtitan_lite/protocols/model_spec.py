@@ -19,7 +19,6 @@ import torch
 
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.moe_facts import MoEFacts
-from torchtitan_lite.protocols.parallelize import ParallelizeFn
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +137,10 @@ class ParallelPlan:
     experts: str | None = None
     """Block-relative name of the routed experts (3-D weights, expert dim 0) that expert parallelism splits and
     FSDP shards over the ranks left after EP, e.g. 'moe.experts'; None for a dense family."""
+    ep_compile_regions: tuple[str, ...] = ()
+    """Under expert parallelism, what is compiled of each block holding ``experts`` (block-relative names):
+    everything but the MoE layer's dispatch and combine, whose all-to-all split sizes are host integers (a
+    whole-block graph would break there). Blocks without experts are compiled whole."""
 
     def tp_shard_dim(self, module: str) -> int | None:
         """Shard dim of ``module``'s weight under TP (full FQN, e.g. 'layers.3.attention.wo'); None if whole."""
@@ -162,7 +165,7 @@ class ParallelPlan:
         return self.embedding if module == self.embedding else "head"
 
 
-def build_tp_plan(block_tp: BlockTPPlan, **root: str) -> ParallelPlan:
+def build_tp_plan(block_tp: BlockTPPlan, *, ep_compile_regions: tuple[str, ...] = (), **root: str) -> ParallelPlan:
     """A ParallelPlan whose shard dims follow from the Megatron split: column-parallel Linears and the
     embedding and output split dim 0 (output features / vocabulary rows), row-parallel Linears dim 1."""
     dims = {fqn: 0 for fqn in block_tp.colwise} | {fqn: 1 for fqn in block_tp.rowwise}
@@ -170,7 +173,7 @@ def build_tp_plan(block_tp: BlockTPPlan, **root: str) -> ParallelPlan:
         dims |= {fqn: 0 for fqn in block_tp.moe.shared_colwise} | {fqn: 1 for fqn in block_tp.moe.shared_rowwise}
         dims |= block_tp.moe.expert_shard_dims
     dims |= {root["embedding"]: 0, root["output"]: 0}
-    return ParallelPlan(block_tp=block_tp, tp_shard_dims=dims, **root)
+    return ParallelPlan(block_tp=block_tp, tp_shard_dims=dims, ep_compile_regions=ep_compile_regions, **root)
 
 
 @dataclass(frozen=True)
@@ -202,8 +205,6 @@ class ModelSpec:
     """Size presets: flavor name -> args_cls instance."""
     parallel_plan: ParallelPlan
     """Which modules TP splits how, and the FSDP units."""
-    parallelize_fn: ParallelizeFn
-    """Applies the parallelisms in the family's order (TP, AC, compile, FSDP)."""
     state_dict_adapter_cls: type | None
     """Converts state dicts to and from Hugging Face names; None when the family has no HF counterpart."""
     kv_cache_cls: type | None = None

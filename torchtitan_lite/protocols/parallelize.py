@@ -1,19 +1,18 @@
-"""What a family's parallelize function decides from: the run's layout as ``resolve_run`` settled it.
+"""What parallelize decides from besides the family's plan: the run's layout as ``resolve_run`` settled it.
 
-``ResolvedRun.parallelize_context`` fills it in; a family's ``parallelize_fn`` reads nothing else, so the
-model protocols depend only on the parallel degrees and the config sections below them, never on the run
-or the trainer above.
+``ResolvedRun.parallelize_context`` fills it in; ``parallelize`` (torchtitan_lite/distributed/parallelize.py)
+reads nothing else of the run, so it depends only on the parallel degrees and the config sections below
+them, never on the run or the trainer above.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchtitan_lite.config.sections import ActivationCheckpointConfig
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
-from torchtitan_lite.protocols.model import BaseModel
 
 
 @dataclass(frozen=True)
@@ -37,8 +36,3 @@ class ParallelizeContext:
     fsdp_reshard_after_forward: Literal["default", "always", "never"]
     fsdp_cpu_offload: bool
 
-
-class ParallelizeFn(Protocol):
-    def __call__(self, model: BaseModel, context: ParallelizeContext) -> BaseModel:
-        """Apply TP, AC, compile and FSDP to ``model`` (on meta, meshes built) as ``context`` says; returns it."""
-        ...

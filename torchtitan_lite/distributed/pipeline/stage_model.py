@@ -1,10 +1,11 @@
 """A pipeline stage's module: the family's own model with the parts of other stages removed.
 
-The stage keeps the family's class and its module names (``layers.7`` stays ``layers.7``), so the family's
-``parallelize_fn`` parallelizes it unchanged, its state-dict keys are the whole model's (a checkpoint saved
-under any pipeline layout loads under any other), and the HF adapters read it as they read the whole model.
-The parts a stage lacks are set to None, which the shared decoder's forward skips: a stage without the
-embedding reads the previous stage's hidden states, a stage without the head returns its own.
+The stage keeps the family's class and its module names (``layers.7`` stays ``layers.7``), so ``parallelize``
+(torchtitan_lite/distributed/parallelize.py) parallelizes it with the family's plan unchanged, its state-dict
+keys are the whole model's (a checkpoint saved under any pipeline layout loads under any other), and the HF
+adapters read it as they read the whole model. The parts a stage lacks are set to None, which the shared
+decoder's forward skips: a stage without the embedding reads the previous stage's hidden states, a stage
+without the head returns its own.
 """
 from __future__ import annotations
 
