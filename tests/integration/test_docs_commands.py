@@ -36,6 +36,10 @@ LONG_RUNNING = {
         "trains 20 runs (tests/unit/test_paired_verdict.py runs the verdict on stubbed runs)",
     "python scripts/loss_compare.py --verdict deepseek_v3 --fault e5m2_forward --seeds 4 --parallel 2":
         "trains 16 runs (tests/unit/test_paired_verdict.py runs the verdict on stubbed runs)",
+    "python scripts/loss_compare.py --verdict qwen3_moe --recipes experts_rowwise --seeds 4 --parallel 2":
+        "trains 16 runs (tests/unit/test_paired_verdict.py runs the verdict on stubbed runs)",
+    "python scripts/loss_compare.py --verdict deepseek_v3 --seeds 4 --parallel 2":
+        "trains 16 runs (tests/unit/test_paired_verdict.py runs the verdict on stubbed runs)",
     "./run_train.sh --config qwen3_moe_debug --training.steps 20":
         "trains (tests/unit/test_qwen3_moe_training.py trains the family through the trainer)",
     "NPROC=2 ./run_train.sh --config qwen3_moe_debug --parallelism.dp_shard 2": "trains on 2 processes",
