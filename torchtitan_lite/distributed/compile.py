@@ -23,6 +23,7 @@ import torch
 
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import ParallelPlan
+from torchtitan_lite.protocols.module_names import named_submodules
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +53,13 @@ def expert_parallel_regions(plan: ParallelPlan) -> Callable[[torch.nn.Module], t
     """The compile regions of a block under expert parallelism: ``plan.ep_compile_regions`` for a block that holds
     the plan's experts, () (the whole block) for one that does not (a dense block of an MoE family)."""
     def regions(block: torch.nn.Module) -> tuple[str, ...]:
-        return plan.ep_compile_regions if plan.experts in _submodules(block) else ()
+        return plan.ep_compile_regions if plan.experts in named_submodules(block) else ()
     return regions
-
-
-def _submodules(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The block's submodules by block-relative name, looked up through an activation-checkpoint wrapper."""
-    return {name.replace("_checkpoint_wrapped_module.", ""): m for name, m in block.named_modules()}
 
 
 def _regions(block: torch.nn.Module, regions: tuple[str, ...]) -> list[torch.nn.Module]:
     """The block's submodules named in ``regions``, looked up through an activation-checkpoint wrapper."""
-    by_name = _submodules(block)
+    by_name = named_submodules(block)
     missing = [r for r in regions if r not in by_name]
     if missing:
         raise ValueError(f"compile regions {missing} are not submodules of {type(block).__name__}")
