@@ -21,16 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import ParallelPlan
 from torchtitan_lite.protocols.module_names import named_submodules
 
 logger = logging.getLogger(__name__)
 
 
-def apply_compile(model: BaseModel, *, backend: str, fullgraph: bool,
+def apply_compile(blocks: torch.nn.ModuleDict, *, backend: str, fullgraph: bool,
                   regions: tuple[str, ...] | Callable[[torch.nn.Module], tuple[str, ...]] = ()) -> int:
-    """Compile every block of `model.layers` in place (`Module.compile`, so parameter names are unchanged).
+    """Compile every block of ``blocks`` (the model's ParallelPlan.blocks container) in place (``Module.compile``,
+    so parameter names are unchanged).
 
     Whether to compile at all is the caller's: ``ResolvedRun.compile_model`` decides it once, and only a run
     that compiles its blocks calls this. backend / fullgraph: torch.compile's, as in compile.backend and
@@ -40,13 +40,13 @@ def apply_compile(model: BaseModel, *, backend: str, fullgraph: bool,
     sizes of an expert-parallel all-to-all); or a function of the block giving its regions, for a family
     whose blocks differ (an empty tuple compiles that block whole). Returns the number of compiled blocks.
     """
-    for block in model.layers.values():
+    for block in blocks.values():
         block_regions = regions(block) if callable(regions) else regions
         for module in _regions(block, block_regions) if block_regions else [block]:
             module.compile(backend=backend, fullgraph=fullgraph)
     logger.info("compiling %d blocks with backend=%s fullgraph=%s, once per block kind (first step pays the "
-                "compile time)", len(model.layers), backend, fullgraph)
-    return len(model.layers)
+                "compile time)", len(blocks), backend, fullgraph)
+    return len(blocks)
 
 
 def expert_parallel_regions(plan: ParallelPlan) -> Callable[[torch.nn.Module], tuple[str, ...]]:
