@@ -180,6 +180,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
         fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,
         seq_len=config.training.seq_len, output_module=spec.parallel_plan.output,
+        blocks=spec.parallel_plan.blocks,
         dp_shard=dims.dp_shard if dims.fsdp_enabled else 1, tp=dims.tp, tp_shard_dim=spec.parallel_plan.tp_shard_dim,
         tokens_per_forward=config.training.seq_len * (pipeline.microbatch_size if pipeline is not None
                                                       else config.training.local_batch_size),

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from models.common.decoder_args import DecoderArgs
+from models.common.decoder_names import BLOCKS, EMBEDDING
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
 from models.common.rope import RotaryEmbedding, RotaryScaling
@@ -120,7 +121,7 @@ class Decoder(BaseModel, Generic[ArgsT]):
 
     def param_counts(self) -> ParamCounts:
         """Total and active (per token) parameters: a token skips the routed experts it is not sent to."""
-        return param_counts(self, self.moe_facts(), blocks="layers", embedding="tok_embeddings")
+        return param_counts(self, self.moe_facts(), blocks=BLOCKS, embedding=EMBEDDING)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token, the PaLM / torchtitan estimate on the active

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.common.moe import MoE
+from torchtitan_lite.protocols.module_names import unwrapped_name
 
 
 def named_moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
@@ -28,9 +29,7 @@ def named_moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     named = []
     for fqn, module in model.named_modules():
         if isinstance(module, MoE):
-            for wrapper in ("._checkpoint_wrapped_module", "._orig_mod"):
-                fqn = fqn.replace(wrapper, "")
-            named.append((fqn.removesuffix(".moe"), module))
+            named.append((unwrapped_name(fqn).removesuffix(".moe"), module))
     return named
 
 

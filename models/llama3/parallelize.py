@@ -6,6 +6,7 @@ what order the parallelisms are applied), the memory estimate and the dry run al
 """
 from __future__ import annotations
 
+from models.common.decoder_names import BLOCKS, EMBEDDING, FINAL_NORM, OUTPUT
 from torchtitan_lite.protocols.model_spec import BlockTPPlan, ParallelPlan, TPInput, build_tp_plan
 
 LLAMA3_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
@@ -18,9 +19,9 @@ LLAMA3_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
         rowwise=("attention.wo", "feed_forward.w2"),
         norms=("attention_norm", "ffn_norm"),
     ),
-    blocks="layers",
-    embedding="tok_embeddings",
-    output="output",
-    final_norm="norm",
+    blocks=BLOCKS,
+    embedding=EMBEDDING,
+    output=OUTPUT,
+    final_norm=FINAL_NORM,
 )
 

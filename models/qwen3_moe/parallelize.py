@@ -20,6 +20,7 @@ dim over tp).
 """
 from __future__ import annotations
 
+from models.common.decoder_names import BLOCKS, EMBEDDING, FINAL_NORM, OUTPUT
 from models.common.moe_checks import check_expert_tp, check_grouped_mm_compile_dtype
 from torchtitan_lite.protocols.model_spec import (
     BlockTPPlan,
@@ -43,10 +44,10 @@ QWEN3_MOE_PARALLEL_PLAN: ParallelPlan = build_tp_plan(
             shared_rowwise=("moe.shared_experts.w2",),
         ),
     ),
-    blocks="layers",
-    embedding="tok_embeddings",
-    output="output",
-    final_norm="norm",
+    blocks=BLOCKS,
+    embedding=EMBEDDING,
+    output=OUTPUT,
+    final_norm=FINAL_NORM,
     experts="moe.experts",
     # Under EP: everything of a block but the MoE layer's dispatch and combine.
     ep_compile_regions=("attention_norm", "attention", "ffn_norm", "moe.router", "moe.experts"),

@@ -257,7 +257,7 @@ def mx_converter(run: Run, dims: ParallelDims):
                                  fsdp_enabled=dims.fsdp_enabled)
     context = ConversionContext(device_type="cpu", param_dtype=resolved.param_dtype, autocast=resolved.autocast,
                                 fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=run.compile,
-                                seq_len=SEQ, output_module="output")
+                                seq_len=SEQ, output_module="output", blocks="layers")
     return MXLinearConverter.Config(recipe_name=run.mx).build(context=context)
 
 
@@ -273,7 +273,8 @@ def blockwise_converter(run: Run, dims: ParallelDims, plan=None):
                                  fsdp_enabled=dims.fsdp_enabled)
     context = ConversionContext(device_type="cpu", param_dtype=resolved.param_dtype, autocast=resolved.autocast,
                                 fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=run.compile,
-                                seq_len=SEQ, output_module="output", dp_shard=dims.dp_shard if dims.fsdp_enabled else 1,
+                                seq_len=SEQ, output_module="output", blocks="layers",
+                                dp_shard=dims.dp_shard if dims.fsdp_enabled else 1,
                                 tp=dims.tp, tp_shard_dim=(plan or LLAMA3_PARALLEL_PLAN).tp_shard_dim)
     return Float8BlockwiseConverter.Config(power_of_2_scales=True, filter_fqns=list(run.float8_keep_hp),
                                            enable_fsdp_float8_all_gather=run.blockwise_fp8_all_gather).build(context=context)

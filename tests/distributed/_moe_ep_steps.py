@@ -132,7 +132,7 @@ def build(run: Run, *, load_initial: bool = True):
         compile_fullgraph=compile_config.fullgraph,
         fsdp_reshard_after_forward="default", fsdp_cpu_offload=False), label="qwen3_moe")
     if run.compile_ep_regions:
-        apply_compile(model, backend=compile_config.backend, fullgraph=compile_config.fullgraph,
+        apply_compile(model.layers, backend=compile_config.backend, fullgraph=compile_config.fullgraph,
                       regions=QWEN3_MOE_PARALLEL_PLAN.ep_compile_regions)
     if run.drop_remote_tokens:
         for moe in moe_layers(model):

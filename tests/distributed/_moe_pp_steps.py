@@ -73,7 +73,8 @@ def build(run: PPRun):
         model = Qwen3MoeModel(ARGS)
     layout = resolve_pipeline(pp=run.pp, schedule=run.schedule, stages_per_rank=0, microbatch_size=run.microbatch_size,
                               split_points=[], layers_per_stage=0, n_layers=ARGS.n_layers,
-                              local_batch_size=GLOBAL_BATCH // dims.dp_degree)
+                              local_batch_size=GLOBAL_BATCH // dims.dp_degree,
+                              blocks=get_model_spec("qwen3_moe").parallel_plan.blocks)
     stage_ids = layout.stage_ids(dims.pp_rank) if layout is not None else ()
     plan = get_model_spec("qwen3_moe").parallel_plan
     parts = build_stage_modules(model, plan, layout, stage_ids) if layout is not None else [model]

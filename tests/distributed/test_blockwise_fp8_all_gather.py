@@ -24,7 +24,7 @@ def _converted(shapes: list[tuple[int, int]], *, fp8_gather: bool, dp_shard: int
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(k, n, bias=False) for n, k in shapes))
     context = ConversionContext(device_type="cpu", param_dtype=torch.bfloat16, autocast=False, fsdp_sharded=True,
-                                tp_enabled=False, compile_model=False, seq_len=128, output_module="output",
+                                tp_enabled=False, compile_model=False, seq_len=128, output_module="output", blocks="layers",
                                 dp_shard=dp_shard)
     converter = Float8BlockwiseConverter.Config(power_of_2_scales=power_of_2, enable_fsdp_float8_all_gather=fp8_gather)
     converter.build(context=context).convert(model)

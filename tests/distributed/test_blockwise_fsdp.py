@@ -32,7 +32,7 @@ def _model(blockwise: bool, *, fsdp: bool, dp_shard: int = 1) -> nn.Module:
     model = _Net()
     if blockwise:
         context = ConversionContext(device_type="cpu", param_dtype=torch.float32, autocast=False, fsdp_sharded=fsdp,
-                                    tp_enabled=False, compile_model=False, seq_len=128, output_module="output",
+                                    tp_enabled=False, compile_model=False, seq_len=128, output_module="output", blocks="layers",
                                     dp_shard=dp_shard)
         converter = Float8BlockwiseConverter.Config().build(context=context)
         converter.convert(model)

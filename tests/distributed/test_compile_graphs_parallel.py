@@ -32,8 +32,8 @@ def _graphs_per_depth(rank: int, world_size: int, layout: str) -> dict[int, int]
         model = Transformer(dataclasses.replace(ARGS, n_layers=n_layers))
         if layout == "tp":  # the trainer's order: TP, then AC, then compile, then FSDP
             apply_tp(model, mesh, LLAMA3_PARALLEL_PLAN, sequence_parallel=True, loss_parallel=False)
-        apply_ac(model, "selective", "2", compiled_tp=layout == "tp")  # two block kinds: every second checkpointed
-        apply_compile(model, backend="aot_eager", fullgraph=True)
+        apply_ac(model.layers, "selective", "2", compiled_tp=layout == "tp")  # two block kinds: every second checkpointed
+        apply_compile(model.layers, backend="aot_eager", fullgraph=True)
         if layout == "fsdp":
             apply_fsdp(model, mesh, LLAMA3_PARALLEL_PLAN)
         for _ in range(2):

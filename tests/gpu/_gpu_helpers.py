@@ -44,7 +44,7 @@ def float8_converter(recipe: str = "tensorwise", *, fsdp: bool = False, all_gath
     """The converter as a CUDA run resolves it (no autocast: the tests hold parameters in ``param_dtype``)."""
     context = ConversionContext(device_type="cuda", param_dtype=param_dtype, autocast=False, fsdp_sharded=fsdp,
                                 tp_enabled=False, compile_model=True, seq_len=128,
-                                output_module="output")
+                                output_module="output", blocks="layers")
     return Float8LinearConverter.Config(recipe_name=recipe, enable_fsdp_float8_all_gather=all_gather,
                                         precompute_float8_dynamic_scale_for_fsdp=precompute,
                                         emulate=emulate).build(context=context)

@@ -80,7 +80,7 @@ def test_native_blockwise_gemms_match_the_emulation(tokens, k, n):
 
 def test_auto_picks_torchaos_kernels_on_this_gpu():
     context = ConversionContext(device_type="cuda", param_dtype=torch.bfloat16, autocast=False, fsdp_sharded=True,
-                                tp_enabled=False, compile_model=False, seq_len=256, output_module="output")
+                                tp_enabled=False, compile_model=False, seq_len=256, output_module="output", blocks="layers")
     converter = Float8BlockwiseConverter.Config().build(context=context)
     assert converter.kernel.emulate is False
     assert converter.kernel.why.startswith("torchao's blockwise FP8 kernels on ")

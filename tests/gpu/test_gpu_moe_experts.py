@@ -74,7 +74,7 @@ def test_bf16_grouped_experts_match_the_per_expert_loop():
 
 def test_converter_picks_the_kernels_this_gpu_has():
     context = ConversionContext(device_type="cuda", param_dtype=torch.bfloat16, autocast=True, fsdp_sharded=False,
-                                tp_enabled=False, compile_model=False, seq_len=128, output_module="output")
+                                tp_enabled=False, compile_model=False, seq_len=128, output_module="output", blocks="layers")
     for recipe in ("rowwise", "mxfp8"):
         converter = GroupedExpertsConverter.Config(recipe_name=recipe).build(context=context)
         assert converter.kernel.emulate is (not _has(recipe)), converter.kernel.why

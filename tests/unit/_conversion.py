@@ -11,4 +11,4 @@ def context(param_dtype: str = "bfloat16", *, fsdp: bool = False, compile_model:
                                   fsdp_enabled=fsdp)
     return ConversionContext(device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
                              fsdp_sharded=fsdp, tp_enabled=tp, compile_model=compile_model, seq_len=seq_len,
-                             output_module="output")
+                             output_module="output", blocks="layers")

@@ -40,7 +40,7 @@ def _model(mode: str, option: str = "op", float8: bool = False) -> torch.nn.Modu
 
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
                                    module_filter_fn=lambda m, fqn: fqn != "output")
-    apply_ac(model, mode, option)
+    apply_ac(model.layers, mode, option)
     return model
 
 
@@ -114,16 +114,16 @@ def test_losses_and_gradients_equal_no_checkpointing(mode, option):
 ])
 def test_bad_settings_are_refused(mode, option, message):
     with pytest.raises(ValueError) as e:
-        apply_ac(Transformer(dataclasses.replace(ARGS, n_layers=1)), mode, option)
+        apply_ac(Transformer(dataclasses.replace(ARGS, n_layers=1)).layers, mode, option)
     assert message in str(e.value)
 
 
 def test_every_nth_wraps_the_nth_blocks_and_returns_a_description():
     model = Transformer(dataclasses.replace(ARGS, n_layers=4))
-    assert apply_ac(model, "selective", "2") == "selective every 2 block(s), full (2/4 blocks)"
+    assert apply_ac(model.layers, "selective", "2") == "selective every 2 block(s), full (2/4 blocks)"
     wrapped = [name for name, block in model.layers.items() if hasattr(block, "_checkpoint_wrapped_module")]
     assert wrapped == ["1", "3"]
-    assert apply_ac(copy.deepcopy(model), "none") == "none"
+    assert apply_ac(copy.deepcopy(model).layers, "none") == "none"
 
 
 @pytest.mark.parametrize("compiled_tp", [False, True])
@@ -135,7 +135,7 @@ def test_selective_contexts_carry_a_cache_hash_so_compiled_blocks_can_be_cached(
     hashes = set()
     for option in ("op", "1"):
         model = Transformer(ARGS)
-        apply_ac(model, "selective", option, compiled_tp=compiled_tp)
+        apply_ac(model.layers, "selective", option, compiled_tp=compiled_tp)
         context_fn = model.layers["0"].checkpoint_fn.keywords.get("context_fn")
         if context_fn is None:  # full checkpointing of a block that is not tensor-parallel: no context at all
             continue

@@ -26,7 +26,7 @@ def _meta_llama() -> Transformer:
 def _converter(*, dp_shard: int = 1, tp: int = 1, kernel: str = "auto", **config) -> Float8BlockwiseConverter:
     context = ConversionContext(device_type="cpu", param_dtype=torch.bfloat16, autocast=False,
                                 fsdp_sharded=dp_shard > 1, tp_enabled=tp > 1, compile_model=False, seq_len=128,
-                                output_module="output", dp_shard=dp_shard, tp=tp,
+                                output_module="output", blocks="layers", dp_shard=dp_shard, tp=tp,
                                 tp_shard_dim=LLAMA3_PARALLEL_PLAN.tp_shard_dim)
     return Float8BlockwiseConverter.Config(kernel=kernel, **config).build(context=context)  # type: ignore[arg-type]
 

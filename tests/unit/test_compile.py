@@ -59,9 +59,9 @@ def test_what_is_compiled_is_decided_once_and_parallelize_follows_it(enable, com
 
 def test_checkpointed_blocks_compile_fullgraph_with_unchanged_names_and_numerics():
     reference, model = _model(), _model()
-    apply_ac(model, "selective", "op")
+    apply_ac(model.layers, "selective", "op")
     names = model.state_dict().keys()
-    assert apply_compile(model, **AOT_EAGER) == ARGS.n_layers
+    assert apply_compile(model.layers, **AOT_EAGER) == ARGS.n_layers
     assert model.state_dict().keys() == names  # Module.compile keeps parameter names (no _orig_mod)
     loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=True, backend=AOT_EAGER["backend"])
     assert loss_fn is not cross_entropy_sum
@@ -103,8 +103,8 @@ def test_blocks_compile_once_per_block_kind_whatever_the_depth(ac_mode, ac_optio
     for n_layers in (2, 6):
         _fresh_compile_state()
         model = _model_of_depth(n_layers)
-        apply_ac(model, ac_mode, ac_option)
-        apply_compile(model, **AOT_EAGER)
+        apply_ac(model.layers, ac_mode, ac_option)
+        apply_compile(model.layers, **AOT_EAGER)
         model(tokens).sum().backward()
         assert compiled_graphs() == kinds, (n_layers, compiled_graphs())
 
@@ -130,7 +130,7 @@ def test_shared_block_graph_trains_bitwise_like_one_graph_per_block():
 
     _fresh_compile_state()
     shared = _model_of_depth(4)
-    apply_compile(shared, **AOT_EAGER)
+    apply_compile(shared.layers, **AOT_EAGER)
     shared_losses = train(shared)
     assert compiled_graphs() == 1
 

@@ -19,7 +19,8 @@ def _compiled(module: torch.nn.Module) -> bool:
 def test_dense_blocks_compile_whole_and_moe_blocks_all_but_the_exchange():
     with torch.device("meta"):
         model = DeepSeekV3Model(dataclasses.replace(DEEPSEEK_V3_FLAVORS["debug"], n_layers=3))  # 1 dense + 2 MoE
-    assert apply_compile(model, backend="eager", fullgraph=True, regions=expert_parallel_regions(DEEPSEEK_V3_PARALLEL_PLAN)) == 3
+    assert apply_compile(model.layers, backend="eager", fullgraph=True,
+                         regions=expert_parallel_regions(DEEPSEEK_V3_PARALLEL_PLAN)) == 3
     dense, moe_blocks = model.layers["0"], [model.layers["1"], model.layers["2"]]
     assert _compiled(dense) and not any(_compiled(m) for m in dense.modules() if m is not dense)
     for block in moe_blocks:

@@ -40,7 +40,7 @@ def _meta(shapes: dict[str, tuple[int, int]]) -> nn.Module:
 
 def _plan(model, **fields):
     config = Float8LinearConverter.Config(**fields)
-    return {row.fqn: (row.recipe, row.reason) for row in float8_plan(model, config, output_module="output")}
+    return {row.fqn: (row.recipe, row.reason) for row in float8_plan(model, config, output_module="output", blocks="layers")}
 
 
 def test_plan_without_filters_converts_every_aligned_linear_but_the_output_projection():
@@ -110,7 +110,7 @@ def test_converter_swaps_exactly_the_planned_modules_and_leaves_its_config_alone
     assert [row.fqn for row in converter.plan if row.recipe] == ["layers.0.attention.wq"]
     assert dataclasses.asdict(config) == before
     # After conversion the plan of the converted model is unchanged (Float8Linear is an nn.Linear).
-    assert float8_plan(model, config, output_module="output") == converter.plan
+    assert float8_plan(model, config, output_module="output", blocks="layers") == converter.plan
 
 
 @pytest.mark.parametrize("fields, model_fn, expected", [
@@ -135,7 +135,8 @@ def test_conversion_on_the_meta_model_swaps_exactly_the_expected_linears(fields,
 
 
 def test_table_lists_every_linear_and_the_fp8_share_of_linear_flops():
-    rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]), output_module="output")
+    rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]), output_module="output",
+                       blocks="layers")
     table = format_float8_plan(rows)
     assert table.splitlines() == [
         "FP8 plan: 1 of 3 Linear layers run in FP8",
@@ -150,7 +151,8 @@ def test_table_lists_every_linear_and_the_fp8_share_of_linear_flops():
 
 
 def test_table_share_relative_to_model_flops_when_given():
-    rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]), output_module="output")
+    rows = float8_plan(_tiny_llama_like(), Float8LinearConverter.Config(filter_fqns=["output"]), output_module="output",
+                       blocks="layers")
     last = format_float8_plan(rows, seq_len=32, total_flops_per_token=245760).splitlines()[-1]
     # 6*64*64 = 24576 of 245760 model FLOPs per token = 10.0%
     assert last.startswith("FP8 share: 10.0% of the model's training FLOPs per token at seq_len 32 (attention included)")
@@ -181,10 +183,10 @@ def test_explain_accepts_explicit_seq_len_and_flops_and_reports_inactive_all_gat
     assert sharded.splitlines()[0] == "float8 converter (recipe tensorwise, FSDP float8 all-gather on, precomputed scales on)"
 
 
-def _blocks(n: int, head: str = "output") -> nn.Module:
+def _blocks(n: int, head: str = "output", container: str = "layers") -> nn.Module:
     with torch.device("meta"):
         layers = nn.ModuleDict({str(i): nn.ModuleDict({"w": nn.Linear(64, 64, bias=False)}) for i in range(n)})
-        return nn.ModuleDict({"layers": layers, head: nn.Linear(64, 256, bias=False)})
+        return nn.ModuleDict({container: layers, head: nn.Linear(64, 256, bias=False)})
 
 
 def test_first_and_last_blocks_stay_in_high_precision_and_filters_are_named_first():
@@ -195,6 +197,18 @@ def test_first_and_last_blocks_stay_in_high_precision_and_filters_are_named_firs
         "layers.3.w": (None, "filter_fqns entry 'layers.3'"),
         "output": (None, "output projection (keep_output_hp)"),
     }
+
+
+def test_the_edge_blocks_are_found_in_the_container_the_context_names():
+    # A family whose plan names its blocks "h" (ParallelPlan.blocks): the edges are h.0 / h.2, not a "layers".
+    model = _blocks(3, container="h")
+    converter = Float8LinearConverter.Config(keep_first_blocks_hp=1, keep_last_blocks_hp=1).build(
+        context=dataclasses.replace(context(), blocks="h"))
+    converter.convert(model)
+    assert {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)} == {"h.1.w"}
+    with pytest.raises(ValueError, match="blocks in model.h, and ModuleDict has none"):
+        Float8LinearConverter.Config(keep_first_blocks_hp=1).build(
+            context=dataclasses.replace(context(), blocks="h")).convert(_blocks(3))
 
 
 def test_the_output_projection_is_the_one_the_context_names():
@@ -230,7 +244,8 @@ def test_a_converter_added_on_the_command_line_keeps_the_output_projection_unles
         with torch.device("meta"):
             model = run.model_spec.model_cls(run.model_args)
         converter = run.converters.converters[0]
-        rows = float8_plan(model, converter.config, output_module=run.model_spec.parallel_plan.output)
+        rows = float8_plan(model, converter.config, output_module=run.model_spec.parallel_plan.output,
+                           blocks=run.model_spec.parallel_plan.blocks)
         return next((r.recipe, r.reason) for r in rows if r.fqn == "output")
 
     assert output_row() == (None, "output projection (keep_output_hp)")

@@ -49,7 +49,7 @@ def _measure(recipe: str, param_dtype: str):
 def _measure_with(converter_config, param_dtype: str):
     make_twin = sq.twin_factory(converter_config, _job(param_dtype))
     model = _tiny_model(getattr(torch, param_dtype))
-    rows = float8_plan(model, converter_config, output_module="output")
+    rows = float8_plan(model, converter_config, output_module="output", blocks="layers")
     tokens = [torch.randint(0, TINY.vocab_size, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     return sq.measure_sqnr(model, rows, make_twin, tokens, seed=0)
 
@@ -120,7 +120,7 @@ def test_no_converted_linear_is_an_error():
     converter_config = Float8LinearConverter.Config(filter_fqns=["layers", "output"])
     model = _tiny_model(torch.float32)
     with pytest.raises(ValueError, match="converts no Linear"):
-        sq.measure_sqnr(model, float8_plan(model, converter_config, output_module="output"), None, [])
+        sq.measure_sqnr(model, float8_plan(model, converter_config, output_module="output", blocks="layers"), None, [])
 
 
 def _save(model: torch.nn.Module, folder: Path, step: int | None = None) -> Path:

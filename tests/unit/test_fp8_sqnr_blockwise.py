@@ -30,7 +30,7 @@ def _measure(converter_config, param_dtype: str = "bfloat16") -> dict[str, sq.Li
     with torch.no_grad():
         model.init_weights()
     sq.cast_parameters(model.eval(), getattr(torch, param_dtype))
-    rows = float8_plan(model, converter_config, output_module="output")
+    rows = float8_plan(model, converter_config, output_module="output", blocks="layers")
     tokens = [torch.randint(0, SMALL.vocab_size, (2, 128), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     results = sq.measure_sqnr(model, rows, sq.twin_factory(converter_config, job), tokens, seed=0)
     return {r.fqn: r for r in results}

@@ -208,7 +208,7 @@ def test_checkpointed_block_keeps_what_the_plan_says(mode, option):
     args = Llama3ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
                            max_seq_len=64)
     model = Transformer(args)
-    apply_ac(model, mode, option)
+    apply_ac(model.layers, mode, option)
     batch, seq = 2, 32
     x = torch.randn(batch, seq, args.dim, requires_grad=True)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

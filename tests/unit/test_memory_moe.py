@@ -175,7 +175,7 @@ def test_checkpointed_moe_block_keeps_what_the_plan_says(mode):
     args = Qwen3MoeModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128, max_seq_len=64,
                              moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=32))
     model = Qwen3MoeModel(args)
-    apply_ac(model, mode, "op")
+    apply_ac(model.layers, mode, "op")
     batch, seq = 2, 32
     x = torch.randn(batch, seq, args.dim, requires_grad=True)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -203,7 +203,7 @@ def test_active_parameters_are_counted_through_activation_checkpoint_wrappers():
     with torch.device("meta"):
         model = spec.model_cls(spec.flavors["debug"])
     before = model.param_counts()
-    apply_ac(model, "full")
+    apply_ac(model.layers, "full")
     assert any("_checkpoint_wrapped_module" in name for name, _ in model.named_parameters())
     assert model.param_counts() == before and before.active < before.total
 

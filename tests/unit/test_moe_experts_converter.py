@@ -139,7 +139,7 @@ def test_the_dense_float8_plan_keeps_the_router_gate_in_float32():
     with torch.device("meta"):
         model = Qwen3MoeModel(dataclasses.replace(QWEN3_MOE_FLAVORS["30B-A3B"], n_layers=1))
     rows = {r.fqn: r for r in float8_plan(model, Float8LinearConverter.Config(recipe_name="rowwise"),
-                                          output_module="output")}
+                                          output_module="output", blocks="layers")}
     assert rows["layers.0.moe.router.gate"].recipe is None
     assert rows["layers.0.moe.router.gate"].reason.startswith("router gate: float32 in every recipe")
     assert rows["layers.0.attention.wq"].recipe == "rowwise"

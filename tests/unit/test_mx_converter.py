@@ -138,7 +138,7 @@ def test_plan_skips_dims_not_divisible_by_the_block_and_keeps_the_edges():
         model.layers["1"].feed_forward.w2 = nn.Linear(48, 64, bias=False)
     converter = MXLinearConverter.Config(keep_first_blocks_hp=1).build(context=context(compile_model=False))
     reasons = {row.fqn: (row.recipe, row.reason)
-               for row in float8_plan(model, converter.config, output_module="output")}
+               for row in float8_plan(model, converter.config, output_module="output", blocks="layers")}
     assert reasons["layers.0.attention.wq"] == (None, "block 0 of the first 1 (keep_first_blocks_hp)")
     assert reasons["layers.1.attention.wq"] == ("mxfp8", "")
     assert reasons["layers.1.feed_forward.w2"] == (None, "dims not divisible by 32 (MX block)")

@@ -48,13 +48,13 @@ def test_idle_share_and_chunk_means_from_rank_timings():
 
 
 def test_stages_are_equal_and_bad_sizes_are_refused_before_any_rank_starts():
-    assert bubble.equal_split_points(8, 4) == ["layers.2", "layers.4", "layers.6"]
+    assert bubble.equal_split_points(8, 4, "layers") == ["layers.2", "layers.4", "layers.6"]
     layout = bubble.layout_for("DualPipeV", 4, bubble.Settings())
     assert [len(s.blocks) for s in layout.stages] == [1] * 8 and layout.stage_ids(1) == (1, 6)
     with pytest.raises(SystemExit):
         bubble.parse_args(["--pp", "4", "--n-layers", "6"])  # 6 blocks do not make 4 or 8 equal stages
     with pytest.raises(ValueError, match="6 blocks do not split into 4 equal stages: use --n-layers a multiple of 4"):
-        bubble.equal_split_points(6, 4)
+        bubble.equal_split_points(6, 4, "layers")
 
 
 def test_two_gloo_ranks_time_every_chunk_inside_the_step():

@@ -10,7 +10,7 @@ def layout(*, pp=2, schedule="1F1B", stages_per_rank=0, microbatch_size=1, split
            n_layers=6, local_batch_size=8, tied_embeddings=False, compiled_blocks=False):
     return resolve_pipeline(pp=pp, schedule=schedule, stages_per_rank=stages_per_rank, microbatch_size=microbatch_size,
                             split_points=list(split_points), layers_per_stage=layers_per_stage, n_layers=n_layers,
-                            local_batch_size=local_batch_size, tied_embeddings=tied_embeddings,
+                            local_batch_size=local_batch_size, blocks="layers", tied_embeddings=tied_embeddings,
                             compiled_blocks=compiled_blocks)
 
 

@@ -17,7 +17,7 @@ from torchtitan_lite.trainer import Trainer
 
 def _layout(schedule: str, *, pp: int, m: int, v: int = 0, n_layers: int = 24):
     return resolve_pipeline(pp=pp, schedule=schedule, stages_per_rank=v, microbatch_size=1, split_points=[],
-                            layers_per_stage=0, n_layers=n_layers, local_batch_size=m)
+                            layers_per_stage=0, n_layers=n_layers, local_batch_size=m, blocks="layers")
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])

@@ -18,8 +18,6 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan_lite.protocols.model import BaseModel
-
 logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
@@ -76,8 +74,8 @@ _selective_op_context.cache_hash = _cache_hash(  # type: ignore[attr-defined]
 _save_attention_context.cache_hash = _cache_hash(_save_attention_context, ATTENTION_OPS)  # type: ignore[attr-defined]
 
 
-def apply_ac(model: BaseModel, mode: str, selective_option: str = "op", *, compiled_tp: bool = False) -> str:
-    """Wrap the blocks of `model.layers` in place; returns a short description for logs.
+def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str = "op", *, compiled_tp: bool = False) -> str:
+    """Wrap the model's ``blocks`` (its ParallelPlan.blocks container) in place; returns a short description for logs.
 
     mode: 'none' | 'full' | 'selective'. With 'selective', selective_option is 'op' (per-op policy above)
     or an integer N (checkpoint blocks N-1, 2N-1, ... fully; N=1 is 'full').
@@ -100,11 +98,11 @@ def apply_ac(model: BaseModel, mode: str, selective_option: str = "op", *, compi
     else:
         raise ValueError(f"activation_checkpoint.mode={mode!r} must be 'none', 'full' or 'selective'")
     wrapped = 0
-    for position, (name, block) in enumerate(list(model.layers.items())):
+    for position, (name, block) in enumerate(list(blocks.items())):
         if (position + 1) % every == 0:
-            model.layers.register_module(name, wrap(block))
+            blocks.register_module(name, wrap(block))
             wrapped += 1
-    description = f"{what} ({wrapped}/{len(model.layers)} blocks)"
+    description = f"{what} ({wrapped}/{len(blocks)} blocks)"
     logger.info("activation checkpointing: %s", description)
     return description
 

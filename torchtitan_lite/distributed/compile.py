@@ -21,15 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import ParallelPlan
+from torchtitan_lite.protocols.module_names import named_submodules
 
 logger = logging.getLogger(__name__)
 
 
-def apply_compile(model: BaseModel, *, backend: str, fullgraph: bool,
+def apply_compile(blocks: torch.nn.ModuleDict, *, backend: str, fullgraph: bool,
                   regions: tuple[str, ...] | Callable[[torch.nn.Module], tuple[str, ...]] = ()) -> int:
-    """Compile every block of `model.layers` in place (`Module.compile`, so parameter names are unchanged).
+    """Compile every block of ``blocks`` (the model's ParallelPlan.blocks container) in place (``Module.compile``,
+    so parameter names are unchanged).
 
     Whether to compile at all is the caller's: ``ResolvedRun.compile_model`` decides it once, and only a run
     that compiles its blocks calls this. backend / fullgraph: torch.compile's, as in compile.backend and
@@ -39,31 +40,26 @@ def apply_compile(model: BaseModel, *, backend: str, fullgraph: bool,
     sizes of an expert-parallel all-to-all); or a function of the block giving its regions, for a family
     whose blocks differ (an empty tuple compiles that block whole). Returns the number of compiled blocks.
     """
-    for block in model.layers.values():
+    for block in blocks.values():
         block_regions = regions(block) if callable(regions) else regions
         for module in _regions(block, block_regions) if block_regions else [block]:
             module.compile(backend=backend, fullgraph=fullgraph)
     logger.info("compiling %d blocks with backend=%s fullgraph=%s, once per block kind (first step pays the "
-                "compile time)", len(model.layers), backend, fullgraph)
-    return len(model.layers)
+                "compile time)", len(blocks), backend, fullgraph)
+    return len(blocks)
 
 
 def expert_parallel_regions(plan: ParallelPlan) -> Callable[[torch.nn.Module], tuple[str, ...]]:
     """The compile regions of a block under expert parallelism: ``plan.ep_compile_regions`` for a block that holds
     the plan's experts, () (the whole block) for one that does not (a dense block of an MoE family)."""
     def regions(block: torch.nn.Module) -> tuple[str, ...]:
-        return plan.ep_compile_regions if plan.experts in _submodules(block) else ()
+        return plan.ep_compile_regions if plan.experts in named_submodules(block) else ()
     return regions
-
-
-def _submodules(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The block's submodules by block-relative name, looked up through an activation-checkpoint wrapper."""
-    return {name.replace("_checkpoint_wrapped_module.", ""): m for name, m in block.named_modules()}
 
 
 def _regions(block: torch.nn.Module, regions: tuple[str, ...]) -> list[torch.nn.Module]:
     """The block's submodules named in ``regions``, looked up through an activation-checkpoint wrapper."""
-    by_name = _submodules(block)
+    by_name = named_submodules(block)
     missing = [r for r in regions if r not in by_name]
     if missing:
         raise ValueError(f"compile regions {missing} are not submodules of {type(block).__name__}")

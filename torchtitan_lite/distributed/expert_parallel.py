@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.protocols.expert_parallel import ExpertParallelLayer
+from torchtitan_lite.protocols.module_names import checkpointed
 
 
 def expert_parallel_layers(blocks: nn.ModuleDict) -> list[ExpertParallelLayer]:
@@ -31,7 +32,6 @@ def keep_exchanges_for_recompute(blocks: nn.ModuleDict) -> int:
     exchanges for the recomputation; the others keep nothing. Returns the number of layers that keep them."""
     kept = 0
     for block in blocks.values():
-        checkpointed = hasattr(block, "_checkpoint_wrapped_module")
-        kept += sum(layer.keep_exchanges_for_recompute(checkpointed)
+        kept += sum(layer.keep_exchanges_for_recompute(checkpointed(block))
                     for layer in block.modules() if isinstance(layer, ExpertParallelLayer))
     return kept

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from torchtitan_lite.protocols.model_spec import ParallelPlan
+from torchtitan_lite.protocols.module_names import submodule
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,4 @@ def _block_experts(block: nn.Module, plan: ParallelPlan) -> nn.Module | None:
     None for a block without them (a dense block of a family whose first blocks have no experts)."""
     if plan.experts is None:
         raise ValueError("an expert mesh was given but the family's plan names no experts (ParallelPlan.experts)")
-    for name, module in block.named_modules():
-        if name.replace("_checkpoint_wrapped_module.", "") == plan.experts:
-            return module
-    return None
+    return submodule(block, plan.experts)

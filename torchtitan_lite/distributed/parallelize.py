@@ -44,11 +44,11 @@ def parallelize(model: BaseModel, plan: ParallelPlan, context: ParallelizeContex
         split = f"EP {dims.ep} x expert TP {dims.tp}" if dims.tp_enabled else f"EP {dims.ep}"
         layouts.append(f"experts split over {split}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
     ac_config = context.activation_checkpoint
-    ac = apply_ac(model, ac_config.mode, ac_config.selective_option,
+    ac = apply_ac(blocks, ac_config.mode, ac_config.selective_option,
                   compiled_tp=context.compile_model and dims.tp_enabled)
     keep_exchanges_for_recompute(blocks)
     layouts.append(f"AC {ac}")
-    if context.compile_model and apply_compile(model, backend=context.compile_backend,
+    if context.compile_model and apply_compile(blocks, backend=context.compile_backend,
                                                fullgraph=context.compile_fullgraph,
                                                regions=expert_parallel_regions(plan) if expert_parallel else ()):
         what = "blocks but the expert all-to-all" if expert_parallel else "blocks"

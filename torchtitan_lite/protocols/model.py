@@ -9,11 +9,10 @@ from torch import nn
 class BaseModel(nn.Module):
     """Top module of a model family: tokens [batch, seq] -> logits [batch, seq, vocab].
 
-    The repeated blocks live in ``layers``: activation checkpointing, compile, TP and FSDP wrap them
-    in place there, so every family keeps them in one ModuleDict.
+    The repeated blocks live in one ModuleDict, named by the family's ``ParallelPlan.blocks``: the parallelisms,
+    activation checkpointing, compile and the float8 plan find them there (and wrap them in place), never under a
+    fixed attribute name.
     """
-
-    layers: nn.ModuleDict
 
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """Initialise every parameter and buffer (after ``to_empty`` when built on meta)."""

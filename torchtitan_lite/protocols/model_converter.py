@@ -47,6 +47,9 @@ class ConversionContext:
     output_module: str
     """FQN of the model's output projection (the family's ParallelPlan.output): converters keep it in high
     precision unless told otherwise."""
+    blocks: str
+    """Name of the model's block container (the family's ParallelPlan.blocks): the first / last blocks a converter
+    keeps in high precision are found there."""
     dp_shard: int = 1
     """FSDP's shard degree (1 without FSDP sharding)."""
     tp: int = 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan_lite.protocols.module_names import unwrapped_name
+
 
 @dataclass(frozen=True)
 class MoEFacts:
@@ -32,9 +34,8 @@ class MoEFacts:
 
     def is_routed_expert(self, fqn: str, blocks: str) -> bool:
         """``fqn`` (a parameter or module name) lies inside the routed experts of an MoE block. Wrapper
-        modules that activation checkpointing and compile insert (``_checkpoint_wrapped_module``,
-        ``_orig_mod``: torch names them with a leading underscore) are looked through."""
-        parts = [part for part in fqn.split(".") if not part.startswith("_")]
+        modules that activation checkpointing and compile insert are looked through (``unwrapped_name``)."""
+        parts = unwrapped_name(fqn).split(".")
         if len(parts) < 2 or parts[0] != blocks or not parts[1].isdigit() or int(parts[1]) not in self.layers:
             return False
         rest = ".".join(parts[2:])

@@ -82,8 +82,9 @@ def preset_shapes(preset: str, tokens: int) -> list[Shape]:
     with torch.device("meta"):
         model = spec.model_cls(args)
     names: dict[tuple[int, int], list[str]] = {}
+    blocks = spec.parallel_plan.blocks
     for fqn, module in model.named_modules():
-        if isinstance(module, nn.Linear) and (fqn.startswith("layers.0.") or "layers." not in fqn):
+        if isinstance(module, nn.Linear) and (fqn.startswith(f"{blocks}.0.") or f"{blocks}." not in fqn):
             names.setdefault((module.in_features, module.out_features), []).append(fqn.split(".")[-1])
     return [Shape(", ".join(group), tokens, k, n, count=len(group)) for (k, n), group in names.items()]
 

@@ -276,9 +276,10 @@ def _probe_context(cfg: Any) -> Any:
     from torchtitan_lite.protocols.model_spec import get_model_spec
 
     precision = resolve_precision(cfg.precision, device_type="cpu", fsdp_enabled=True)
+    plan = get_model_spec(cfg.model.name).parallel_plan
     return ConversionContext(device_type="cpu", param_dtype=precision.param_dtype, autocast=False,
                              fsdp_sharded=True, tp_enabled=False, compile_model=False, seq_len=cfg.training.seq_len,
-                             output_module=get_model_spec(cfg.model.name).parallel_plan.output)
+                             output_module=plan.output, blocks=plan.blocks)
 
 
 def _quietly(build: Callable[[], Any], logger_name: str) -> Any:
@@ -430,7 +431,8 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
         source = f"initialised from seed {cfg.training.seed}"
         if args.checkpoint is not None:
             source = f"loaded from {load_model_checkpoint(model, args.checkpoint)}"
-        rows = float8_plan(model, converter_config, output_module=_probe_context(cfg).output_module)
+        probe = _probe_context(cfg)
+        rows = float8_plan(model, converter_config, output_module=probe.output_module, blocks=probe.blocks)
         cast_parameters(model, precision.param_dtype)
         batches = token_batches(cfg, tokenizer, args.batches, device)
         results = measure_sqnr(model, rows, make_twin, batches, seed=args.seed)

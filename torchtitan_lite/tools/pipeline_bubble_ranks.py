@@ -136,9 +136,11 @@ class ComputeClock:
 def layout_for(schedule: str, pp: int, settings: Settings) -> PipelineLayout:
     facts = SCHEDULES[schedule]
     n_stages = pp * facts.default_stages_per_rank
+    blocks = get_model_spec(settings.model).parallel_plan.blocks
     layout = resolve_pipeline(pp=pp, schedule=schedule, stages_per_rank=0, microbatch_size=settings.microbatch_size,
-                              split_points=equal_split_points(settings.n_layers, n_stages), layers_per_stage=0,
-                              n_layers=settings.n_layers, local_batch_size=settings.n_microbatches * settings.microbatch_size)
+                              split_points=equal_split_points(settings.n_layers, n_stages, blocks), layers_per_stage=0,
+                              n_layers=settings.n_layers, local_batch_size=settings.n_microbatches * settings.microbatch_size,
+                              blocks=blocks)
     assert layout is not None  # pp > 1
     return layout
 

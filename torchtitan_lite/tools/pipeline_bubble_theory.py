@@ -36,10 +36,11 @@ def theory_idle_share(schedule: str, *, pp: int, n_microbatches: int, stages_per
     raise ValueError(f"unknown schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
 
 
-def equal_split_points(n_layers: int, n_stages: int) -> list[str]:
-    """Split points giving every stage the same number of blocks (refuses when they do not divide)."""
+def equal_split_points(n_layers: int, n_stages: int, blocks: str) -> list[str]:
+    """Split points giving every stage the same number of blocks (refuses when they do not divide); ``blocks``
+    names the model's block container (its family's ParallelPlan.blocks)."""
     if n_layers % n_stages != 0:
         raise ValueError(f"{n_layers} blocks do not split into {n_stages} equal stages: use --n-layers a multiple "
                          f"of {n_stages}")
     per = n_layers // n_stages
-    return [f"layers.{i * per}" for i in range(1, n_stages)]
+    return [f"{blocks}.{i * per}" for i in range(1, n_stages)]

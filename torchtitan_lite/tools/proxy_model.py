@@ -32,9 +32,10 @@ def flops_split(family: str, flavor: str, *, seq_len: int) -> tuple[int, int]:
     args = build_model_args(spec, flavor, n_layers=1)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    block = sum(p.numel() for name, p in model.named_parameters() if name.startswith("layers.0.")
+    plan = spec.parallel_plan
+    block = sum(p.numel() for name, p in model.named_parameters() if name.startswith(f"{plan.blocks}.0.")
                 and not name.endswith("norm.weight"))
-    head = next(m for name, m in model.named_modules() if name == "output")
+    head = next(m for name, m in model.named_modules() if name == plan.output)
     assert isinstance(head, nn.Linear)
     attention = 12 * args.n_heads * (args.dim // args.n_heads) * seq_len
     return 6 * block + attention, 6 * head.in_features * head.out_features

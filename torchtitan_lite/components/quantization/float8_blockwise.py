@@ -249,7 +249,7 @@ class Float8BlockwiseConverter(LinearQuantizer):
 
     def fp8_all_gather_text(self, rows: list[PlanRow]) -> str:
         """Which converted Linears FSDP gathers as FP8 blocks, and why the others are not (Linears of the
-        transformer blocks grouped as layers.*)."""
+        transformer blocks grouped as <blocks>.*)."""
         reasons = self.fp8_all_gather_reasons(rows)
         if not reasons:
             return "FSDP all-gather: none (no FSDP sharding)"
@@ -258,9 +258,10 @@ class Float8BlockwiseConverter(LinearQuantizer):
         lines = [f"FSDP all-gather (dp_shard={self.context.dp_shard}): {len(fp8)} of {len(reasons)} blockwise "
                  f"Linears gather FP8 blocks ({per_element}); the rest the parameter dtype"]
         groups: dict[str, list[str]] = {}
+        blocks = self.context.blocks
         for fqn, why in reasons.items():
             groups.setdefault(why, [])
-            generic = re.sub(r"^layers\.\d+\.", "layers.*.", fqn)
+            generic = re.sub(rf"^{re.escape(blocks)}\.\d+\.", f"{blocks}.*.", fqn)
             if generic not in groups[why]:
                 groups[why].append(generic)
         for why, fqns in groups.items():

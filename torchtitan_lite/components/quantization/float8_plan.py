@@ -13,7 +13,7 @@ A Linear stays in high precision when, checked in this order:
    the softmax and the loss, where quantization error costs the most, and the layer is a small share
    of the FLOPs of a large model);
 3. it sits in one of the first ``keep_first_blocks_hp`` or last ``keep_last_blocks_hp`` transformer
-   blocks (``model.layers``, in order), NeMo's high-precision edges: the first and last blocks see the
+   blocks (the family's ``ParallelPlan.blocks`` container, in order), NeMo's high-precision edges: the first and last blocks see the
    least regular activations and gradients;
 4. the converter's shape rule refuses it (``shape_skip_reason``). float8: ``in_features`` or
    ``out_features`` is not divisible by 16: ``torch._scaled_mm`` (the FP8 GEMM) requires both GEMM
@@ -109,12 +109,14 @@ class PlannedConverterConfig(Protocol):
     def shape_skip_reason(self, in_features: int, out_features: int) -> str: ...
 
 
-def float8_plan(model: nn.Module, converter_config: PlannedConverterConfig, *, output_module: str) -> list[PlanRow]:
+def float8_plan(model: nn.Module, converter_config: PlannedConverterConfig, *, output_module: str,
+                blocks: str) -> list[PlanRow]:
     """One row per ``nn.Linear`` of ``model`` (meta or real, before or after conversion).
 
-    ``output_module`` is the FQN of the model's output projection (the family's ``ParallelPlan.output``).
+    ``output_module`` is the FQN of the model's output projection (the family's ``ParallelPlan.output``),
+    ``blocks`` the name of its block container (``ParallelPlan.blocks``).
     """
-    edges = high_precision_edges(model, converter_config, output_module=output_module)
+    edges = high_precision_edges(model, converter_config, output_module=output_module, blocks=blocks)
     # Modules the model keeps in high precision under every recipe (the MoE router gate).
     pinned = {fqn: reason for fqn, module in model.named_modules() if (reason := high_precision_reason(module))}
     rows = []
@@ -129,7 +131,8 @@ def float8_plan(model: nn.Module, converter_config: PlannedConverterConfig, *, o
     return rows
 
 
-def high_precision_edges(model: nn.Module, config: PlannedConverterConfig, *, output_module: str) -> dict[str, str]:
+def high_precision_edges(model: nn.Module, config: PlannedConverterConfig, *, output_module: str,
+                         blocks: str) -> dict[str, str]:
     """Module FQN -> why everything under it stays in high precision: the output projection
     (``keep_output_hp``) and the first / last blocks (``keep_first_blocks_hp`` / ``keep_last_blocks_hp``)."""
     edges: dict[str, str] = {}
@@ -138,20 +141,21 @@ def high_precision_edges(model: nn.Module, config: PlannedConverterConfig, *, ou
     first, last = config.keep_first_blocks_hp, config.keep_last_blocks_hp
     if not first and not last:
         return edges
-    blocks = getattr(model, "layers", None)
-    if not isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
+    container = getattr(model, blocks, None)
+    if not isinstance(container, (nn.ModuleDict, nn.ModuleList)):
         raise ValueError(f"keep_first_blocks_hp={first} / keep_last_blocks_hp={last} need the model's transformer "
-                         f"blocks in model.layers, and {type(model).__name__} has none; set both to 0")
-    names = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
+                         f"blocks in model.{blocks}, and {type(model).__name__} has none; set both to 0")
+    names = (list(container.keys()) if isinstance(container, nn.ModuleDict)
+             else [str(i) for i in range(len(container))])
     if first + last >= len(names):
         raise ValueError(f"keep_first_blocks_hp={first} + keep_last_blocks_hp={last} keep all {len(names)} blocks "
                          f"in high precision, so no block Linear would be converted; lower them (at most "
                          f"{len(names) - 1} together) or remove the converter")
     for i, name in enumerate(names):
         if i < first:
-            edges[f"layers.{name}"] = f"block {i} of the first {first} (keep_first_blocks_hp)"
+            edges[f"{blocks}.{name}"] = f"block {i} of the first {first} (keep_first_blocks_hp)"
         elif i >= len(names) - last:
-            edges[f"layers.{name}"] = f"block {i} of the last {last} (keep_last_blocks_hp)"
+            edges[f"{blocks}.{name}"] = f"block {i} of the last {last} (keep_last_blocks_hp)"
     return edges
 
 
@@ -247,7 +251,7 @@ def _is_edge(reason: str) -> bool:
 
 
 def _edge_module(row: PlanRow) -> str:
-    """The module a high-precision edge keeps: the output projection itself, or its block (layers.<i>)."""
+    """The module a high-precision edge keeps: the output projection itself, or its block (<blocks>.<i>)."""
     return row.fqn if "(keep_output_hp)" in row.reason else ".".join(row.fqn.split(".")[:2])
 
 

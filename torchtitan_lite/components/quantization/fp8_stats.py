@@ -61,6 +61,7 @@ from torchtitan_lite.components.quantization.expert_stats import (
 )
 from torchtitan_lite.components.quantization.fp8_stats_report import LayerHealth, sqnr_db
 from torchtitan_lite.components.quantization.low_precision_linears import is_mx_linear, low_precision_linears
+from torchtitan_lite.protocols.module_names import unwrapped_name
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -100,12 +101,12 @@ class Fp8StatsCollector:
         for part in self.model_parts:
             for fqn, module in low_precision_linears(part):
                 casts = _casts(module)
-                layer = _Layer(len(self.layers), _clean_fqn(fqn), module, casts, offset)
+                layer = _Layer(len(self.layers), unwrapped_name(fqn), module, casts, offset)
                 self.layers.append(layer)
                 offset += layer.width
             for fqn, experts, name, mm in converted_expert_gemms(part):
                 casts = expert_casts(mm.recipe, mm.power_of_2)
-                layer = _Layer(len(self.layers), _clean_fqn(f"{fqn}.{name}"), experts, casts, offset,
+                layer = _Layer(len(self.layers), unwrapped_name(f"{fqn}.{name}"), experts, casts, offset,
                                expert_weight=name)
                 self.layers.append(layer)
                 offset += layer.width
@@ -349,13 +350,6 @@ def _gathered_as_fp8_blocks(weight: torch.Tensor) -> bool:
     blockwise FP8 all-gather: its values are already quantized, so the casts are measured on the master weights."""
     local = weight.to_local() if isinstance(weight, DTensor) else weight
     return hasattr(local, "_data") and hasattr(local, "_scale")
-
-
-def _clean_fqn(fqn: str) -> str:
-    """The parameter-style name: wrapper modules (activation checkpointing, torch.compile) left out."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        fqn = fqn.replace(wrapper, "")
-    return fqn
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,8 @@ class LinearQuantizer(ModelConverter):
         return cast(PlannedConverterConfig, self.config)
 
     def plan_rows(self, model: nn.Module) -> list[PlanRow]:
-        return float8_plan(model, self.plan_config, output_module=self.context.output_module)
+        return float8_plan(model, self.plan_config, output_module=self.context.output_module,
+                           blocks=self.context.blocks)
 
     def convert(self, model: nn.Module) -> None:
         """Swap the planned Linears of ``model`` (in place) for the recipe's low-precision Linears."""

@@ -110,7 +110,7 @@ PP1_DEFAULTS = {"schedule": "1F1B", "stages_per_rank": 0, "microbatch_size": 1}
 
 def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, microbatch_size: int,
                      split_points: list[str] | tuple[str, ...], layers_per_stage: int, n_layers: int,
-                     local_batch_size: int, blocks: str = "layers", tied_embeddings: bool = False,
+                     local_batch_size: int, blocks: str, tied_embeddings: bool = False,
                      compiled_blocks: bool = False) -> PipelineLayout | None:
     """The pipeline layout of a run, or None without pipeline parallelism (pp 1). Refuses with the fix."""
     if pp == 1:

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     model.init_weights()
     model.to(getattr(torch, args.dtype))
     defaults = CompileConfig()  # the trainer's default backend and fullgraph, as a run with compile.enable=true
-    apply_compile(model, backend=defaults.backend, fullgraph=defaults.fullgraph)
+    apply_compile(getattr(model, spec.parallel_plan.blocks), backend=defaults.backend, fullgraph=defaults.fullgraph)
     print_result(measure(model, vocab_size=model_args.vocab_size, batch=args.batch, seq_len=args.seq_len,
                          steps=args.steps))
     return 0
