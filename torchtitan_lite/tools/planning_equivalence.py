@@ -6,7 +6,8 @@ It runs, in each revision's own source (``git archive``d; the checkout for the c
 - every ``./run_train.sh ... --dry-run`` / ``--estimate-memory`` command written in README.md and docs/*.md
   (with its ``NGPU=``), and
 - every registered config with ``--estimate-memory`` and with ``--dry-run`` on 8 processes,
-and prints, for each command whose output differs, a unified diff (clock times removed). A refactor that claims
+and prints, for each command whose output differs, a unified diff (clock times, durations and logger names
+removed). A refactor that claims
 to change no plan runs it against the revision before it; the differences it expects are the ones it names.
 """
 from __future__ import annotations
@@ -26,6 +27,9 @@ from torchtitan_lite.tools.layout_equivalence import ROOT, source_of
 
 DOCUMENTED = re.compile(r"((?:NGPU=\d+ )?\./run_train\.sh [^`\n]*--(?:dry-run|estimate-memory)\b[^`\n]*)")
 CLOCK = re.compile(r"\b\d\d:\d\d:\d\d(?:[.,]\d+)?\b")
+DURATION = re.compile(r"\bin \d+(?:\.\d+)?s\b")
+LOGGER = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR) [\w.]+:")
+"""What varies from run to run or names where a line is written from: clock times, durations, logger names."""
 
 
 def documented_commands(root: Path) -> list[tuple[dict[str, str], list[str]]]:
@@ -60,7 +64,11 @@ def plan_text(source: Path, env: dict[str, str], args: list[str]) -> str:
     result = subprocess.run([sys.executable, str(source / "train.py"), *args], cwd=tempfile.gettempdir(),
                             env={**os.environ, **env, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=900)
-    return CLOCK.sub("HH:MM:SS", f"{result.stdout}{result.stderr}exit {result.returncode}\n")
+    return normalised(f"{result.stdout}{result.stderr}exit {result.returncode}\n")
+
+
+def normalised(text: str) -> str:
+    return LOGGER.sub(r"\1 <logger>:", DURATION.sub("in Ns", CLOCK.sub("HH:MM:SS", text)))
 
 
 def texts(source: Path, commands: list[tuple[dict[str, str], list[str]]], cache: Path | None) -> list[str]:
@@ -88,7 +96,7 @@ def main(argv: list[str]) -> int:
         else out / "baseline" / "src"
     commands = documented_commands(ROOT) + registry_commands(registered_configs(ROOT))
     print(f"{len(commands)} planning commands, baseline {args.baseline} vs the checkout; runs under {out}", flush=True)
-    before = texts(baseline, commands, out / f"baseline-{args.baseline.replace('/', '_')}.json")
+    before = [normalised(t) for t in texts(baseline, commands, out / f"baseline-{args.baseline.replace('/', '_')}.json")]
     after = texts(ROOT, commands, None)
     differing = 0
     for (env, cmd), a, b in zip(commands, before, after):
