@@ -10,8 +10,9 @@ import torch
 import models  # noqa: F401  (registers the model families)
 from config_registry import DEFAULT_REGISTRY
 from torchtitan_lite.config import ConfigError, parse_cli
+from torchtitan_lite.config.spike_policy import SpikePolicyConfig
 from torchtitan_lite.loss_health import LossHealth
-from torchtitan_lite.spike_guard import SpikeError, SpikeGuard, SpikePolicyConfig
+from torchtitan_lite.spike_guard import SpikeError, SpikeGuard
 
 STEADY = [4.0, 4.2, 3.9, 4.1, 4.0, 3.8]
 """Mean 4.0, sample std 0.1414: a loss of 4.9 is 6.4 sigma above it."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torchtitan_lite.config.dump_folder import OUTPUTS_ROOT
-from torchtitan_lite.spike_guard import SpikePolicyConfig
+from torchtitan_lite.config.spike_policy import SpikePolicyConfig
 
 
 @dataclass(kw_only=True)
