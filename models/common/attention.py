@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +119,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Ma
 
 
 @functools.cache
-def _flex():  # noqa: ANN202
+def _flex() -> Callable[..., torch.Tensor]:
     """FlexAttention: compiled on CUDA (the eager form materialises every score), eager elsewhere (tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -35,7 +35,7 @@ def build_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_doc: torch.Tenso
         return allowed.unsqueeze(1)
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def allowed_pair(b, h, q, k):  # noqa: ANN001, ANN202  (flex's mask_mod signature)
+    def allowed_pair(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         causal = kv_index[b, k] <= q_index[b, q]
         return causal if q_doc is None or kv_doc is None else causal & (kv_doc[b, k] == q_doc[b, q])
 
