@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -123,4 +124,5 @@ def _flex() -> Callable[..., torch.Tensor]:
     """FlexAttention: compiled on CUDA (the eager form materialises every score), eager elsewhere (tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
+    return cast(Callable[..., torch.Tensor], torch.compile(flex_attention) if torch.cuda.is_available()
+                else flex_attention)
