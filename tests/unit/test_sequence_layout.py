@@ -66,3 +66,33 @@ def test_the_attention_share_counts_the_pairs_a_document_mask_keeps():
     share = model_batch(_batch(), document_mask=True).attention_share
     kept = (6 + 3 + 6) + (3 + 21)
     assert share == pytest.approx(kept / (2 * 36))
+
+
+def test_plain_pairs_pass_only_under_the_causal_mask():
+    from torchtitan_lite.components.data.sequence_layout import SequenceLayout
+
+    pair = (torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64))
+    assert SequenceLayout()(pair).model_kwargs == {}
+    with pytest.raises(TypeError, match="needs batches that carry their document starts"):
+        SequenceLayout(document_mask=True)(pair)
+
+
+class _Tokenizer:
+    def __init__(self, bos: bool) -> None:
+        self.bos = bos
+
+    def encode_batch(self, texts, bos=True, eos=True):
+        return [([1] if bos and self.bos else []) + ([2] if eos else []) for _ in texts]
+
+    def describe(self) -> str:
+        return "a test tokenizer"
+
+
+def test_a_stream_without_a_bos_token_cannot_be_document_masked():
+    from torchtitan_lite.components.data.sequence_layout import check_document_starts
+
+    check_document_starts(True, streaming=True, tokenizer=_Tokenizer(bos=True))
+    check_document_starts(True, streaming=False, tokenizer=_Tokenizer(bos=False))  # a store keeps its own index
+    check_document_starts(False, streaming=True, tokenizer=_Tokenizer(bos=False))
+    with pytest.raises(ValueError, match=r"a test tokenizer puts 0 token\(s\) before a document.*pre-tokenize"):
+        check_document_starts(True, streaming=True, tokenizer=_Tokenizer(bos=False))

@@ -19,10 +19,12 @@ tail), so that under a causal mask every rank attends to the same number of (que
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from torchtitan_lite.components.data.batch import Batch
+from torchtitan_lite.components.data.chunked_encode import specials
 
 
 def load_balanced_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -84,3 +86,34 @@ def attention_share(document_ids: torch.Tensor) -> float:
     lengths = [torch.unique_consecutive(row, return_counts=True)[1] for row in document_ids]
     attended = sum(int((n * (n + 1) // 2).sum()) for n in lengths)
     return attended / (len(lengths) * seq_len * (seq_len + 1) // 2)
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """How this run lays a loader's batches out for the model: the trainer and the validator both call it."""
+
+    document_mask: bool = False
+    cp: int = 1
+    cp_rank: int = 0
+
+    def __call__(self, batch: tuple[torch.Tensor, torch.Tensor]) -> ModelBatch:
+        if not isinstance(batch, Batch):
+            if self.document_mask:
+                raise TypeError("model.attention_mask='document' needs batches that carry their document starts "
+                                "(components/data/batch.py's Batch); got a plain (inputs, labels) pair")
+            batch = Batch(batch[0], batch[1], [])
+        return model_batch(batch, document_mask=self.document_mask, cp=self.cp, cp_rank=self.cp_rank)
+
+
+def check_document_starts(document_mask: bool, *, streaming: bool, tokenizer: Any) -> None:
+    """A stream marks where documents start by the tokenizer's BOS token (a token store keeps its own index):
+    document masking over a stream needs a tokenizer that puts exactly one before each document."""
+    if not (document_mask and streaming):
+        return
+    bos = specials(tokenizer)[0]
+    if len(bos) != 1:
+        raise ValueError(
+            f"model.attention_mask='document' over a stream (data.streaming=true) finds documents by the tokenizer's "
+            f"BOS token, but {tokenizer.describe()} puts {len(bos)} token(s) before a document: every window would "
+            "read as one document. Use a tokenizer with a BOS token, pre-tokenize the data into a token store "
+            "(scripts/pretokenize.py), or set model.attention_mask='causal'")
