@@ -37,6 +37,9 @@ class ModelParts:
     """Runs a batch through the parts: the pipeline's schedule over this rank's stages, or the whole model."""
     flops_per_token: int
     """Training FLOPs per token of the whole model (what MFU counts), whatever part this rank holds."""
+    attention_flops_per_token: int
+    """The part of ``flops_per_token`` the attention scores and their weighted sum take (all earlier tokens of
+    the window; MFU scales it by the share a document mask leaves)."""
 
 
 def build_model_parts(run: ResolvedRun, *, mp_policy: MixedPrecisionPolicy, device: torch.device, loss_fn: LossFn,
@@ -49,6 +52,7 @@ def build_model_parts(run: ResolvedRun, *, mp_policy: MixedPrecisionPolicy, devi
     if plan is not None and dist_utils.is_rank0():
         logger.info("%s", plan)
     flops_per_token = model.flops_per_token(run.training.seq_len)
+    attention_flops_per_token = flops_per_token - model.flops_per_token(0)  # the formula is linear in seq_len
     n_params = model.num_params()
     start = time.perf_counter()
     layout = run.pipeline
@@ -68,7 +72,8 @@ def build_model_parts(run: ResolvedRun, *, mp_policy: MixedPrecisionPolicy, devi
         runner = PipelineRunner(layout, parts, stage_ids, group=pp_mesh.get_group(), device=device, loss_fn=loss_fn)
         logger.info("%s; this rank runs %s (%s params)", layout.describe(),
                     ", ".join(layout.stages[i].describe() for i in stage_ids), f"{sum(p.num_params() for p in parts):,}")
-    return ModelParts(parts=parts, runner=runner, flops_per_token=flops_per_token)
+    return ModelParts(parts=parts, runner=runner, flops_per_token=flops_per_token,
+                      attention_flops_per_token=attention_flops_per_token)
 
 
 def build_meta_model(run: ResolvedRun) -> BaseModel:

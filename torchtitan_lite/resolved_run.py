@@ -85,6 +85,8 @@ class ResolvedRun:
     converters: ModelConvertersContainer
     pipeline: PipelineLayout | None
     """Stages, their blocks and the schedule under pipeline parallelism; None without it (pp 1)."""
+    document_mask: bool
+    """Attention stays within each document of a window (model.attention_mask='document')."""
     training: TrainingConfig
     parallelism: ParallelismConfig
     activation_checkpoint: ActivationCheckpointConfig
@@ -198,7 +200,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         precision=precision, n_microbatches=microbatches_per_step(config.training, dims.dp_degree),
         compile_model=compile_model, compile_loss=config.compile.enable and "loss" in config.compile.components,
         sequence_parallel=sequence_parallel, loss_parallel=dims.tp_enabled and par.enable_loss_parallel,
-        converters=converters, pipeline=pipeline,
+        converters=converters, pipeline=pipeline, document_mask=config.model.attention_mask == "document",
         training=config.training, parallelism=par, activation_checkpoint=config.activation_checkpoint,
         compile=config.compile, optimizer=config.optimizer,
     )

@@ -21,6 +21,7 @@ from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrappe
 from torchtitan_lite.components.checkpoint.seed_warning import seed_over_later_run
 from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.data.readiness import require_data
+from torchtitan_lite.components.data.sequence_layout import SequenceLayout, check_document_starts
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
 from torchtitan_lite.components.metrics import MetricsProcessor
@@ -137,6 +138,7 @@ class Trainer(Configurable):
         # checked here, before any process-group work.
         self.run = resolve_run(cfg, world_size=dist_utils.process_world_size(), device_type=dist_utils.device_type(),
                                vocab_size=self.tokenizer.vocab_size)
+        check_document_starts(self.run.document_mask, streaming=cfg.data.streaming, tokenizer=self.tokenizer)
         self.parallel_dims = self.run.parallel_dims
         self.model_args = self.run.model_args
         self.n_microbatches = self.run.n_microbatches
@@ -167,6 +169,9 @@ class Trainer(Configurable):
         """Runs a batch through the parts: the whole model, or this rank's stages by the pipeline's schedule. Its
         ``loss_fn`` is the training loss."""
         self.flops_per_token = built.flops_per_token
+        self.attention_flops_per_token = built.attention_flops_per_token
+        self.sequence_layout = SequenceLayout(document_mask=self.run.document_mask)
+        """Lays each batch out for the model: positions and the attention mask's indices under document masking."""
         self.optimizers = cfg.optimizer.build(model_parts=self.model_parts)
         self.lr_schedulers = cfg.lr_scheduler.build(optimizers=self.optimizers, training_steps=cfg.training.steps)
         # Right after each applied optimizer step (not one the scaler or the spike policy skipped), each part
@@ -212,7 +217,7 @@ class Trainer(Configurable):
         )
         self.metrics = cfg.metrics.build(
             dump_folder=cfg.job.dump_folder, device=self.device,
-            num_flops_per_token=self.flops_per_token,
+            num_flops_per_token=self.flops_per_token, attention_flops_per_token=self.attention_flops_per_token,
             dp_degree=self.parallel_dims.dp_degree, tp_degree=self.parallel_dims.tp * self.parallel_dims.pp,
         )
         self.spikes = None if self.spike_guard is None else SpikeResponse(
@@ -222,7 +227,7 @@ class Trainer(Configurable):
             cfg.validation, cfg.data, cfg.training, tokenizer=self.tokenizer, parallel_dims=self.parallel_dims,
             vocab_size=self.model_args.vocab_size, loss_fn=self.runner.loss_fn, device=self.device,
             dp_group=self._dp_group(), precision=self.precision, loss_parallel=self.run.loss_parallel,
-            runner=self.runner)
+            runner=self.runner, sequence_layout=self.sequence_layout)
         self.fp8_stats = build_fp8_stats(self.model_parts, freq=cfg.metrics.fp8_stats_freq, dp_group=self._dp_group())
         self.watcher = PreemptionWatcher(self.device)
 
@@ -360,14 +365,15 @@ class Trainer(Configurable):
         set_aux_loss_weight(self.model_parts, n_batches=len(batches), forwards_per_batch=self.runner.forwards_per_batch,
                             parallel_dims=self.parallel_dims,
                             loss_scale=self.grad_scaler.scale_value if self.grad_scaler is not None else 1.0)
-        for i, (inputs, labels) in enumerate(batches):
+        for i, batch in enumerate(batches):
             # non_blocking: a blocking host-to-device copy waits for the device to finish all queued work.
-            inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-            self.train_state.tokens_seen += inputs.numel()
-            self.metrics.record_tokens(inputs.numel())
+            mb = self.sequence_layout(batch).to(self.device, non_blocking=True)
+            self.train_state.tokens_seen += mb.inputs.numel()
+            self.metrics.record_tokens(mb.inputs.numel(), attention_share=mb.attention_share)
             with (self._fp8_capture(fp8_stats_step and i == 0), self.precision.autocast(),
                   loss_parallel_context(self.run.loss_parallel)):
-                loss = self.runner.step(inputs, labels, global_tokens=global_tokens, objective=self._scaled)
+                loss = self.runner.step(mb.inputs, mb.labels, global_tokens=global_tokens, objective=self._scaled,
+                                        model_kwargs=mb.model_kwargs)
             loss_total += local_loss(loss)
 
         overflow = self.grad_scaler is not None and self.grad_scaler.unscale_(self.optimizers)

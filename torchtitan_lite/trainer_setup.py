@@ -16,6 +16,7 @@ from torchtitan_lite.components.checkpoint.layout import write_text_atomically
 from torchtitan_lite.components.checkpoint.run_config import RUN_CONFIG_NAME
 from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.data.layout import RESUME_REPORTED_ENV, DataLayout, resume_changes
+from torchtitan_lite.components.data.sequence_layout import SequenceLayout
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.components.quantization.fp8_stats import Fp8StatsCollector
 from torchtitan_lite.components.tokenizer import Tokenizer
@@ -53,7 +54,7 @@ def data_order_seed(seed: int | None) -> int | None:
 def build_validator(validation: Validator.Config, data: TextDataLoader.Config, training: TrainingConfig, *,
                     tokenizer: Tokenizer, parallel_dims: ParallelDims, vocab_size: int, loss_fn: LossFn,
                     device: torch.device, dp_group: dist.ProcessGroup | None, precision: Precision,
-                    loss_parallel: bool, runner: StepRunner) -> Validator | None:
+                    loss_parallel: bool, runner: StepRunner, sequence_layout: SequenceLayout) -> Validator | None:
     if not validation.enable:
         return None
     from torchtitan_lite.components.data.mixture_loader import validation_loaders
@@ -75,7 +76,7 @@ def build_validator(validation: Validator.Config, data: TextDataLoader.Config, t
         **sources, loss_fn=loss_fn, device=device,
         dp_group=dp_group, autocast=precision.eval_autocast,
         loss_context=lambda: loss_parallel_context(loss_parallel),
-        runner=runner,
+        runner=runner, sequence_layout=sequence_layout,
     )
 
 

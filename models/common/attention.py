@@ -1,10 +1,15 @@
 """The attention every family shares: q / k / v projections, rotary embedding, causal grouped-query SDPA."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.attention_mask import Mask
 from models.common.init import trunc_normal_
 from models.common.rope import apply_rotary_emb
 
@@ -55,13 +60,17 @@ class GroupedQueryAttention(nn.Module):
         q, k = self.norm_qk(q, k)
         return apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache), v
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        return self.wo(grouped_query_attention(*self.project(x, rope_cache)))
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: Mask | None = None) -> torch.Tensor:
+        """``rope_cache``: the rotary table [max_seq, head_dim / 2], or one row per token [batch, seq, ...]
+        (positions restarting per document); ``mask``: models/common/attention_mask.py's (None: causal)."""
+        return self.wo(grouped_query_attention(*self.project(x, rope_cache), mask))
 
 
-def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of [batch, seq, heads, head_dim] q and [batch, seq, kv_heads, head_dim] k / v (rotary
-    already applied) -> [batch, seq, heads * head_dim], ready for the output projection.
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            mask: Mask | None = None) -> torch.Tensor:
+    """Attention of [batch, seq, heads, head_dim] q and [batch, seq, kv_heads, head_dim] k / v (rotary
+    already applied) under ``mask`` (None: causal) -> [batch, seq, heads * head_dim], ready for the output
+    projection.
 
     Head counts come from the tensors, not from model args: under tensor parallelism each rank holds
     n_heads / tp query heads and n_kv_heads / tp key/value heads."""
@@ -71,11 +80,12 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     # repeated copies forward and no reduction over them backward (measured ~6% faster per attention
     # call). On CUDA enable_gqa is only served by the flash and math kernels, so float32 runs would fall
     # back to the memory-hungry math kernel: there the heads are repeated explicitly.
-    gqa = n_rep > 1 and q.device.type == "cpu"
+    # FlexAttention (a BlockMask) reads the key/value heads itself on every device.
+    gqa = n_rep > 1 and (q.device.type == "cpu" or not (mask is None or isinstance(mask, torch.Tensor)))
     if not gqa:
         k = repeat_kv(k, n_rep)
         v = repeat_kv(v, n_rep)
-    out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=gqa)
+    out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(bsz, seqlen, -1)
 
 
@@ -91,9 +101,28 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enabl
     are the same bfloat16-rounded values either way; only the output is rounded back. CPU autocast would
     cast the float32 inputs down again, so it is off for the call. GPUs keep their native kernels.
     """
+    return masked_attention(q, k, v, None, enable_gqa=enable_gqa, scale=scale)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None, *, enable_gqa: bool,
+                     scale: float | None = None) -> torch.Tensor:
+    """``causal_attention`` under ``mask``: None (SDPA's is_causal), a dense boolean [B, 1, s, S] (SDPA's
+    attn_mask) or a FlexAttention BlockMask. The CPU float32 rule above holds for the first two."""
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return _flex()(q, k, v, block_mask=mask, enable_gqa=enable_gqa, scale=scale)
+    masking = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, **masking, enable_gqa=enable_gqa, scale=scale)
     with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=enable_gqa,
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **masking, enable_gqa=enable_gqa,
                                              scale=scale)
     return out.to(q.dtype)
+
+
+@functools.cache
+def _flex() -> Callable[..., torch.Tensor]:
+    """FlexAttention: compiled on CUDA (the eager form materialises every score), eager elsewhere (tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return cast(Callable[..., torch.Tensor], torch.compile(flex_attention) if torch.cuda.is_available()
+                else flex_attention)

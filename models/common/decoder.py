@@ -12,21 +12,23 @@ from typing import Generic, Protocol, TypeVar, cast
 import torch
 from torch import nn
 
+from models.common.attention_mask import Mask, build_mask
 from models.common.decoder_args import DecoderArgs
 from models.common.decoder_names import BLOCKS, EMBEDDING
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
-from models.common.rope import RotaryEmbedding, RotaryScaling
+from models.common.rope import RotaryEmbedding, RotaryScaling, rope_at
 from torchtitan_lite.model_size import ParamCounts, param_counts, training_flops_per_token
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
 class DecoderBlock(Protocol):
-    """One block: initialises itself, maps the residual stream [batch, seq, dim] given the rotary table."""
+    """One block: initialises itself, maps the residual stream [batch, seq, dim] given the rotary table (whole, or
+    one row per token) and the attention mask (None: causal)."""
 
     def init_weights(self) -> None: ...
-    def __call__(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: Mask | None = None) -> torch.Tensor: ...
 
 
 ArgsT = TypeVar("ArgsT", bound=DecoderArgs)
@@ -93,17 +95,30 @@ class Decoder(BaseModel, Generic[ArgsT]):
         if self.norm is not None:
             self.norm.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
+                q_index: torch.Tensor | None = None, kv_index: torch.Tensor | None = None,
+                q_doc: torch.Tensor | None = None, kv_doc: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> logits; a pipeline stage without the embedding takes the previous stage's
-        hidden states [batch, seq, dim] instead, and one without the head returns its hidden states."""
+        hidden states [batch, seq, dim] instead, and one without the head returns its hidden states.
+
+        The keyword tensors describe the sequence's layout (torchtitan_lite/components/data/sequence_layout.py):
+        ``positions`` the rotary position of each token (default 0..seq-1); ``q_index`` / ``kv_index`` and
+        ``q_doc`` / ``kv_doc`` the window index and document of each query and key, from which the attention
+        mask is built once for every block. Without them attention is causal over the window."""
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len={self.args.max_seq_len}; "
                 "shorten training.seq_len or use a flavor with a longer max_seq_len"
             )
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, self.rope.cache)
+        rope = rope_at(self.rope.cache, positions)
+        if q_index is None or kv_index is None:
+            for layer in self.layers.values():
+                h = layer(h, rope)
+        else:
+            mask = build_mask(q_index, kv_index, q_doc, kv_doc)
+            for layer in self.layers.values():
+                h = layer(h, rope, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None else self.output(h)

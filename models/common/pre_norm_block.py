@@ -6,6 +6,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from models.common.attention_mask import Mask
 from models.common.decoder_args import DecoderArgs
 from models.common.rms_norm import RMSNorm
 
@@ -44,6 +45,7 @@ class PreNormBlock(nn.Module):
         for part in (self.attention, self.ffn()):
             cast(BlockPart, part).init_weights(self.out_proj_std)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: Mask | None = None) -> torch.Tensor:
+        # The mask goes by keyword: TP prepares the attention's positional inputs (x, the rotary table) only.
+        h = x + self.attention(self.attention_norm(x), rope_cache, mask=mask)
         return h + self.ffn()(self.ffn_norm(h))

@@ -59,8 +59,15 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: RotarySca
     return torch.complex(angles.cos(), angles.sin())
 
 
+def rope_at(cache: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """The rotary table's rows for ``positions`` [batch, seq] (one row per token), or the whole table."""
+    return cache if positions is None else cache[positions]
+
+
 def apply_rotary_emb(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate x [batch, seq, heads, head_dim] by its positions 0..seq-1; computed in float32, returned in x.dtype.
+    """Rotate x [batch, seq, heads, head_dim] by its positions 0..seq-1 of the table ``cache`` [max_seq, ...], or
+    by one row per token when ``cache`` is [batch, seq, ...] (``rope_at``); computed in float32, returned in
+    x.dtype.
 
     The head count is read from x, so tensor-parallel ranks holding a slice of the heads work unchanged.
     Each channel pair is multiplied as one complex number by the table: one kernel each way, where the
@@ -69,9 +76,10 @@ def apply_rotary_emb(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     the complex multiply to its eager kernel; generating the real form into the neighbouring kernels
     instead measured no faster per step and added ~1 s (three C++ kernels) to every cold compile.
     """
-    seqlen = x.shape[1]
+    bsz, seqlen = x.shape[:2]
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * cache[:seqlen].view(1, seqlen, 1, -1)).flatten(-2).type_as(x)
+    rows = cache.view(bsz, seqlen, 1, -1) if cache.dim() == 3 else cache[:seqlen].view(1, seqlen, 1, -1)
+    return torch.view_as_real(pairs * rows).flatten(-2).type_as(x)
 
 
 class RotaryEmbedding(nn.Module):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.common.attention import causal_attention
+from models.common.attention import masked_attention
+from models.common.attention_mask import Mask
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
 from models.common.rope import apply_rotary_emb
@@ -24,7 +25,7 @@ rms_norm_eps says."""
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """x [batch, seq, dim] -> [batch, seq, dim], causal."""
+    """x [batch, seq, dim] -> [batch, seq, dim], causal (or under a mask, models/common/attention_mask.py)."""
 
     def __init__(self, args: DeepSeekV3ModelArgs) -> None:
         super().__init__()
@@ -78,7 +79,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return self.kv_norm(latent), apply_rotary_emb(k_rope.unsqueeze(2), rope_cache)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: Mask | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q_nope, q_rope = self.query_heads(x, rope_cache)
         latent, k_rope = self.compressed_kv(x, rope_cache)
@@ -87,6 +88,6 @@ class MultiHeadLatentAttention(nn.Module):
         heads = k_nope.shape[2]
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1)
-        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=False,
+        out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, enable_gqa=False,
                                scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

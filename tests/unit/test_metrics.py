@@ -50,6 +50,22 @@ def test_tokens_per_second_tflops_and_mfu_arithmetic(tmp_path, caplog):
     assert processor.log(2, loss=2.0, grad_norm=0.5, lr=1e-3)["tokens_per_second"] == pytest.approx(100.0)
 
 
+def test_a_document_mask_counts_only_the_attention_it_does(tmp_path):
+    clock = FakeClock()
+    processor = MetricsProcessor.Config(cpu_peak_tflops=10.0, enable_tensorboard=False).build(
+        dump_folder=str(tmp_path), device="cpu", num_flops_per_token=6e9, attention_flops_per_token=2e9, rank=0,
+        clock=clock)
+    processor.record_tokens(600, attention_share=0.5)
+    processor.record_tokens(400)  # causal: all of its attention
+    clock.now += 2.0
+    values = processor.log(1, loss=2.0, grad_norm=0.5, lr=1e-3)
+    # 500 tok/s x 6e9 = 3 TFLOP/s, less the skipped half of 600 tokens' attention: 300 / 2 s x 2e9 = 0.3.
+    assert values["tflops"] == pytest.approx(2.7, rel=1e-12)
+    processor.record_tokens(1000)
+    clock.now += 2.0
+    assert processor.log(2, loss=2.0, grad_norm=0.5, lr=1e-3)["tflops"] == pytest.approx(3.0, rel=1e-12)
+
+
 def test_tensor_parallel_ranks_share_tokens(tmp_path):
     clock = FakeClock()
     processor = MetricsProcessor.Config(cpu_peak_tflops=10.0, enable_tensorboard=False).build(

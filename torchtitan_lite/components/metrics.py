@@ -119,6 +119,7 @@ class MetricsProcessor(Configurable):
         dump_folder: str,
         device: torch.device | str,
         num_flops_per_token: float,
+        attention_flops_per_token: float = 0.0,
         dp_degree: int = 1,
         tp_degree: int = 1,
         rank: int | None = None,
@@ -128,6 +129,8 @@ class MetricsProcessor(Configurable):
         """
         Args:
             num_flops_per_token: training FLOPs (forward + backward) per token of the model.
+            attention_flops_per_token: the part of it the attention over all earlier tokens of the window takes;
+                scaled by the share of those pairs a document mask attends (``record_tokens``).
             dp_degree: data-parallel ranks; each sees different tokens (global tokens/s).
             tp_degree: ranks that compute on the same tokens (tensor parallel); per-device tokens/s
                 divides by it.
@@ -139,6 +142,7 @@ class MetricsProcessor(Configurable):
         self.config = config
         self.device = torch.device(device)
         self.num_flops_per_token = num_flops_per_token
+        self.attention_flops_per_token = attention_flops_per_token
         self.dp_degree = dp_degree
         self.tp_degree = tp_degree
         self.rank = dist_utils.rank() if rank is None else rank
@@ -154,6 +158,7 @@ class MetricsProcessor(Configurable):
         color = sys.stdout.isatty() if config.enable_color is None else config.enable_color
         self.colors = _COLORS if color else _PLAIN
         self._tokens = 0
+        self._unattended_tokens = 0.0
         self._excluded_s = 0.0
         self._interval_start = clock()
         self._eta_origin: tuple[int, float] | None = None
@@ -250,9 +255,11 @@ class MetricsProcessor(Configurable):
     # ----------------------------------------------------------------------------------------------
     # What the loop calls
 
-    def record_tokens(self, n_tokens: int) -> None:
-        """Count input tokens this rank processed (call once per micro-batch)."""
+    def record_tokens(self, n_tokens: int, *, attention_share: float = 1.0) -> None:
+        """Count input tokens this rank processed (call once per micro-batch), and the share of the causal
+        window's attention pairs their attention computed (document masking attends fewer)."""
         self._tokens += n_tokens
+        self._unattended_tokens += n_tokens * (1.0 - attention_share)
 
     @contextlib.contextmanager
     def exclude_from_throughput(self) -> Iterator[None]:
@@ -306,7 +313,9 @@ class MetricsProcessor(Configurable):
         now = self.clock()
         elapsed = max(now - self._interval_start - self._excluded_s, 1e-9)
         tokens_per_s = self._tokens / elapsed / self.tp_degree
-        flops = tokens_per_s * self.num_flops_per_token
+        # The attention the mask skipped is not counted (nothing is subtracted under the causal mask).
+        flops = tokens_per_s * self.num_flops_per_token \
+            - self._unattended_tokens / elapsed / self.tp_degree * self.attention_flops_per_token
         memory, reserved = self._peak_memory_gib()
         values = {
             "loss": float(loss),
@@ -339,6 +348,7 @@ class MetricsProcessor(Configurable):
             logger.info(f"{line}  {summary}" if summary else line)
 
         self._tokens = 0
+        self._unattended_tokens = 0.0
         self._excluded_s = 0.0
         self._interval_start = now
         return values

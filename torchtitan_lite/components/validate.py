@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_lite.components.data.sequence_layout import SequenceLayout
 from torchtitan_lite.components.quantization.low_precision_linears import high_precision_linears
 from torchtitan_lite.config import Configurable
 from torchtitan_lite.distributed.step_runner import LocalRunner, LossFn, StepRunner
@@ -78,6 +79,7 @@ class Validator(Configurable):
         runner: StepRunner | None = None,
         source_factories: Mapping[str, Callable[[], Iterable[Batch]]] | None = None,
         source_weights: Mapping[str, float] | None = None,
+        sequence_layout: SequenceLayout | None = None,
     ) -> None:
         """
         Args:
@@ -93,6 +95,8 @@ class Validator(Configurable):
                 the single model part runs locally.
             source_factories: instead of one loader, a fresh validation loader per source of a mixture (by
                 name), weighted by ``source_weights`` in the returned loss.
+            sequence_layout: lays each batch out for the model as training does (document masking); default
+                plain causal attention.
         """
         self.config = config
         if sum(x is not None for x in (dataloader_factory, dataloader, source_factories)) != 1:
@@ -111,6 +115,7 @@ class Validator(Configurable):
         self.autocast = autocast or contextlib.nullcontext
         self.loss_context = loss_context or contextlib.nullcontext
         self.runner = runner
+        self.sequence_layout = sequence_layout or SequenceLayout()
 
     def validate(self, model_parts: Sequence[nn.Module], step: int) -> float:
         """Validation loss of the model at training step ``step``; the model's train/eval modes are kept."""
@@ -156,10 +161,9 @@ class Validator(Configurable):
             batch = next(data, None)
             if not self._every_rank_has(batch is not None) or batch is None:
                 break
-            inputs, labels = batch
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            mb = self.sequence_layout(batch).to(self.device)
             with self.autocast(), self.loss_context():
-                loss_sum, n_tokens = runner.eval(inputs, labels)
+                loss_sum, n_tokens = runner.eval(mb.inputs, mb.labels, mb.model_kwargs)
             totals[0] += _full(loss_sum).double()
             totals[1] += _full(n_tokens).double()
             batches += 1

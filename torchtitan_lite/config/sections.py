@@ -40,10 +40,17 @@ class ModelConfig:
     """A Hugging Face config.json (qwen3_moe, deepseek_v3) whose architecture replaces the flavor's: its widths,
     depth, experts and rotary settings; the flavor still gives what the file has no field for (balancing, init).
     scripts/convert_from_hf.py sets it in the config.toml of a model no flavor has the shape of."""
+    attention_mask: Literal["causal", "document"] = "causal"
+    """'causal': each token attends to every earlier token of its window, across the documents packed into it.
+    'document': only to the earlier tokens of its own document, with rotary positions restarting at each
+    document's first token (as transformers reads restarting position_ids for every family). Document starts are
+    the data's (a token store's document index, a stream's BOS tokens); MFU counts the attention done."""
 
     def __post_init__(self) -> None:
         if self.n_layers is not None and self.n_layers < 1:
             raise ValueError(f"model.n_layers={self.n_layers} must be >= 1 (or unset for the flavor's)")
+        if self.attention_mask not in ("causal", "document"):
+            raise ValueError(f"model.attention_mask={self.attention_mask!r} must be 'causal' or 'document'")
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 """(logits, labels) -> (summed loss, target tokens), e.g. cross_entropy_sum."""
 Objective = Callable[[torch.Tensor], torch.Tensor]
 """Maps a normalised loss to what is differentiated (the FP16 loss scaler's scaling)."""
+ModelKwargs = dict[str, torch.Tensor]
+"""Keyword tensors of the model's forward beside the tokens (positions, query / key indices and documents)."""
 
 
 class StepRunner(Protocol):
@@ -32,12 +34,14 @@ class StepRunner(Protocol):
     """The ranks over which a batch's loss is summed so that each holds it (the pipeline's); None: it is local."""
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, *, global_tokens: torch.Tensor,
-             objective: Objective | None = None) -> torch.Tensor:
+             objective: Objective | None = None, model_kwargs: ModelKwargs | None = None) -> torch.Tensor:
         """Forward and backward of one local batch, gradients accumulated; the batch's summed loss divided by
-        ``global_tokens`` (zero on a pipeline rank without the last stage)."""
+        ``global_tokens`` (zero on a pipeline rank without the last stage). ``model_kwargs``: the batch's sequence
+        layout for the model's forward (components/data/sequence_layout.py)."""
         ...
 
-    def eval(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def eval(self, inputs: torch.Tensor, labels: torch.Tensor,
+             model_kwargs: ModelKwargs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only: (summed loss, target tokens) of the batch (zeros on a pipeline rank without the last
         stage)."""
         ...
@@ -54,16 +58,17 @@ class LocalRunner:
         self.loss_fn = loss_fn
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, *, global_tokens: torch.Tensor,
-             objective: Objective | None = None) -> torch.Tensor:
-        logits = self.model(inputs)
+             objective: Objective | None = None, model_kwargs: ModelKwargs | None = None) -> torch.Tensor:
+        logits = self.model(inputs, **(model_kwargs or {}))
         loss_sum, _ = self.loss_fn(logits, labels)
         loss = loss_sum / global_tokens
         del logits  # the logits are the largest activation: freed before the backward allocates its own
         (objective(loss) if objective is not None else loss).backward()
         return loss.detach()
 
-    def eval(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.loss_fn(self.model(inputs), labels)
+    def eval(self, inputs: torch.Tensor, labels: torch.Tensor,
+             model_kwargs: ModelKwargs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loss_fn(self.model(inputs, **(model_kwargs or {})), labels)
 
 
 def share_loss(loss: torch.Tensor, runner: StepRunner) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from torchtitan_lite.distributed.pipeline.layout import PipelineLayout
-from torchtitan_lite.distributed.step_runner import LossFn
+from torchtitan_lite.distributed.step_runner import LossFn, ModelKwargs
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.placeholder_forward import in_placeholder_forward, placeholder_forward
 
@@ -53,32 +53,37 @@ class PipelineRunner:
         self._tokens: list[torch.Tensor] = []
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, *, global_tokens: torch.Tensor,
-             objective: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+             objective: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             model_kwargs: ModelKwargs | None = None) -> torch.Tensor:
         """Forward and backward of one local batch through the pipeline, gradients accumulated into the
         stages' parameters. ``objective`` maps a micro-batch's normalised loss to what is differentiated
         (the FP16 scaler's scaling); returns the batch's normalised loss sum on the last stage's rank, zero
         elsewhere."""
         self._global_tokens = global_tokens
         self._objective = objective or (lambda loss: loss)
-        self._run(self.schedule.step, inputs, labels)
+        self._run(self.schedule.step, inputs, labels, model_kwargs)
         losses = [s / global_tokens for s in self._sums]
         return torch.stack(losses).sum() if losses else torch.zeros((), device=global_tokens.device)
 
     @torch.no_grad()
-    def eval(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def eval(self, inputs: torch.Tensor, labels: torch.Tensor,
+             model_kwargs: ModelKwargs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only: (summed loss, target tokens) of the batch on the last stage's rank, zeros elsewhere."""
         self._global_tokens = None
-        self._run(self.schedule.eval, inputs, labels)
+        self._run(self.schedule.eval, inputs, labels, model_kwargs)
         if not self._sums:
             zero = torch.zeros((), device=labels.device)
             return zero, zero
         return torch.stack(self._sums).sum(), torch.stack(self._tokens).sum()
 
-    def _run(self, call: Callable[..., object], inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    def _run(self, call: Callable[..., object], inputs: torch.Tensor, labels: torch.Tensor,
+             model_kwargs: ModelKwargs | None) -> None:
         self._sums, self._tokens = [], []
         args = (inputs,) if self.holds_first else ()
         target = labels if self.holds_last else None
-        call(*args, target=target, return_outputs=False)
+        # Keyword tensors (the sequence layout) go to every stage: the schedule splits them by micro-batch as it
+        # splits the inputs, and each stage's forward builds its own attention mask from them.
+        call(*args, target=target, return_outputs=False, **(model_kwargs or {}))
         if self.holds_last and len(self._sums) != self.layout.n_microbatches:
             raise RuntimeError(f"the pipeline schedule computed {len(self._sums)} losses for "
                                f"{self.layout.n_microbatches} micro-batches")
