@@ -28,6 +28,9 @@ COMMAND_PREFIXES = ("./", "python ", "torchrun ", "scripts/", ".venv/", "pip ")
 ENV_PREFIX = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)+")
 
 LONG_RUNNING = {
+    "./run_train.sh --config llama3_debug --model.attention_mask document":
+        "trains 200 steps (tests/integration/test_document_mask_run.py trains it on short documents, 1 process "
+        "and a pipeline)",
     "python scripts/loss_compare.py --verdict llama3 --seeds 4 --parallel 2":
         "trains 32 runs (tests/unit/test_paired_verdict.py runs the verdict on stubbed runs)",
     "python scripts/loss_compare.py --verdict llama3 --recipes tensorwise --seeds 4 --parallel 2":
