@@ -8,18 +8,12 @@ norm, output); a dense block's feed-forward is layers.<i>.feed_forward, an MoE b
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
-from models.common.decoder import Decoder
 from models.common.feed_forward import FeedForward
 from models.common.moe import MoE
-from models.common.moe_hooks import set_aux_loss_scale, update_expert_biases
+from models.common.moe_decoder import MoEDecoder
 from models.common.pre_norm_block import PreNormBlock
-from models.common.router_stats import merge_router_stats, router_stats, router_summary
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
 from models.deepseek_v3.attention import MultiHeadLatentAttention
-from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
 class DeepSeekV3Block(PreNormBlock):
@@ -35,7 +29,7 @@ class DeepSeekV3Block(PreNormBlock):
             super().__init__(layer_id, args, MultiHeadLatentAttention(args), "moe", MoE(args.dim, args.moe))
 
 
-class DeepSeekV3Model(Decoder[DeepSeekV3ModelArgs]):
+class DeepSeekV3Model(MoEDecoder[DeepSeekV3ModelArgs]):
     """tokens [batch, seq] -> logits [batch, seq, vocab]. Build on meta, then `to_empty` + `init_weights`.
 
     The rotary table covers only the qk_rope_head_dim channels of each head, YaRN-scaled when the args say."""
@@ -43,24 +37,6 @@ class DeepSeekV3Model(Decoder[DeepSeekV3ModelArgs]):
     def __init__(self, args: DeepSeekV3ModelArgs) -> None:
         super().__init__(args, lambda i: DeepSeekV3Block(i, args), rope_scaling=args.rope_scaling,
                          rope_dim=args.qk_rope_head_dim)
-
-    def set_aux_loss_scale(self, scale: float) -> None:
-        """Weight of the MoE layers' balance loss in the coming backward passes."""
-        set_aux_loss_scale(self, scale)
-
-    def post_optimizer_step(self, dp_group: dist.ProcessGroup | None) -> None:
-        """Move every MoE layer's expert bias toward balance from the loads of the step (when the bias is on)."""
-        update_expert_biases(self, dp_group)
-
-    def training_stats(self, dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-        """The routers' load balance since the previous call (models/common/router_stats.py)."""
-        return router_stats(self, dp_group)
-
-    def merge_training_stats(self, parts: list[dict[str, float]]) -> dict[str, float]:
-        return merge_router_stats(parts)
-
-    def training_stats_summary(self, values: dict[str, float]) -> str | None:
-        return router_summary(values)
 
     def high_precision_parts(self) -> list[tuple[str, str]]:
         """What DeepSeek-V3's FP8 recipe keeps in BF16 / FP32 (section 3.3.1 of its report), and where we differ."""
@@ -76,9 +52,6 @@ class DeepSeekV3Model(Decoder[DeepSeekV3ModelArgs]):
                                      "moe_experts converter's plan gives their recipe (blockwise in DeepSeek-V3's "
                                      "recipe, as the report runs them in FP8); BF16 without it"),
         ]
-
-    def moe_facts(self) -> MoEFacts:
-        return self.args.moe_facts()
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward): 6 * active matmul parameters + the attention term

@@ -2,28 +2,19 @@
 
 Rotary layout: our rotary pairs channels (2i, 2i+1), which is DeepSeek's own checkpoint layout and what
 transformers computes with ``rope_interleave: true`` (written to config.json), so no row is permuted.
-Experts: models/common/hf_experts.py (per-expert layout written, transformers 5's fused layout read too).
+The conversion is models/common/hf_moe_adapter.py's; experts: models/common/hf_experts.py (per-expert layout
+written, transformers 5's fused layout read too).
 The expert bias is HF's ``mlp.gate.e_score_correction_bias``: it decides the experts at inference as it
 did in training. Multi-token prediction modules are neither written nor read.
 """
 from __future__ import annotations
 
-import re
 from typing import Any
-
-import torch
-from torch.distributed.tensor import DTensor
 
 from models.common import hf_names
 from models.common.hf_config import with_token_ids
-from models.common.hf_experts import (
-    EXPERT_WEIGHTS,
-    HF_EXPERT_KEY,
-    HF_FUSED,
-    PerExpertCollector,
-    experts_to_hf,
-    split_fused,
-)
+from models.common.hf_experts import EXPERT_WEIGHTS
+from models.common.hf_moe_adapter import EXPERT_BIAS, MoEStateDictAdapter
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
 
 _ATTENTION = {
@@ -43,13 +34,13 @@ _DENSE = {
 }
 _MOE = {
     "moe.router.gate.weight": "mlp.gate.weight",
-    "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+    EXPERT_BIAS: "mlp.gate.e_score_correction_bias",
     "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
 _ALL = {**_ATTENTION, **hf_names.BLOCK_NORMS, **_DENSE, **_MOE}
-_FROM_HF = {hf: ours for ours, hf in _ALL.items()}
+"""Block-relative renames of every block weight but the routed experts (shared MoE logic)."""
 HF_ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
 """Other config.json names transformers reads for the fields this adapter writes."""
 
@@ -100,10 +91,15 @@ def hf_config_dict(args: DeepSeekV3ModelArgs, *, torch_dtype: str = "bfloat16", 
     return with_token_ids(config, bos_token_id, eos_token_id)
 
 
-class DeepSeekV3StateDictAdapter:
+class DeepSeekV3StateDictAdapter(MoEStateDictAdapter[DeepSeekV3ModelArgs]):
     """Renames and splits / stacks experts between our full state dict and HF's. Tensors must be whole: gather
     DTensor-sharded state (get_model_state_dict with full_state_dict=True) first."""
 
+    family = "DeepSeek-V3"
+    hf_class = "DeepseekV3ForCausalLM"
+    hf_router = "a sigmoid router and shared experts"
+    per_layer = _ALL
+    layer_hint = " (multi-token prediction layers are not read)"
     float32_suffixes = ("moe.expert_bias", "mlp.gate.e_score_correction_bias")
     """Exported in float32 whatever the weights' dtype (hf_io.export_dtype): the bias moves in 1e-3 steps around
     values a bfloat16 would round by ~1e-5, which could flip near-tied expert choices."""
@@ -113,25 +109,15 @@ class DeepSeekV3StateDictAdapter:
     """config.json fields that do not change the model's logits: the multi-token prediction layers are extra heads
     (transformers builds none, and writes 1 by default); their weights, where a checkpoint has them, are refused."""
 
-    def __init__(self, args: DeepSeekV3ModelArgs) -> None:
-        self.args = args
-
-    def _check_representable(self) -> None:
+    def _hf_requires(self) -> tuple[tuple[str, object, object], ...]:
         m = self.args.moe
-        unsupported = [f"{name}={value!r}" for name, value, hf in (
-            ("score_func", m.score_func, "sigmoid"), ("num_shared_experts > 0", m.num_shared_experts > 0, True))
-            if value != hf]
-        if unsupported:
-            raise ValueError(f"DeepseekV3ForCausalLM has a sigmoid router and shared experts, but these model args "
-                             f"set {', '.join(unsupported)}; such a model has no Hugging Face DeepSeek-V3 form")
+        return (("score_func", m.score_func, "sigmoid"), ("num_shared_experts > 0", m.num_shared_experts > 0, True))
 
-    def hf_config_dict(self, **kwargs: Any) -> dict[str, Any]:
-        self._check_representable()
+    def _hf_config(self, **kwargs: Any) -> dict[str, Any]:
         return hf_config_dict(self.args, **kwargs)
 
-    # -- names and shapes ----------------------------------------------------------------------------
-
     def _block_names(self, layer: int) -> list[str]:
+        """A dense block's names or an MoE block's; the query projection full-rank or low-rank (q_lora_rank)."""
         a = self.args
         q = ["attention.wq.weight"] if a.q_lora_rank == 0 else [
             "attention.wq_a.weight", "attention.q_norm.weight", "attention.wq_b.weight"]
@@ -140,19 +126,11 @@ class DeepSeekV3StateDictAdapter:
         if layer < a.n_dense_layers:
             return [*attention, *_DENSE, "ffn_norm.weight"]
         moe = ["moe.router.gate.weight", *EXPERT_WEIGHTS]
-        return [*attention, *moe, *[k for k in _MOE if k.startswith("moe.shared")], "ffn_norm.weight",
-                "moe.expert_bias"]
+        return [*attention, *moe, *[k for k in _MOE if k.startswith("moe.shared")], "ffn_norm.weight", EXPERT_BIAS]
 
-    def our_keys(self) -> list[str]:
-        """Every key of DeepSeekV3Model(args).state_dict(), tied output included (as a set, not in module order)."""
-        keys = ["tok_embeddings.weight"]
-        for i in range(self.args.n_layers):
-            keys += [f"layers.{i}.{name}" for name in self._block_names(i)]
-        return keys + ["norm.weight", "output.weight"]
-
-    def _expected_shape(self, key: str) -> tuple[int, ...]:
-        a, m = self.args, self.args.moe
-        h, shared = a.n_heads, m.num_shared_experts * m.hidden_dim
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        a = self.args
+        h = a.n_heads
         return {
             "tok_embeddings.weight": (a.vocab_size, a.dim),
             "output.weight": (a.vocab_size, a.dim),
@@ -170,93 +148,17 @@ class DeepSeekV3StateDictAdapter:
             "feed_forward.w1.weight": (a.dense_hidden_dim, a.dim),
             "feed_forward.w3.weight": (a.dense_hidden_dim, a.dim),
             "feed_forward.w2.weight": (a.dim, a.dense_hidden_dim),
-            "moe.router.gate.weight": (m.num_experts, a.dim),
-            "moe.expert_bias": (m.num_experts,),
-            "moe.experts.w1": (m.num_experts, m.hidden_dim, a.dim),
-            "moe.experts.w3": (m.num_experts, m.hidden_dim, a.dim),
-            "moe.experts.w2": (m.num_experts, a.dim, m.hidden_dim),
-            "moe.shared_experts.w1.weight": (shared, a.dim),
-            "moe.shared_experts.w3.weight": (shared, a.dim),
-            "moe.shared_experts.w2.weight": (a.dim, shared),
-        }[hf_names.block_name(key)]
+            **self._moe_shapes(),
+        }
 
-    def _checked(self, key: str, tensor: torch.Tensor, shown_as: str) -> torch.Tensor:
-        if isinstance(tensor, DTensor):
-            raise TypeError(f"{shown_as} is a DTensor: gather a full state dict before converting")
-        layer = hf_names.OUR_LAYER_KEY.match(key)
-        if layer is not None and hf_names.block_name(key) not in self._block_names(int(layer.group(1))):
-            kind = "dense" if int(layer.group(1)) < self.args.n_dense_layers else "MoE"
-            raise KeyError(f"{shown_as} does not belong in layer {layer.group(1)}, a {kind} block of these model args "
-                           f"(q_lora_rank={self.args.q_lora_rank}, n_dense_layers={self.args.n_dense_layers}); "
-                           "check that the checkpoint matches the flavor")
-        return hf_names.check_shape(tensor, self._expected_shape(key), shown_as)
+    def _misplaced(self, key: str, shown_as: str, layer: int) -> Exception:
+        kind = "dense" if layer < self.args.n_dense_layers else "MoE"
+        return KeyError(f"{shown_as} does not belong in layer {layer}, a {kind} block of these model args "
+                        f"(q_lora_rank={self.args.q_lora_rank}, n_dense_layers={self.args.n_dense_layers}); "
+                        "check that the checkpoint matches the flavor")
 
-    def _layer(self, match: re.Match[str] | None, key: str, kind: str) -> tuple[int, str]:
-        if match is None or int(match.group(1)) >= self.args.n_layers:
-            raise KeyError(f"unexpected {kind} key {key!r} for a {self.args.n_layers}-layer DeepSeek-V3 model; "
-                           "check that the checkpoint matches the flavor (multi-token prediction layers are not read)")
-        return int(match.group(1)), match.group(2)
-
-    # -- conversions -----------------------------------------------------------------------------------
-
-    def to_hf(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> dict[str, torch.Tensor]:
-        """Our names -> HF's per-expert checkpoint layout. A tied model writes no lm_head.weight."""
-        self._check_representable()
-        tied = self.args.tie_word_embeddings
-        if strict:
-            expected = [k for k in self.our_keys() if not (tied and k == "output.weight")]
-            hf_names.check_complete(set(state_dict), expected, "state dict", names=" (our names)")
-        hf: dict[str, torch.Tensor] = {}
-        for key, tensor in state_dict.items():
-            if key in hf_names.TOP_LEVEL:
-                if not (tied and key == "output.weight"):
-                    hf[hf_names.TOP_LEVEL[key]] = self._checked(key, tensor, key)
-                continue
-            i, name = self._layer(hf_names.OUR_LAYER_KEY.match(key), key, "state dict")
-            tensor = self._checked(key, tensor, key)
-            prefix = f"model.layers.{i}."
-            if name in EXPERT_WEIGHTS:
-                hf.update(experts_to_hf(prefix, name, tensor))
-            else:
-                hf[prefix + _ALL[name]] = tensor
-        return hf
-
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> dict[str, torch.Tensor]:
-        """HF names (per-expert or transformers 5's fused experts) -> ours. With tied embeddings output.weight
-        maps to the embedding tensor; a saved lm_head.weight must equal it."""
-        self._check_representable()
-        tied = self.args.tie_word_embeddings
-        ours: dict[str, torch.Tensor] = {}
-        experts = PerExpertCollector(self.args.moe.num_experts)
-        lm_head = None
-        for hf_key, tensor in hf_state_dict.items():
-            top = next((k for k, v in hf_names.TOP_LEVEL.items() if v == hf_key), None)
-            if top is not None:
-                if top == "output.weight" and tied:
-                    lm_head = tensor
-                else:
-                    ours[top] = self._checked(top, tensor, hf_key)
-                continue
-            i, name = self._layer(hf_names.HF_LAYER_KEY.match(hf_key), hf_key, "Hugging Face")
-            prefix = f"layers.{i}."
-            expert = HF_EXPERT_KEY.match(name)
-            if name in _FROM_HF:
-                ours[prefix + _FROM_HF[name]] = self._checked(prefix + _FROM_HF[name], tensor, hf_key)
-            elif expert is not None:
-                if i < self.args.n_dense_layers:
-                    raise KeyError(f"{hf_key} is an expert weight, but layer {i} is one of the first "
-                                   f"n_dense_layers={self.args.n_dense_layers} dense blocks of these model args; check "
-                                   "that the checkpoint matches the flavor")
-                experts.add(i, expert, tensor)
-            elif name in HF_FUSED:
-                for part, value in split_fused(name, tensor, self.args.moe.hidden_dim, hf_key).items():
-                    ours[prefix + part] = self._checked(prefix + part, value, hf_key)
-            else:
-                raise KeyError(f"unexpected Hugging Face key {hf_key!r} for a DeepSeek-V3 model")
-        for key, tensor in experts.stacked().items():
-            ours[key] = self._checked(key, tensor, key)
-        if tied:
-            hf_names.tie_output(ours, lm_head)
-        if strict:
-            hf_names.check_complete(set(ours), self.our_keys(), "Hugging Face state dict", names=" (our names)")
-        return ours
+    def _check_expert_layer(self, layer: int, hf_key: str) -> None:
+        if layer < self.args.n_dense_layers:
+            raise KeyError(f"{hf_key} is an expert weight, but layer {layer} is one of the first "
+                           f"n_dense_layers={self.args.n_dense_layers} dense blocks of these model args; check "
+                           "that the checkpoint matches the flavor")
