@@ -20,7 +20,7 @@ from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.launch_check import check_devices, check_memory, check_resume, unchecked_here
 from torchtitan_lite.memory.estimate import GIB
-from torchtitan_lite.model_size import expert_layout_text
+from torchtitan_lite.protocols.model_size import expert_layout_text
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
 PREFLIGHT_ENV = "TORCHTITAN_LITE_PREFLIGHT"

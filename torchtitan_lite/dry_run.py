@@ -36,7 +36,7 @@ from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES
 from torchtitan_lite.memory.optimizer_states import state_bytes
 from torchtitan_lite.model_parts import build_meta_model, parallelized_parts
-from torchtitan_lite.model_size import expert_layout_text, param_counts
+from torchtitan_lite.protocols.model_size import expert_layout_text, param_counts
 from torchtitan_lite.resolved_run import ResolvedRun
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -28,6 +28,7 @@ from torchtitan_lite.config.sections import (
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.pipeline.layout import PipelineLayout, check_pipeline_expert_parallel, resolve_pipeline
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConvertersContainer
+from torchtitan_lite.protocols.model_shape import ModelShape
 from torchtitan_lite.protocols.model_spec import ModelSpec, RunFacts, build_model_args, get_model_spec
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
@@ -68,8 +69,9 @@ class ResolvedRun:
     """'cuda' or 'cpu': where the ranks compute (a CUDA job may be resolved on a host without GPUs)."""
     parallel_dims: ParallelDims
     model_spec: ModelSpec
-    model_args: Any
-    """The family's args, flavor overrides applied and the vocabulary grown to the tokenizer's."""
+    model_args: ModelShape
+    """The family's args, flavor overrides applied and the vocabulary grown to the tokenizer's; the core reads
+    only their shape (the family's own fields are the family's to read)."""
     moe_facts: MoEFacts | None
     """The model's MoE layers, as the family states them (ModelSpec.moe_facts); None: a dense model."""
     precision: ResolvedPrecision
@@ -164,7 +166,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         microbatch_size=par.pipeline_microbatch_size, split_points=par.pipeline_split_points,
         layers_per_stage=par.pipeline_layers_per_stage, n_layers=args.n_layers,
         local_batch_size=config.training.local_batch_size, blocks=spec.parallel_plan.blocks,
-        tied_embeddings=getattr(args, "tie_word_embeddings", False),
+        tied_embeddings=args.tie_word_embeddings,
         compiled_blocks=compile_model)
     moe_facts = spec.moe_facts(args) if spec.moe_facts is not None else None
     check_expert_parallel(dims.ep, moe_facts, config.model, config.activation_checkpoint)

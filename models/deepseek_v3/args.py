@@ -65,12 +65,8 @@ class DeepSeekV3ModelArgs:
         check_positive(self, ("norm_eps", "rope_theta"))
 
     @property
-    def n_kv_heads(self) -> int:
-        """Key/value heads: as many as query heads (the memory estimate and TP checks read it)."""
-        return self.n_heads
-
-    @property
     def kv_heads(self) -> int:
+        """Key/value heads: as many as query heads (MLA expands each head's key and value from the latent)."""
         return self.n_heads
 
     @property
