@@ -90,6 +90,5 @@ class DeepSeekV3ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU width a token passes through in an MoE block (its top_k routed experts plus the shared ones): the
-        dense-equivalent width that per-token estimates read."""
-        return self.moe.active_hidden_dim
+        """SwiGLU width of the dense blocks (the MoE blocks' widths are in moe_facts)."""
+        return self.dense_hidden_dim

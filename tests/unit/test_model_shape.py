@@ -27,7 +27,7 @@ def test_every_flavor_has_the_shape_the_core_reads(family, flavor):
     assert isinstance(shape.tie_word_embeddings, bool)
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "deepseek_v3"])
 def test_the_dense_feed_forward_width_is_the_built_blocks(family):
     """ffn_hidden_dim is the width of the dense blocks the model builds (0 when it has none): not an MoE
     block's active width, which the estimate reads from the MoE facts."""
