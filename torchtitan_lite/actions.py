@@ -20,7 +20,7 @@ from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.launch_check import check_devices, check_memory, check_resume, unchecked_here
 from torchtitan_lite.memory.estimate import GIB
-from torchtitan_lite.model_size import expert_layout_text
+from torchtitan_lite.protocols.model_size import expert_layout_text
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
 PREFLIGHT_ENV = "TORCHTITAN_LITE_PREFLIGHT"
@@ -92,8 +92,8 @@ def _print_fp8_plan(cli: CliResult, registry: ConfigRegistry) -> str:
     with torch.device("meta"):
         model = run.model_spec.model_cls(run.model_args)
     run.converters.check_tp_shards(model)  # every converter's misfits in one error, before any plan table
-    text = low_precision_plan(converters, model, seq_len=run.training.seq_len,
-                              total_flops_per_token=model.flops_per_token(run.training.seq_len)) or ""
+    text = low_precision_plan(converters, model, seq_len=run.seq_len,
+                              total_flops_per_token=model.flops_per_token(run.seq_len)) or ""
     if not run.parallel_dims.tp_enabled:
         return text
     # What TP moves depends on which Linears were converted: convert a meta copy and read the regions.

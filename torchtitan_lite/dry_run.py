@@ -36,7 +36,7 @@ from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES
 from torchtitan_lite.memory.optimizer_states import state_bytes
 from torchtitan_lite.model_parts import build_meta_model, parallelized_parts
-from torchtitan_lite.model_size import expert_layout_text, param_counts
+from torchtitan_lite.protocols.model_size import expert_layout_text, param_counts
 from torchtitan_lite.resolved_run import ResolvedRun
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def dry_run_text(run: ResolvedRun, precision_config: Precision.Config, *, detail
     (--dry-run-detail) its tables: a row per Linear and expert weight, hundreds of lines for a large model."""
     start = time.perf_counter()
     plan = run.model_spec.parallel_plan
-    dims, args, seq_len = run.parallel_dims, run.model_args, run.training.seq_len
+    dims, args, seq_len = run.parallel_dims, run.model_args, run.seq_len
     with _fake_world(run.world_size):
         dims.build_mesh("cpu")
         model = build_meta_model(run)
@@ -138,7 +138,7 @@ def _shard_bytes(parts: Sequence[nn.Module], run: ResolvedRun) -> dict[str, int]
         "parameters": params,
         # FSDP reduce-scatters gradients into the parameters' shards and their dtype (float32).
         "gradients": params,
-        "optimizer states": sum(state_bytes(n, run.optimizer.low_bit) for n in local),
+        "optimizer states": sum(state_bytes(n, run.optimizer_low_bit) for n in local),
     }
 
 
@@ -147,7 +147,7 @@ def _float8_text(run: ResolvedRun, model: nn.Module, *, detail: bool) -> str:
     communication region moves."""
     converters = run.converters.converters
     if detail:
-        text = low_precision_plan(converters, model, seq_len=run.training.seq_len)
+        text = low_precision_plan(converters, model, seq_len=run.seq_len)
     else:
         summary = fp8_plan_summary(converters, model)
         # The summary points at the tables; here they are one flag away, inside this same report.

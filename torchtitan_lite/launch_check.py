@@ -166,12 +166,12 @@ def _fixes(run: ResolvedRun) -> list[str]:
     if facts is not None and ep > 1:
         fixes.append(f"--parallelism.ep {ep} (expert parallelism: FSDP gathers and reduce-scatters 1/{ep} of each "
                      f"block's experts; {ep} divides num_experts={facts.num_experts} and dp_shard={dims.dp_shard})")
-    if run.activation_checkpoint.mode != "full":
+    if run.ac_mode != "full":
         fixes.append("--activation_checkpoint.mode full (recompute activations in backward)")
-    if run.training.local_batch_size > 1:
-        fixes.append(f"a smaller --training.local_batch_size (now {run.training.local_batch_size}; keep the global "
+    if run.local_batch_size > 1:
+        fixes.append(f"a smaller --training.local_batch_size (now {run.local_batch_size}; keep the global "
                      f"batch with --training.global_batch_size)")
-    if run.optimizer.low_bit is None:
+    if run.optimizer_low_bit is None:
         fixes.append("--optimizer.low_bit adamw8bit (8-bit AdamW states: a quarter of the fp32 bytes)")
     return fixes
 

@@ -43,20 +43,21 @@ class ModelParts:
 
 
 def build_model_parts(run: ResolvedRun, *, mp_policy: MixedPrecisionPolicy, device: torch.device, loss_fn: LossFn,
-                      seed: int | None, cpu_offload: bool, label: str) -> ModelParts:
+                      seed: int | None, label: str) -> ModelParts:
     """Build, convert, cut, parallelize, materialise and initialise this rank's model parts (see the module doc).
     ``seed`` (training.seed) gives each pipeline stage its own initial random stream (``_stage_rng``); ``label``
-    names the model in the log ('llama3 debug')."""
+    names the model in the log ('llama3 debug'). Under FSDP CPU offload the parameters live on the host."""
     model = build_meta_model(run)
     plan = fp8_plan_summary(run.converters.converters, model)
     if plan is not None and dist_utils.is_rank0():
         logger.info("%s", plan)
-    flops_per_token = model.flops_per_token(run.training.seq_len)
+    flops_per_token = model.flops_per_token(run.seq_len)
     attention_flops_per_token = flops_per_token - model.flops_per_token(0)  # the formula is linear in seq_len
     n_params = model.num_params()
     start = time.perf_counter()
     layout = run.pipeline
     stage_ids = layout.stage_ids(run.parallel_dims.pp_rank) if layout is not None else (0,)
+    cpu_offload = run.fsdp_cpu_offload
     parts = parallelized_parts(model, run, stage_ids, run.parallelize_context(mp_policy=mp_policy))
     for part, stage_id in zip(parts, stage_ids, strict=True):
         part.to_empty(device="cpu" if cpu_offload else device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -28,6 +28,7 @@ from torchtitan_lite.config.sections import (
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.pipeline.layout import PipelineLayout, check_pipeline_expert_parallel, resolve_pipeline
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConvertersContainer
+from torchtitan_lite.protocols.model_shape import ModelShape
 from torchtitan_lite.protocols.model_spec import ModelSpec, RunFacts, build_model_args, get_model_spec
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from torchtitan_lite.components.checkpoint import CheckpointManager
     from torchtitan_lite.components.data import TextDataLoader
     from torchtitan_lite.components.metrics import MetricsProcessor
-    from torchtitan_lite.components.optimizer import OptimizersContainer
+    from torchtitan_lite.components.optimizer import Implementation, LowBit, OptimizersContainer
     from torchtitan_lite.components.precision import Precision
     from torchtitan_lite.components.tokenizer import Tokenizer
     from torchtitan_lite.components.validate import Validator
@@ -68,8 +69,9 @@ class ResolvedRun:
     """'cuda' or 'cpu': where the ranks compute (a CUDA job may be resolved on a host without GPUs)."""
     parallel_dims: ParallelDims
     model_spec: ModelSpec
-    model_args: Any
-    """The family's args, flavor overrides applied and the vocabulary grown to the tokenizer's."""
+    model_args: ModelShape
+    """The family's args, flavor overrides applied and the vocabulary grown to the tokenizer's; the core reads
+    only their shape (the family's own fields are the family's to read)."""
     moe_facts: MoEFacts | None
     """The model's MoE layers, as the family states them (ModelSpec.moe_facts); None: a dense model."""
     precision: ResolvedPrecision
@@ -78,6 +80,10 @@ class ResolvedRun:
     compile_model: bool
     """The transformer blocks are compiled."""
     compile_loss: bool
+    compile_backend: str
+    """torch.compile backend of the blocks and the loss (compile.backend); read only when something compiles."""
+    compile_fullgraph: bool
+    """Each compiled block must be one graph (compile.fullgraph)."""
     sequence_parallel: bool
     """Norms and the residual stream are sharded along the sequence (TP > 1 and enabled)."""
     loss_parallel: bool
@@ -87,11 +93,25 @@ class ResolvedRun:
     """Stages, their blocks and the schedule under pipeline parallelism; None without it (pp 1)."""
     document_mask: bool
     """Attention stays within each document of a window (model.attention_mask='document')."""
-    training: TrainingConfig
-    parallelism: ParallelismConfig
-    activation_checkpoint: ActivationCheckpointConfig
-    compile: CompileConfig
-    optimizer: OptimizersContainer.Config
+    seq_len: int
+    """Tokens per sequence (training.seq_len)."""
+    local_batch_size: int
+    """Sequences per rank and micro-batch (training.local_batch_size)."""
+    tokens_per_forward: int
+    """Tokens one forward of the model sees on a rank: a pipeline micro-batch's under a pipeline, a local
+    batch's otherwise (what activations and float8 casts are sized by)."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"]
+    """parallelism.fsdp_reshard_after_forward with 'default' decided under a pipeline (``reshard_after_forward``)."""
+    fsdp_cpu_offload: bool
+    """FSDP keeps sharded parameters, gradients and optimizer states on the host."""
+    ac_mode: Literal["none", "full", "selective"]
+    """Activation checkpointing (activation_checkpoint.mode)."""
+    ac_selective_option: str
+    """With ac_mode 'selective': 'op' or every Nth block (activation_checkpoint.selective_option)."""
+    optimizer_low_bit: LowBit | None
+    """Low-bit AdamW states (optimizer.low_bit); None: float32 states."""
+    optimizer_implementation: Implementation
+    """The optimizer step's implementation (optimizer.implementation), which sizes its scratch."""
 
     @property
     def compiles(self) -> bool:
@@ -101,31 +121,24 @@ class ResolvedRun:
 
     @property
     def tokens_per_microbatch(self) -> int:
-        return self.training.local_batch_size * self.training.seq_len
+        return self.local_batch_size * self.seq_len
 
     def data_layout(self, data: TextDataLoader.Config) -> DataLayout:
         """How this run feeds ``data``: recorded in its checkpoints, compared on resume."""
-        return DataLayout(dp_degree=self.parallel_dims.dp_degree, local_batch_size=self.training.local_batch_size,
-                          n_microbatches=self.n_microbatches, seq_len=self.training.seq_len, dataset=data.describe_source(),
+        return DataLayout(dp_degree=self.parallel_dims.dp_degree, local_batch_size=self.local_batch_size,
+                          n_microbatches=self.n_microbatches, seq_len=self.seq_len, dataset=data.describe_source(),
                           streaming=data.streaming, position="stream" if data.streaming else "windows")
-
-    @property
-    def fsdp_reshard_after_forward(self) -> Literal["default", "always", "never"]:
-        """parallelism.fsdp_reshard_after_forward with 'default' decided: under a pipeline every micro-batch's
-        forward and backward would gather a resharded unit again, so the stages keep their weights gathered
-        ('never'); otherwise 'default' (every block but the last resharded)."""
-        setting = self.parallelism.fsdp_reshard_after_forward
-        return "never" if setting == "default" and self.pipeline is not None else setting
 
     def parallelize_context(self, *, mp_policy: MixedPrecisionPolicy) -> ParallelizeContext:
         """What ``parallelize`` needs of this run, with FSDP's ``mp_policy``."""
         return ParallelizeContext(
             parallel_dims=self.parallel_dims, mp_policy=mp_policy, sequence_parallel=self.sequence_parallel,
-            loss_parallel=self.loss_parallel, activation_checkpoint=self.activation_checkpoint,
-            compile_model=self.compile_model, compile_backend=self.compile.backend,
-            compile_fullgraph=self.compile.fullgraph,
+            loss_parallel=self.loss_parallel,
+            activation_checkpoint=ActivationCheckpointConfig(mode=self.ac_mode, selective_option=self.ac_selective_option),
+            compile_model=self.compile_model, compile_backend=self.compile_backend,
+            compile_fullgraph=self.compile_fullgraph,
             fsdp_reshard_after_forward=self.fsdp_reshard_after_forward,
-            fsdp_cpu_offload=self.parallelism.fsdp_cpu_offload,
+            fsdp_cpu_offload=self.fsdp_cpu_offload,
         )
 
 
@@ -140,10 +153,59 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     ``cuda_available`` (default: whether this process sees a GPU) False with device_type 'cuda' resolves a
     GPU job from a host without one.
     """
-    par = config.parallelism
+    par, training, ac = config.parallelism, config.training, config.activation_checkpoint
     dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size,
                         ep=par.ep, pp=par.pp)
     spec = get_model_spec(config.model.name)
+    args = resolve_model_args(config, spec, vocab_size)
+    # Decided once: the pipeline schedule, the family's rules, the converters and parallelize all read it.
+    compile_model = config.compile.enable and "model" in config.compile.components
+    pipeline = resolve_pipeline(
+        pp=par.pp, schedule=par.pipeline_schedule, stages_per_rank=par.pipeline_stages_per_rank,
+        microbatch_size=par.pipeline_microbatch_size, split_points=par.pipeline_split_points,
+        layers_per_stage=par.pipeline_layers_per_stage, n_layers=args.n_layers,
+        local_batch_size=training.local_batch_size, blocks=spec.parallel_plan.blocks,
+        tied_embeddings=args.tie_word_embeddings,
+        compiled_blocks=compile_model)
+    moe_facts = spec.moe_facts(args) if spec.moe_facts is not None else None
+    check_expert_parallel(dims.ep, moe_facts, config.model, ac)
+    check_pipeline_expert_parallel(pipeline, ep=dims.ep, ac_mode=ac.mode)
+    sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
+    dims.validate_for_model(args, training.seq_len, sequence_parallel=sequence_parallel)
+    precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
+                                  cuda_available=cuda_available)
+    if spec.check_run is not None:
+        spec.check_run(RunFacts(model_args=args, compile_model=compile_model, param_dtype=precision.param_dtype,
+                                tp=dims.tp))
+    tokens_per_forward = training.seq_len * (pipeline.microbatch_size if pipeline is not None
+                                             else training.local_batch_size)
+    context = ConversionContext(
+        device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
+        fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,
+        seq_len=training.seq_len, output_module=spec.parallel_plan.output, blocks=spec.parallel_plan.blocks,
+        dp_shard=dims.dp_shard if dims.fsdp_enabled else 1, tp=dims.tp, tp_shard_dim=spec.parallel_plan.tp_shard_dim,
+        tokens_per_forward=tokens_per_forward, ep=dims.ep,
+    )
+    converters = resolve_converters(config, context)
+    return ResolvedRun(
+        world_size=world_size, device_type=device_type, parallel_dims=dims, model_spec=spec, model_args=args,
+        moe_facts=moe_facts,
+        precision=precision, n_microbatches=microbatches_per_step(training, dims.dp_degree),
+        compile_model=compile_model, compile_loss=config.compile.enable and "loss" in config.compile.components,
+        compile_backend=config.compile.backend, compile_fullgraph=config.compile.fullgraph,
+        sequence_parallel=sequence_parallel, loss_parallel=dims.tp_enabled and par.enable_loss_parallel,
+        converters=converters, pipeline=pipeline, document_mask=config.model.attention_mask == "document",
+        seq_len=training.seq_len, local_batch_size=training.local_batch_size, tokens_per_forward=tokens_per_forward,
+        fsdp_reshard_after_forward=reshard_after_forward(par.fsdp_reshard_after_forward, pipelined=pipeline is not None),
+        fsdp_cpu_offload=par.fsdp_cpu_offload, ac_mode=ac.mode, ac_selective_option=ac.selective_option,
+        optimizer_low_bit=config.optimizer.low_bit, optimizer_implementation=config.optimizer.implementation,
+    )
+
+
+def resolve_model_args(config: RunConfig, spec: ModelSpec, vocab_size: int | None) -> ModelShape:
+    """The flavor's args with the config's overrides, the vocabulary grown to the tokenizer's ``vocab_size``
+    (None: read from the tokenizer config; unknown until the tokenizer is fetched) and kept at the initial
+    weights' embedding rows, which a larger tokenizer cannot use."""
     if vocab_size is None:
         vocab_size = planned_vocab_size(config.tokenizer)
     embedding_rows = initial_weights_vocab_size(config.checkpoint, f"model.{spec.parallel_plan.embedding}.weight")
@@ -153,57 +215,33 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
             f"rows of the initial weights checkpoint.initial_load_path={config.checkpoint.initial_load_path!r}: ids "
             f"from {embedding_rows} on would have no embedding. Use the tokenizer those weights were trained with, "
             f"or train from scratch (unset checkpoint.initial_load_path)")
-    args = build_model_args(spec, config.model.flavor, n_layers=config.model.n_layers, vocab_size=embedding_rows,
-                            min_vocab_size=vocab_size, hf_config=config.model.hf_config)
+    args: ModelShape = build_model_args(spec, config.model.flavor, n_layers=config.model.n_layers,
+                                        vocab_size=embedding_rows, min_vocab_size=vocab_size,
+                                        hf_config=config.model.hf_config)
     if vocab_size is None:
         logger.info("tokenizer.path=%r does not exist yet: planning with the %s flavor's vocabulary of %d; a training "
                     "launch needs the tokenizer (--check-config says how to fetch it)", config.tokenizer.path,
                     config.model.flavor, args.vocab_size)
-    # Decided once: the pipeline schedule, the family's rules, the converters and parallelize all read it.
-    compile_model = config.compile.enable and "model" in config.compile.components
-    pipeline = resolve_pipeline(
-        pp=par.pp, schedule=par.pipeline_schedule, stages_per_rank=par.pipeline_stages_per_rank,
-        microbatch_size=par.pipeline_microbatch_size, split_points=par.pipeline_split_points,
-        layers_per_stage=par.pipeline_layers_per_stage, n_layers=args.n_layers,
-        local_batch_size=config.training.local_batch_size, blocks=spec.parallel_plan.blocks,
-        tied_embeddings=getattr(args, "tie_word_embeddings", False),
-        compiled_blocks=compile_model)
-    moe_facts = spec.moe_facts(args) if spec.moe_facts is not None else None
-    check_expert_parallel(dims.ep, moe_facts, config.model, config.activation_checkpoint)
-    check_pipeline_expert_parallel(pipeline, ep=dims.ep, ac_mode=config.activation_checkpoint.mode)
-    sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
-    dims.validate_for_model(args, config.training.seq_len, sequence_parallel=sequence_parallel)
-    precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
-                                  cuda_available=cuda_available)
-    if spec.check_run is not None:
-        spec.check_run(RunFacts(model_args=args, compile_model=compile_model, param_dtype=precision.param_dtype,
-                                tp=dims.tp))
-    context = ConversionContext(
-        device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
-        fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,
-        seq_len=config.training.seq_len, output_module=spec.parallel_plan.output,
-        blocks=spec.parallel_plan.blocks,
-        dp_shard=dims.dp_shard if dims.fsdp_enabled else 1, tp=dims.tp, tp_shard_dim=spec.parallel_plan.tp_shard_dim,
-        tokens_per_forward=config.training.seq_len * (pipeline.microbatch_size if pipeline is not None
-                                                      else config.training.local_batch_size),
-        ep=dims.ep,
-    )
+    return args
+
+
+def resolve_converters(config: RunConfig, context: ConversionContext) -> ModelConvertersContainer:
+    """The run's model converters, built for ``context``, with the rules that tie them to other sections."""
     converters = config.model_converters.build(context=context)
-    check_validation_precision(config.validation, converters, tp_enabled=dims.tp_enabled)
+    check_validation_precision(config.validation, converters, tp_enabled=context.tp_enabled)
     if config.metrics.fp8_stats_freq > 0 and not converters.converters:
         raise ValueError(f"metrics.fp8_stats_freq={config.metrics.fp8_stats_freq} measures FP8 / MX Linears, but "
                          f"model_converters.converters is empty; add a float8 converter (e.g. --config "
                          f"llama3_debug_fp8) or set metrics.fp8_stats_freq=0")
-    return ResolvedRun(
-        world_size=world_size, device_type=device_type, parallel_dims=dims, model_spec=spec, model_args=args,
-        moe_facts=moe_facts,
-        precision=precision, n_microbatches=microbatches_per_step(config.training, dims.dp_degree),
-        compile_model=compile_model, compile_loss=config.compile.enable and "loss" in config.compile.components,
-        sequence_parallel=sequence_parallel, loss_parallel=dims.tp_enabled and par.enable_loss_parallel,
-        converters=converters, pipeline=pipeline, document_mask=config.model.attention_mask == "document",
-        training=config.training, parallelism=par, activation_checkpoint=config.activation_checkpoint,
-        compile=config.compile, optimizer=config.optimizer,
-    )
+    return converters
+
+
+def reshard_after_forward(setting: Literal["default", "always", "never"], *,
+                          pipelined: bool) -> Literal["default", "always", "never"]:
+    """parallelism.fsdp_reshard_after_forward with 'default' decided: under a pipeline every micro-batch's forward
+    and backward would gather a resharded unit again, so the stages keep their weights gathered ('never');
+    otherwise 'default' (every block but the last resharded)."""
+    return "never" if setting == "default" and pipelined else setting
 
 
 def check_expert_parallel(ep: int, facts: MoEFacts | None, model: ModelConfig,

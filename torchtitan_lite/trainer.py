@@ -156,13 +156,12 @@ class Trainer(Configurable):
         """Precision, the loss, this rank's model parts and their optimizers, schedules and FP16 scaler."""
         cfg = self.config
         self.precision = cfg.precision.build(resolved=self.run.precision, device=self.device)
-        if self.run.compiles and cfg.compile.backend == "inductor" and self.device.type == "cpu":
+        if self.run.compiles and self.run.compile_backend == "inductor" and self.device.type == "cpu":
             if note := use_correct_cpu_vector_width():
                 logger.warning(note)
-        loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss, backend=cfg.compile.backend)
+        loss_fn = maybe_compile_loss(cross_entropy_sum, enabled=self.run.compile_loss, backend=self.run.compile_backend)
         built = build_model_parts(self.run, mp_policy=self.precision.mp_policy(), device=self.device,
-                                  loss_fn=loss_fn, seed=cfg.training.seed, cpu_offload=cfg.parallelism.fsdp_cpu_offload,
-                                  label=f"{cfg.model.name} {cfg.model.flavor}")
+                                  loss_fn=loss_fn, seed=cfg.training.seed, label=f"{cfg.model.name} {cfg.model.flavor}")
         self.model_parts = built.parts
         """The whole model, or this rank's pipeline stages."""
         self.runner = built.runner
@@ -187,7 +186,7 @@ class Trainer(Configurable):
         cfg = self.config
         self.dataloader = cfg.data.build(
             tokenizer=self.tokenizer, dp_rank=self.parallel_dims.dp_rank, dp_world_size=self.parallel_dims.dp_degree,
-            seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size, split="train",
+            seq_len=self.run.seq_len, local_batch_size=self.run.local_batch_size, split="train",
             infinite=True, seed=data_order_seed(cfg.training.seed), batches_per_step=self.n_microbatches,
             vocab_size=self.model_args.vocab_size,
         )

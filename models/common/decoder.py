@@ -18,8 +18,8 @@ from models.common.decoder_names import BLOCKS, EMBEDDING
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
 from models.common.rope import RotaryEmbedding, RotaryScaling, rope_at
-from torchtitan_lite.model_size import ParamCounts, param_counts, training_flops_per_token
 from torchtitan_lite.protocols.model import BaseModel
+from torchtitan_lite.protocols.model_size import ParamCounts, param_counts, training_flops_per_token
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
@@ -140,13 +140,11 @@ class Decoder(BaseModel, Generic[ArgsT]):
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token, the PaLM / torchtitan estimate on the active
-        parameters (torchtitan_lite/model_size.py):
+        parameters (torchtitan_lite/protocols/model_size.py):
 
-            6 * N_active + 12 * n_layers * n_heads * head_dim * seq_len
+            6 * N_active + 6 * n_layers * n_heads * (head_dim + v_head_dim) * seq_len
 
         N_active counts the parameters used in matmuls for each token: all but the embedding lookup (a tied
         matrix counts as the output projection) and the routed experts a token is not sent to.
         """
-        a = self.args
-        return training_flops_per_token(self.param_counts(), n_layers=a.n_layers, n_heads=a.n_heads,
-                                        head_dim=a.head_dim, seq_len=seq_len)
+        return training_flops_per_token(self.param_counts(), self.args, seq_len)

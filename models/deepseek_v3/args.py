@@ -65,12 +65,8 @@ class DeepSeekV3ModelArgs:
         check_positive(self, ("norm_eps", "rope_theta"))
 
     @property
-    def n_kv_heads(self) -> int:
-        """Key/value heads: as many as query heads (the memory estimate and TP checks read it)."""
-        return self.n_heads
-
-    @property
     def kv_heads(self) -> int:
+        """Key/value heads: as many as query heads (MLA expands each head's key and value from the latent)."""
         return self.n_heads
 
     @property
@@ -94,6 +90,5 @@ class DeepSeekV3ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU width a token passes through in an MoE block (its top_k routed experts plus the shared ones): the
-        dense-equivalent width that per-token estimates read."""
-        return self.moe.active_hidden_dim
+        """SwiGLU width of the dense blocks (the MoE blocks' widths are in moe_facts)."""
+        return self.dense_hidden_dim

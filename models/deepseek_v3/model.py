@@ -52,10 +52,3 @@ class DeepSeekV3Model(MoEDecoder[DeepSeekV3ModelArgs]):
                                      "moe_experts converter's plan gives their recipe (blockwise in DeepSeek-V3's "
                                      "recipe, as the report runs them in FP8); BF16 without it"),
         ]
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward): 6 * active matmul parameters + the attention term
-        6 * n_layers * n_heads * (qk head dim + v head dim) * seq_len (Llama 3's 12 * h * head_dim * seq with
-        the score and value widths of latent attention apart), counting only the experts a token is routed to."""
-        a = self.args
-        return 6 * self.param_counts().active_matmul + 6 * a.n_layers * a.n_heads * (a.head_dim + a.v_head_dim) * seq_len

@@ -68,6 +68,11 @@ class Llama3ModelArgs:
         return self.dim // self.n_heads
 
     @property
+    def v_head_dim(self) -> int:
+        """Each head's value is as wide as its query and key."""
+        return self.head_dim
+
+    @property
     def ffn_hidden_dim(self) -> int:
         """SwiGLU width exactly as Meta's Llama 3 code: 2/3 of 4*dim, times the multiplier, rounded up."""
         hidden = int(2 * (4 * self.dim) / 3)

@@ -47,6 +47,16 @@ class Qwen3MoeModelArgs:
     def kv_heads(self) -> int:
         return self.n_kv_heads
 
+    @property
+    def v_head_dim(self) -> int:
+        """Each head's value is as wide as its query and key."""
+        return self.head_dim
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """No dense feed-forward: every block is an MoE layer (its widths are in moe_facts)."""
+        return 0
+
     def moe_facts(self) -> MoEFacts:
         """Every block's feed-forward is an MoE layer (``layers.<i>.moe``)."""
         return self.moe.facts(layers=tuple(range(self.n_layers)))

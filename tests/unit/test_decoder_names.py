@@ -8,7 +8,7 @@ from torch import nn
 
 from models import build_model_args, get_model_spec
 from models.common.decoder_names import BLOCKS
-from torchtitan_lite.model_size import param_counts
+from torchtitan_lite.protocols.model_size import param_counts
 
 FAMILIES = ("llama3", "qwen3_moe", "deepseek_v3")
 

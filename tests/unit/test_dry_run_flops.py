@@ -25,7 +25,7 @@ def test_the_dry_runs_flops_per_token_are_the_trainers(config):
 
     precision = cfg.precision.build(device="cpu", resolved=run.precision)
     built = build_model_parts(run, mp_policy=precision.mp_policy(), device=torch.device("cpu"),
-                              loss_fn=cross_entropy_sum, seed=0, cpu_offload=False, label=config)
+                              loss_fn=cross_entropy_sum, seed=0, label=config)
     assert dry_run_flops == built.flops_per_token
 
     # Negative control: the dense formula (12 * layers * heads * head_dim * seq_len for attention) the dry run

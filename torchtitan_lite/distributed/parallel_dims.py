@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Protocol
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -19,6 +19,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 logger = logging.getLogger(__name__)
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+class HeadShape(Protocol):
+    """The part of a model's shape (protocols/model_shape.py's ModelShape, which the protocols above this
+    module define) that tensor parallelism splits."""
+
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
 
 
 class ParallelDims:
@@ -79,11 +91,11 @@ class ParallelDims:
         self._dp_mesh: DeviceMesh | None = None
         self._expert_mesh: DeviceMesh | None = None
 
-    def validate_for_model(self, args: Any, seq_len: int, *, sequence_parallel: bool = True) -> None:
-        """Check that the model's shapes split over `tp`; `args` needs n_heads, n_kv_heads, tie_word_embeddings."""
+    def validate_for_model(self, args: HeadShape, seq_len: int, *, sequence_parallel: bool = True) -> None:
+        """Check that the model's shapes split over `tp` (``args``: the family's args, a ModelShape)."""
         if self.tp == 1:
             return
-        n_kv_heads = args.n_kv_heads if args.n_kv_heads is not None else args.n_heads
+        n_kv_heads = args.kv_heads
         if args.n_heads % self.tp != 0:
             raise ValueError(
                 f"parallelism.tp={self.tp} must divide the model's n_heads={args.n_heads} (each rank computes "
@@ -100,7 +112,7 @@ class ParallelDims:
                 "parallelism shards activations along the sequence; change seq_len or set "
                 "parallelism.enable_sequence_parallel=false"
             )
-        if getattr(args, "tie_word_embeddings", False):
+        if args.tie_word_embeddings:
             raise ValueError(
                 f"parallelism.tp={self.tp} does not support tied embeddings: the embedding is sharded by "
                 "vocabulary rows and the output projection by vocabulary columns of the same matrix; use "

@@ -31,7 +31,8 @@ from torch import nn
 from torchtitan_lite.components.quantization import linear_quantizer
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import TPRegion, tp_regions
-from torchtitan_lite.model_size import ParamCounts, param_counts
+from torchtitan_lite.protocols.model_shape import ModelShape
+from torchtitan_lite.protocols.model_size import ParamCounts, param_counts
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 from torchtitan_lite.resolved_run import ResolvedRun
 
@@ -93,9 +94,9 @@ class LinearLayout:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    args: Any
-    """The model family's args dataclass; the estimator reads its transformer fields (dim, n_heads,
-    n_kv_heads, head_dim, ffn_hidden_dim, vocab_size, n_layers)."""
+    args: ModelShape
+    """The model family's args; the estimator reads their shape (dim, n_heads, kv_heads, head_dim,
+    ffn_hidden_dim, vocab_size, n_layers)."""
     dims: ParallelDims
     params: tuple[ParamLayout, ...]
     linears: tuple[LinearLayout, ...]

@@ -78,12 +78,12 @@ def _rank_layout(run: ResolvedRun, full: ModelLayout, stages: list[StageLayout])
 def _rank_bytes(run: ResolvedRun, layout: ModelLayout, s: ActivationSetup, pp_rank: int) -> _RankBytes:
     """The rank's bytes: its own parameters, states and gradients, and per stage what one micro-batch keeps
     until its backward, weighed by the micro-batches the schedule holds at once."""
-    pipe, ac = run.pipeline, run.activation_checkpoint
+    pipe = run.pipeline
     assert pipe is not None
     stage_ids = pipe.stage_ids(pp_rank)
     stages = [pipe.stages[i] for i in stage_ids]
-    dims, precision, optimizer = layout.dims, run.precision, run.optimizer
-    fsdp, low_bit = dims.fsdp_enabled, optimizer.low_bit
+    dims, precision = layout.dims, run.precision
+    fsdp, low_bit = dims.fsdp_enabled, run.optimizer_low_bit
     param_bytes = precision.param_bytes
     reduce_bytes = torch.tensor([], dtype=precision.reduce_dtype).element_size()
     unit_names = sorted({p.unit for p in layout.params})
@@ -92,10 +92,10 @@ def _rank_bytes(run: ResolvedRun, layout: ModelLayout, s: ActivationSetup, pp_ra
     states = sum(state_bytes(p.local_numel, low_bit) for p in layout.params)
     grads = sum(grad_numel(p, fsdp) for p in layout.params) * MASTER_WEIGHT_BYTES
     scratch, scratch_how = step_temporary_bytes([p.local_numel for p in layout.params], low_bit=low_bit,
-                                                implementation=optimizer.implementation, device_type=run.device_type)
+                                                implementation=run.optimizer_implementation, device_type=run.device_type)
     # Per stage: what one micro-batch keeps until its backward (AC counted from the stage's first block), and
     # on the last stage the logits the schedule keeps as the stage output with the loss's saved log-probs.
-    plans = {sid: block_plan(s, ac.mode, ac.selective_option, [int(b) for b in pipe.stages[sid].blocks])
+    plans = {sid: block_plan(s, run.ac_mode, run.ac_selective_option, [int(b) for b in pipe.stages[sid].blocks])
              for sid in stage_ids}
     tail = {sid: _held_loss_bytes(s) + head_saved_bytes(s) if pipe.stages[sid].last else _boundary_bytes(s)
             for sid in stage_ids}
@@ -113,7 +113,7 @@ def _rank_bytes(run: ResolvedRun, layout: ModelLayout, s: ActivationSetup, pp_ra
         gathered = sum(sorted((gathered_bytes(layout, u, param_bytes) for u in unit_names), reverse=True)[:2])
     accumulated = sum(p.global_numel if p.replicated_grad else p.tp_numel for p in layout.params) * reduce_bytes
     recv = sum((0 if st.first else 1) + (0 if st.last else 1) for st in stages) * pipe.n_microbatches * _boundary_bytes(s)
-    offload = run.parallelism.fsdp_cpu_offload and fsdp
+    offload = run.fsdp_cpu_offload and fsdp
     sizes = PipelineRankSizes(
         persistent=(0 if offload else params + states) + layout.buffer_bytes,
         autocast_copies=autocast_copies(layout, s), grads=0 if offload else grads,
@@ -132,19 +132,19 @@ def _rank_bytes(run: ResolvedRun, layout: ModelLayout, s: ActivationSetup, pp_ra
 def _rank_terms(run: ResolvedRun, layout: ModelLayout, s: ActivationSetup, pp_rank: int,
                 rank: _RankBytes) -> list[MemoryTerm]:
     """The rank's terms, each with how it is sized."""
-    pipe, ac, precision = run.pipeline, run.activation_checkpoint, run.precision
+    pipe, precision = run.pipeline, run.precision
     assert pipe is not None
     stage_ids = pipe.stage_ids(pp_rank)
     stages = [pipe.stages[i] for i in stage_ids]
-    fsdp, low_bit = layout.dims.fsdp_enabled, run.optimizer.low_bit
+    fsdp, low_bit = layout.dims.fsdp_enabled, run.optimizer_low_bit
     param_bytes = precision.param_bytes
     params, states, grads, scratch, scratch_how, float8, sizes = (
         rank.params, rank.states, rank.grads, rank.scratch, rank.scratch_how, rank.float8, rank.sizes)
     held, loss, recv, gathered = sizes.held_activations, sizes.loss_transient, sizes.recv_buffers, sizes.gathered
     per_stage, most = max_in_flight(pipe, pp_rank)
-    offload = run.parallelism.fsdp_cpu_offload and fsdp
+    offload = run.fsdp_cpu_offload and fsdp
     where = " (host: CPU offload)" if offload else ""
-    mode = ac.mode if ac.mode != "selective" else f"selective {ac.selective_option}"
+    mode = run.ac_mode if run.ac_mode != "selective" else f"selective {run.ac_selective_option}"
     sharding = sharding_text(layout)
     in_flight = ", ".join(f"stage {sid} {per_stage[sid]}" for sid in stage_ids)
     terms = [

@@ -29,12 +29,12 @@ def activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
         float32_expert_gemms=any(not getattr(c.config, "power_of_2_scales", False) for c in blockwise))
     return ActivationSetup(
         # Under a pipeline, activations are those of one pipeline micro-batch.
-        tokens=run.pipeline.microbatch_size * run.training.seq_len if run.pipeline else run.tokens_per_microbatch,
-        dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
-        # A family whose every block is an MoE layer has no dense feed-forward width.
-        ffn_dim=getattr(args, "ffn_hidden_dim", 0), moe=moe,
+        tokens=run.tokens_per_forward,
+        dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
+        # A family whose every block is an MoE layer has no dense feed-forward width (0).
+        ffn_dim=args.ffn_hidden_dim, moe=moe,
         vocab_size=args.vocab_size, n_layers=args.n_layers, tp=dims.tp,
-        sequence_parallel=run.parallelism.enable_sequence_parallel, loss_parallel=run.parallelism.enable_loss_parallel,
+        sequence_parallel=run.sequence_parallel, loss_parallel=run.loss_parallel,
         # Without FSDP, low precision comes from autocast: parameters, embedding output and residual stay fp32.
         compute_bytes=param_bytes, residual_bytes=4 if precision.autocast else param_bytes,
         autocast=precision.autocast, float8_tp_regions=layout.float8_tp_regions,

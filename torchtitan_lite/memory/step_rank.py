@@ -32,27 +32,26 @@ def step_rank_estimate(run: ResolvedRun) -> MemoryEstimate:
     """The per-rank memory of a resolved run without pipeline parallelism."""
     device_type, world_size = run.device_type, run.world_size
     layout = model_layout(run)
-    dims, ac = layout.dims, run.activation_checkpoint
+    dims = layout.dims
     param_bytes = run.precision.param_bytes
     reduce_bytes = torch.tensor([], dtype=run.precision.reduce_dtype).element_size()
     s = activation_setup(run, layout)
-    optimizer = run.optimizer
     fsdp = dims.fsdp_enabled
-    offload = run.parallelism.fsdp_cpu_offload and fsdp
+    offload = run.fsdp_cpu_offload and fsdp
     units = sorted({p.unit for p in layout.params})
-    low_bit = optimizer.low_bit
+    low_bit = run.optimizer_low_bit
 
     params = sum(p.local_numel for p in layout.params) * MASTER_WEIGHT_BYTES
     states = sum(state_bytes(p.local_numel, low_bit) for p in layout.params)
     grads = {u: sum(grad_numel(p, fsdp) for p in layout.unit_params(u)) * MASTER_WEIGHT_BYTES for u in units}
     scratch, scratch_how = step_temporary_bytes([p.local_numel for p in layout.params], low_bit=low_bit,
-                                                implementation=optimizer.implementation,
+                                                implementation=run.optimizer_implementation,
                                                 device_type=device_type)
     if not fsdp and any(p.replicated_grad for p in layout.params):
         # The optimizer's DTensor op redistributes a replicated gradient to the parameter's shard: a copy.
         scratch += sum(p.local_numel for p in layout.params if p.replicated_grad) * MASTER_WEIGHT_BYTES
         scratch_how += " + shard copy of the replicated embedding gradient"
-    plan = block_plan(s, ac.mode, ac.selective_option)
+    plan = block_plan(s, run.ac_mode, run.ac_selective_option)
     gathered = {u: gathered_bytes(layout, u, param_bytes) for u in units} if fsdp else {}
     float8 = float8_cast_bytes(layout, s)
     sizes = StepSizes(
@@ -65,14 +64,14 @@ def step_rank_estimate(run: ResolvedRun) -> MemoryEstimate:
         loss_transient=loss_transient_bytes(s), logits_grad=logits_grad_bytes(s),
         block_working=block_backward_working_bytes(s) + float8, optimizer_scratch=0 if offload else scratch,
         accumulating=run.n_microbatches > 1,
-        reshard_after_forward=run.parallelism.fsdp_reshard_after_forward,
+        reshard_after_forward=run.fsdp_reshard_after_forward,
         head_units=tuple(u for u in ("head", "root") if u in units),
     )
     moments = step_moments(sizes)
 
     sharding = sharding_text(layout)
     where = " (host: CPU offload)" if offload else ""
-    mode = ac.mode if ac.mode != "selective" else f"selective {ac.selective_option}"
+    mode = run.ac_mode if run.ac_mode != "selective" else f"selective {run.ac_selective_option}"
     kept = [k for k, _ in plan]
     terms = [
         MemoryTerm("parameters", params, f"fp32 master weights, {sharding}{where}"),

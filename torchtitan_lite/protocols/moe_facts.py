@@ -2,7 +2,7 @@
 
 A family with routed experts registers ``ModelSpec.moe_facts`` (its args -> ``MoEFacts``); a dense family
 leaves it None. The planning tools read only these facts, never the family's name: total and active
-parameters and the training FLOPs per token (torchtitan_lite/model_size.py), expert bytes per rank under
+parameters and the training FLOPs per token (torchtitan_lite/protocols/model_size.py), expert bytes per rank under
 expert parallelism and the routed activations (torchtitan_lite/memory/), and the EP rules at resolve time.
 """
 from __future__ import annotations

@@ -156,7 +156,7 @@ def model_settings(size: Size, layers: int) -> Settings:
 
     a = build_model_args(get_model_spec("llama3"), size.flavor, n_layers=layers, vocab_size=size.vocab_size)
     return Settings(
-        dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads or a.n_heads,
+        dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.kv_heads,
         vocab_size=a.vocab_size, ffn_hidden_dim=a.ffn_hidden_dim, norm_eps=a.norm_eps, rope_theta=a.rope_theta,
         max_seq_len=a.max_seq_len, seq_len=size.seq_len, local_batch_size=size.batch,
         # Training settings are part of the generated module but play no part in a compile-time measurement.

@@ -217,7 +217,7 @@ def settings_from_config(cfg: Any, run: Any) -> Settings:
     float8 = converters[0] if converters else None
     o, s, t = cfg.optimizer, cfg.lr_scheduler, cfg.training
     return Settings(
-        dim=margs.dim, n_layers=margs.n_layers, n_heads=margs.n_heads, n_kv_heads=margs.n_kv_heads or margs.n_heads,
+        dim=margs.dim, n_layers=margs.n_layers, n_heads=margs.n_heads, n_kv_heads=margs.kv_heads,
         vocab_size=margs.vocab_size, ffn_hidden_dim=margs.ffn_hidden_dim, norm_eps=margs.norm_eps,
         rope_theta=margs.rope_theta, max_seq_len=margs.max_seq_len, seq_len=t.seq_len,
         local_batch_size=t.local_batch_size, lr=o.lr, betas=tuple(o.betas), eps=o.eps,

@@ -1,4 +1,4 @@
-"""Total and active parameters of a model, and its training FLOPs per token, from its MoE facts.
+"""Total and active parameters of a model, and its training FLOPs per token, from its MoE facts and its shape.
 
 A token uses every parameter but the routed experts it is not sent to: of each MoE layer's routed experts
 it uses top_k / num_experts (its k experts; shared experts are dense and always used). So
@@ -9,11 +9,13 @@ and a dense model (no facts) has active == total. The training FLOPs per token a
 estimate on the active parameters (what MFU must count, or an MoE run would report its idle experts as
 work):
 
-    6 x (active - embedding lookup) + 12 x n_layers x n_heads x head_dim x seq_len
+    6 x (active - embedding lookup) + 6 x n_layers x n_heads x (head_dim + v_head_dim) x seq_len
 
 2 FLOPs per multiply-add in forward, twice that in backward; the embedding is a lookup (a tied matrix is
-also the output projection, so it counts); the second term is the attention scores and their weighted sum
-over the full score matrix, not its causal half.
+also the output projection, so it counts); the second term is the attention scores (over head_dim channels)
+and their weighted sum of the values (v_head_dim channels) over the full score matrix, not its causal half.
+With v_head_dim == head_dim it is torchtitan's 12 x n_layers x n_heads x head_dim x seq_len; latent attention
+(DeepSeek-V3) has narrower values than its query/key heads.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from torchtitan_lite.protocols.model_shape import ModelShape
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
@@ -61,9 +64,11 @@ def param_counts(model: nn.Module, facts: MoEFacts | None, *, blocks: str, embed
                        embedding_lookup=weight.numel() if uses == 1 else 0)
 
 
-def training_flops_per_token(counts: ParamCounts, *, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """Forward + backward FLOPs per token at ``seq_len`` (see the module docstring)."""
-    return 6 * counts.active_matmul + 12 * n_layers * n_heads * head_dim * seq_len
+def training_flops_per_token(counts: ParamCounts, shape: ModelShape, seq_len: int) -> int:
+    """Forward + backward FLOPs per token at ``seq_len`` (see the module docstring): what MFU and the dry run
+    count, for every family."""
+    attention = 6 * shape.n_layers * shape.n_heads * (shape.head_dim + shape.v_head_dim) * seq_len
+    return 6 * counts.active_matmul + attention
 
 
 def expert_layout_text(facts: MoEFacts, *, n_layers: int, ep: int, dp_shard: int, fsdp: bool, tp: int = 1) -> str:
