@@ -68,11 +68,10 @@ def pipeline_rank_estimate(run: ResolvedRun, full: ModelLayout, s: ActivationSet
 def _rank_layout(run: ResolvedRun, full: ModelLayout, stages: list[StageLayout]) -> ModelLayout:
     """``full`` restricted to the units of ``stages``: their blocks, the embedding on the first stage and the
     final norm + output head on the last."""
-    plan = run.model_spec.parallel_plan
-    units = {f"{plan.blocks}.{b}" for st in stages for b in st.blocks}
-    units |= {plan.embedding} if any(st.first for st in stages) else set()
-    units |= {"head"} if any(st.last for st in stages) else set()
-    return full.restricted(units, modules=len(stages))
+    units = run.model_spec.parallel_plan.fsdp_units([b for st in stages for b in st.blocks], tied=full.tied,
+                                                    first=any(st.first for st in stages),
+                                                    last=any(st.last for st in stages))
+    return full.restricted({u.name for u in units}, modules=len(stages))
 
 
 def _rank_bytes(run: ResolvedRun, layout: ModelLayout, s: ActivationSetup, pp_rank: int) -> _RankBytes:

@@ -40,6 +40,7 @@ def step_rank_estimate(run: ResolvedRun) -> MemoryEstimate:
     fsdp = dims.fsdp_enabled
     offload = run.parallelism.fsdp_cpu_offload and fsdp
     units = sorted({p.unit for p in layout.params})
+    plan_units = run.model_spec.parallel_plan.fsdp_units(layout.block_keys, first=True, last=True, tied=layout.tied)
     low_bit = optimizer.low_bit
 
     params = sum(p.local_numel for p in layout.params) * MASTER_WEIGHT_BYTES
@@ -66,7 +67,9 @@ def step_rank_estimate(run: ResolvedRun) -> MemoryEstimate:
         block_working=block_backward_working_bytes(s) + float8, optimizer_scratch=0 if offload else scratch,
         accumulating=run.n_microbatches > 1,
         reshard_after_forward=run.parallelism.fsdp_reshard_after_forward,
-        head_units=tuple(u for u in ("head", "root") if u in units),
+        block_units=tuple(u.name for u in plan_units if u.kind == "block"),
+        embedding_unit=next((u.name for u in plan_units if u.kind == "embedding"), None),
+        head_units=tuple(u.name for u in plan_units if u.kind in ("head", "root") and u.name in units),
     )
     moments = step_moments(sizes)
 
