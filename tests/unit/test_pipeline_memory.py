@@ -113,3 +113,17 @@ def test_every_schedule_is_sized_with_the_micro_batches_its_ranks_hold(schedule,
         term = next(t for t in est.terms if t.name == "activations in flight")
         assert f"at most {n} micro-batches held at once" in term.how
     assert estimate_run_memory(run).peak_allocated == max(e.peak_allocated for e in ranks)
+
+
+def test_the_embedding_ranks_step_copies_its_replicated_gradient_as_without_a_pipeline():
+    """TP without FSDP: the embedding's gradient is replicated and the optimizer's DTensor op copies it to the
+    shard. A pipeline rank holding the embedding counts that copy in its step scratch, as the rank of a run
+    without a pipeline does; the other ranks have no such gradient."""
+    whole = estimate_run_memory(resolve_run(_config(tp=2), world_size=2, device_type="cpu"))
+    first, last = estimate_pipeline_ranks(resolve_run(_config(pp=2, tp=2), world_size=4, device_type="cpu"))
+    run = resolve_run(_config(tp=2), world_size=2, device_type="cpu")
+    embedding = run.model_args.vocab_size * run.model_args.dim // 2 * 4
+    copy = " + shard copy of the replicated embedding gradient"
+    for est, scratch in ((whole, embedding), (first, embedding), (last, 0)):
+        term = next(t for t in est.terms if t.name == "optimizer step scratch")
+        assert (term.nbytes, term.how.endswith(copy)) == (scratch, bool(scratch))

@@ -20,7 +20,7 @@ from torchtitan_lite.memory.activations import (
 )
 from torchtitan_lite.memory.estimate_table import gathered_text, mib, optimizer_text, sharding_text
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, ModelLayout
-from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
+from torchtitan_lite.memory.optimizer_states import state_bytes
 from torchtitan_lite.memory.pipeline_timeline import PipelineRankSizes, pipeline_moments
 from torchtitan_lite.memory.rank_sizes import (
     autocast_copies,
@@ -28,6 +28,7 @@ from torchtitan_lite.memory.rank_sizes import (
     gathered_bytes,
     grad_numel,
     moe_terms,
+    optimizer_scratch,
     unsharded_grad_bytes,
 )
 from torchtitan_lite.memory.terms import CUDA_CONTEXT_BYTES, MemoryEstimate, MemoryTerm
@@ -90,8 +91,7 @@ def _rank_bytes(run: ResolvedRun, layout: ModelLayout, s: ActivationSetup, pp_ra
     params = sum(p.local_numel for p in layout.params) * MASTER_WEIGHT_BYTES
     states = sum(state_bytes(p.local_numel, low_bit) for p in layout.params)
     grads = sum(grad_numel(p, fsdp) for p in layout.params) * MASTER_WEIGHT_BYTES
-    scratch, scratch_how = step_temporary_bytes([p.local_numel for p in layout.params], low_bit=low_bit,
-                                                implementation=optimizer.implementation, device_type=run.device_type)
+    scratch, scratch_how = optimizer_scratch(run, layout)
     # Per stage: what one micro-batch keeps until its backward (AC counted from the stage's first block), and
     # on the last stage the logits the schedule keeps as the stage output with the loss's saved log-probs.
     plans = {sid: block_plan(s, ac.mode, ac.selective_option, [int(b) for b in pipe.stages[sid].blocks])

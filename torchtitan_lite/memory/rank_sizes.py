@@ -7,7 +7,7 @@ import math
 
 from torchtitan_lite.memory.activations import ActivationSetup, block_saved_bytes
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, ModelLayout, ParamLayout
-from torchtitan_lite.memory.optimizer_states import state_bytes
+from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
 from torchtitan_lite.memory.routed import EP_RECEIVE_HEADROOM, RoutedSetup, all_to_all_bytes
 from torchtitan_lite.memory.terms import MemoryTerm
 from torchtitan_lite.resolved_run import ResolvedRun
@@ -67,6 +67,17 @@ def unsharded_grad_bytes(layout: ModelLayout, unit: str, s: ActivationSetup, fsd
         # The gradient of autocast's low-precision weight copy, before it is cast into the fp32 .grad.
         return sum(p.tp_numel for p in params if p.is_linear and not p.casts_master_weight) * param_bytes
     return 0
+
+
+def optimizer_scratch(run: ResolvedRun, layout: ModelLayout) -> tuple[int, str]:
+    """The optimizer step's temporaries on the rank holding ``layout``, and how they are sized."""
+    scratch, how = step_temporary_bytes([p.local_numel for p in layout.params], low_bit=run.optimizer.low_bit,
+                                        implementation=run.optimizer.implementation, device_type=run.device_type)
+    if not layout.dims.fsdp_enabled and any(p.replicated_grad for p in layout.params):
+        # The optimizer's DTensor op redistributes a replicated gradient to the parameter's shard: a copy.
+        scratch += sum(p.local_numel for p in layout.params if p.replicated_grad) * MASTER_WEIGHT_BYTES
+        how += " + shard copy of the replicated embedding gradient"
+    return scratch, how
 
 
 def autocast_copies(layout: ModelLayout, s: ActivationSetup) -> int:

@@ -13,7 +13,7 @@ from torchtitan_lite.memory.activations import (
 )
 from torchtitan_lite.memory.estimate_table import gathered_text, mib, optimizer_text, sharding_text
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, model_layout
-from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
+from torchtitan_lite.memory.optimizer_states import state_bytes
 from torchtitan_lite.memory.rank_sizes import (
     activation_setup,
     autocast_copies,
@@ -21,6 +21,7 @@ from torchtitan_lite.memory.rank_sizes import (
     gathered_bytes,
     grad_numel,
     moe_terms,
+    optimizer_scratch,
     unsharded_grad_bytes,
 )
 from torchtitan_lite.memory.terms import CUDA_CONTEXT_BYTES, MemoryEstimate, MemoryTerm
@@ -46,13 +47,7 @@ def step_rank_estimate(run: ResolvedRun) -> MemoryEstimate:
     params = sum(p.local_numel for p in layout.params) * MASTER_WEIGHT_BYTES
     states = sum(state_bytes(p.local_numel, low_bit) for p in layout.params)
     grads = {u: sum(grad_numel(p, fsdp) for p in layout.unit_params(u)) * MASTER_WEIGHT_BYTES for u in units}
-    scratch, scratch_how = step_temporary_bytes([p.local_numel for p in layout.params], low_bit=low_bit,
-                                                implementation=optimizer.implementation,
-                                                device_type=device_type)
-    if not fsdp and any(p.replicated_grad for p in layout.params):
-        # The optimizer's DTensor op redistributes a replicated gradient to the parameter's shard: a copy.
-        scratch += sum(p.local_numel for p in layout.params if p.replicated_grad) * MASTER_WEIGHT_BYTES
-        scratch_how += " + shard copy of the replicated embedding gradient"
+    scratch, scratch_how = optimizer_scratch(run, layout)
     plan = block_plan(s, ac.mode, ac.selective_option)
     gathered = {u: gathered_bytes(layout, u, param_bytes) for u in units} if fsdp else {}
     float8 = float8_cast_bytes(layout, s)
