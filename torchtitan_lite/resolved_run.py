@@ -101,6 +101,11 @@ class ResolvedRun:
     def tokens_per_microbatch(self) -> int:
         return self.training.local_batch_size * self.training.seq_len
 
+    @property
+    def tokens_per_forward(self) -> int:
+        """Tokens of one forward pass: a pipeline micro-batch's under a pipeline, else the local batch's."""
+        return _tokens_per_forward(self.training, self.pipeline)
+
     def data_layout(self, data: TextDataLoader.Config) -> DataLayout:
         """How this run feeds ``data``: recorded in its checkpoints, compared on resume."""
         return DataLayout(dp_degree=self.parallel_dims.dp_degree, local_batch_size=self.training.local_batch_size,
@@ -181,8 +186,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
         fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,
         seq_len=config.training.seq_len, output_module=spec.parallel_plan.output,
         dp_shard=dims.dp_shard if dims.fsdp_enabled else 1, tp=dims.tp, tp_shard_dim=spec.parallel_plan.tp_shard_dim,
-        tokens_per_forward=config.training.seq_len * (pipeline.microbatch_size if pipeline is not None
-                                                      else config.training.local_batch_size),
+        tokens_per_forward=_tokens_per_forward(config.training, pipeline),
         ep=dims.ep,
     )
     converters = config.model_converters.build(context=context)
@@ -284,3 +288,7 @@ def initial_weights_vocab_size(checkpoint_config: CheckpointManager.Config, embe
         return None
     shape = saved_tensor_shape(read_metadata(path), embedding_key)
     return None if shape is None else shape[0]
+
+
+def _tokens_per_forward(training: TrainingConfig, pipeline: PipelineLayout | None) -> int:
+    return training.seq_len * (pipeline.microbatch_size if pipeline is not None else training.local_batch_size)
