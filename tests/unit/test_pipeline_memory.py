@@ -127,3 +127,15 @@ def test_the_embedding_ranks_step_copies_its_replicated_gradient_as_without_a_pi
     for est, scratch in ((whole, embedding), (first, embedding), (last, 0)):
         term = next(t for t in est.terms if t.name == "optimizer step scratch")
         assert (term.nbytes, term.how.endswith(copy)) == (scratch, bool(scratch))
+
+
+def test_a_run_without_a_pipeline_is_one_rank_holding_what_the_pipeline_ranks_split():
+    """One path for every rank: without a pipeline, estimate_ranks gives one rank (no pp_rank), the one
+    estimate_run_memory gives; under TP without FSDP the pipeline ranks hold between them exactly its
+    parameters, states, gradients and step scratch."""
+    run = resolve_run(_config(tp=2), world_size=2, device_type="cpu")
+    (whole,) = estimate_ranks(run)
+    assert whole.pp_rank is None and whole == estimate_run_memory(run)
+    ranks = estimate_ranks(resolve_run(_config(pp=2, tp=2), world_size=4, device_type="cpu"))
+    for name in ("parameters", "gradients", "optimizer states", "optimizer step scratch"):
+        assert sum(r[name] for r in ranks) == whole[name] > 0, name
