@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_lite.components.quantization import fp8_plan_summary, low_precision_plan
 from torchtitan_lite.distributed.pipeline import StageLayout
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
-from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_pipeline_ranks, estimate_run_memory
+from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_ranks
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES
 from torchtitan_lite.memory.optimizer_states import state_bytes
 from torchtitan_lite.model_parts import build_meta_model, parallelized_parts
@@ -78,8 +78,7 @@ def dry_run_text(run: ResolvedRun, precision_config: Precision.Config, *, detail
                                                          f", each cut into {run.pipeline.n_microbatches} pipeline "
                                                          f"micro-batches of {run.pipeline.microbatch_size * seq_len}"),
     ]
-    estimates = estimate_pipeline_ranks(run) if run.pipeline is not None else [estimate_run_memory(run)]
-    for rank_shards, estimate in zip(shards, estimates, strict=True):
+    for rank_shards, estimate in zip(shards, estimate_ranks(run), strict=True):
         if estimate.pp_rank is None:
             lines.append("per-rank bytes read off the DTensor shards (estimate's own figure in brackets):")
         else:

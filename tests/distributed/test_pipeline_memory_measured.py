@@ -14,7 +14,7 @@ from torchtitan_lite.config.sections import ActivationCheckpointConfig, ModelCon
 from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.distributed.pipeline import build_stage_modules
 from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
-from torchtitan_lite.memory.estimate import estimate_pipeline_ranks
+from torchtitan_lite.memory.estimate import estimate_ranks
 from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.trainer import Trainer
 
@@ -78,7 +78,7 @@ def _measure(rank: int, world_size: int, schedule: str, ac: str) -> tuple[int, i
                         key=lambda e: e.start_ns()):
         current += event.nbytes()
         peak = max(peak, current)
-    return resident + peak, estimate_pipeline_ranks(run)[run.parallel_dims.pp_rank].peak_allocated
+    return resident + peak, estimate_ranks(run)[run.parallel_dims.pp_rank].peak_allocated
 
 
 @pytest.mark.parametrize(("schedule", "ac", "rel"), [

@@ -10,7 +10,7 @@ from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.config.sections import ActivationCheckpointConfig, ModelConfig, ParallelismConfig, TrainingConfig
 from torchtitan_lite.distributed.pipeline import build_stage_modules, resolve_pipeline
 from torchtitan_lite.distributed.pipeline.in_flight import max_in_flight, peak_held_bytes
-from torchtitan_lite.memory.estimate import estimate_pipeline_ranks, estimate_run_memory
+from torchtitan_lite.memory.estimate import estimate_ranks, estimate_run_memory
 from torchtitan_lite.resolved_run import resolve_run
 from torchtitan_lite.trainer import Trainer
 
@@ -72,7 +72,7 @@ def test_pipeline_ranks_hold_exactly_their_stages_parameters():
     layout = run.pipeline
     with torch.device("meta"):
         model = run.model_spec.model_cls(run.model_args)
-    for est in estimate_pipeline_ranks(run):
+    for est in estimate_ranks(run):
         parts = build_stage_modules(model, run.model_spec.parallel_plan, layout, layout.stage_ids(est.pp_rank))
         with torch.device("meta"):
             model = run.model_spec.model_cls(run.model_args)
@@ -82,7 +82,7 @@ def test_pipeline_ranks_hold_exactly_their_stages_parameters():
 def test_pipeline_ranks_split_the_sharded_model_between_them():
     """PP 2 x FSDP 2 holds, over its two pipeline ranks, exactly what FSDP 2 alone holds per rank."""
     whole = estimate_run_memory(resolve_run(_config(dp_shard=2), world_size=2, device_type="cpu"))
-    ranks = estimate_pipeline_ranks(resolve_run(_config(pp=2, dp_shard=2), world_size=4, device_type="cpu"))
+    ranks = estimate_ranks(resolve_run(_config(pp=2, dp_shard=2), world_size=4, device_type="cpu"))
     for name in ("parameters", "gradients", "optimizer states"):
         assert sum(r[name] for r in ranks) == whole[name], name
 
@@ -91,7 +91,7 @@ def test_in_flight_activations_are_of_pipeline_micro_batches_and_the_largest_ran
     def ranks(batch: int, microbatch: int):
         run = resolve_run(_config(pp=2, dp_shard=2, batch=batch, microbatch=microbatch), world_size=4,
                           device_type="cpu")
-        return run, estimate_pipeline_ranks(run)
+        return run, estimate_ranks(run)
 
     _, eight = ranks(8, 1)
     _, sixteen = ranks(16, 1)
@@ -108,8 +108,34 @@ def test_in_flight_activations_are_of_pipeline_micro_batches_and_the_largest_ran
                                                 ("ZBVZeroBubble", [4, 4]), ("DualPipeV", [5, 5])])
 def test_every_schedule_is_sized_with_the_micro_batches_its_ranks_hold(schedule, most):
     run = resolve_run(_config(pp=2, dp_shard=2, n_layers=8, schedule=schedule), world_size=4, device_type="cpu")
-    ranks = estimate_pipeline_ranks(run)
+    ranks = estimate_ranks(run)
     for est, n in zip(ranks, most, strict=True):
         term = next(t for t in est.terms if t.name == "activations in flight")
         assert f"at most {n} micro-batches held at once" in term.how
     assert estimate_run_memory(run).peak_allocated == max(e.peak_allocated for e in ranks)
+
+
+def test_the_embedding_ranks_step_copies_its_replicated_gradient_as_without_a_pipeline():
+    """TP without FSDP: the embedding's gradient is replicated and the optimizer's DTensor op copies it to the
+    shard. A pipeline rank holding the embedding counts that copy in its step scratch, as the rank of a run
+    without a pipeline does; the other ranks have no such gradient."""
+    whole = estimate_run_memory(resolve_run(_config(tp=2), world_size=2, device_type="cpu"))
+    first, last = estimate_ranks(resolve_run(_config(pp=2, tp=2), world_size=4, device_type="cpu"))
+    run = resolve_run(_config(tp=2), world_size=2, device_type="cpu")
+    embedding = run.model_args.vocab_size * run.model_args.dim // 2 * 4
+    copy = " + shard copy of the replicated embedding gradient"
+    for est, scratch in ((whole, embedding), (first, embedding), (last, 0)):
+        term = next(t for t in est.terms if t.name == "optimizer step scratch")
+        assert (term.nbytes, term.how.endswith(copy)) == (scratch, bool(scratch))
+
+
+def test_a_run_without_a_pipeline_is_one_rank_holding_what_the_pipeline_ranks_split():
+    """One path for every rank: without a pipeline, estimate_ranks gives one rank (no pp_rank), the one
+    estimate_run_memory gives; under TP without FSDP the pipeline ranks hold between them exactly its
+    parameters, states, gradients and step scratch."""
+    run = resolve_run(_config(tp=2), world_size=2, device_type="cpu")
+    (whole,) = estimate_ranks(run)
+    assert whole.pp_rank is None and whole == estimate_run_memory(run)
+    ranks = estimate_ranks(resolve_run(_config(pp=2, tp=2), world_size=4, device_type="cpu"))
+    for name in ("parameters", "gradients", "optimizer states", "optimizer step scratch"):
+        assert sum(r[name] for r in ranks) == whole[name] > 0, name

@@ -60,21 +60,28 @@ def apply_fsdp(
     always = reshard_after_forward == "always"
     never = reshard_after_forward == "never"
 
-    blocks = list(getattr(model, plan.blocks).values())
+    blocks = dict(getattr(model, plan.blocks).items())
     # A pipeline stage holds the embedding only if first, the head only if last (None otherwise).
     embedding, output = getattr(model, plan.embedding), getattr(model, plan.output)
     tied = embedding is not None and output is not None and output.weight is embedding.weight
-    # A tied matrix can belong to one unit only: it stays with the root together with norm and output.
-    if embedding is not None and not tied:
-        shard(embedding, not never)
-    for i, block in enumerate(blocks):
-        reshard = always or (not never and i < len(blocks) - 1)
-        if expert_mesh is not None and (experts := _block_experts(block, plan)) is not None:
-            shard(experts, reshard, expert_mesh)
-        shard(block, reshard)
-    if output is not None and not tied:
-        shard([getattr(model, plan.final_norm), output], always)
-    shard(model, always)
+    experts = {key: m for key, block in blocks.items()
+               if (m := _block_experts(block, plan)) is not None} if expert_mesh is not None else {}
+    last_block = next(reversed(blocks), None)
+    for unit in plan.fsdp_units(list(blocks), first=embedding is not None, last=output is not None, tied=tied,
+                                expert_blocks=experts):
+        if unit.kind == "embedding":
+            shard(model.get_submodule(unit.modules[0]), not never)
+        elif unit.kind in ("experts", "block"):
+            assert unit.block is not None
+            reshard = always or (not never and unit.block != last_block)
+            if unit.kind == "experts":
+                shard(experts[unit.block], reshard, expert_mesh or fsdp_mesh)
+            else:
+                shard(blocks[unit.block], reshard)
+        elif unit.kind == "head":
+            shard([model.get_submodule(m) for m in unit.modules], always)
+        else:
+            shard(model, always)
 
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -36,7 +36,7 @@ Components:
                     `force_recompute_fp8_weight_in_bwd` is deprecated there and changes nothing)
   CUDA context      on CUDA only, `CUDA_CONTEXT_BYTES` that the caching allocator never sees
 
-Under pipeline parallelism every pipeline rank is sized on its own (``estimate_pipeline_ranks``): the
+Under pipeline parallelism every pipeline rank is sized on its own (``estimate_ranks``): the
 parameters, gradients and optimizer states of its stages, the activations of the micro-batches it holds at
 once (replayed from torch's schedule, distributed/pipeline/in_flight.py), FSDP's gathered weights and
 accumulated unsharded gradients, the receive buffers (memory/pipeline_timeline.py); ``estimate_run_memory``
@@ -49,27 +49,29 @@ should come in under the estimate. The vocabulary is the flavor's, grown to the 
 trainer does. The device type matters (the RMSNorm kernel differs): it defaults to this machine's, the
 one a training command launched here would use.
 """
-# This module holds the entry points; a rank's terms are sized in step_rank.py (no pipeline) and
-# pipeline_rank.py, from the sizes both share (rank_sizes.py); terms.py defines the estimate and
-# estimate_table.py its text.
+# This module holds the entry points and the one per-rank path: a rank's part of the model is sized in
+# rank_sizes.py; its terms and moments in step_rank.py (no pipeline: one stage holding the whole model) or
+# pipeline_rank.py; terms.py defines the estimate and estimate_table.py its text.
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.distributed.pipeline.layout import StageLayout
 from torchtitan_lite.memory.estimate_table import table
-from torchtitan_lite.memory.layout import model_layout
-from torchtitan_lite.memory.pipeline_rank import pipeline_rank_estimate
-from torchtitan_lite.memory.rank_sizes import activation_setup
-from torchtitan_lite.memory.step_rank import step_rank_estimate
+from torchtitan_lite.memory.layout import ModelLayout, model_layout
+from torchtitan_lite.memory.pipeline_rank import pipeline_rank
+from torchtitan_lite.memory.rank_sizes import activation_setup, rank_sizes
+from torchtitan_lite.memory.step_rank import step_rank
 from torchtitan_lite.memory.terms import CUDA_CONTEXT_BYTES, GIB, MemoryEstimate, MemoryTerm
+from torchtitan_lite.memory.timeline import Moment
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
 if TYPE_CHECKING:
     from torchtitan_lite.trainer import Trainer
 
 __all__ = ["CUDA_CONTEXT_BYTES", "GIB", "MemoryEstimate", "MemoryTerm", "estimate_memory", "estimate_memory_text",
-           "estimate_pipeline_ranks", "estimate_run_memory"]
+           "estimate_ranks", "estimate_run_memory"]
 
 
 def estimate_memory(config: Trainer.Config, *, world_size: int, device_type: str | None = None) -> MemoryEstimate:
@@ -81,19 +83,40 @@ def estimate_memory(config: Trainer.Config, *, world_size: int, device_type: str
 
 def estimate_run_memory(run: ResolvedRun) -> MemoryEstimate:
     """Predict the per-rank memory of the resolved run; under pipeline parallelism, of its largest pipeline
-    rank (``estimate_pipeline_ranks`` gives every rank)."""
-    if run.pipeline is not None:
-        return max(estimate_pipeline_ranks(run), key=lambda e: e.peak_allocated)
-    return step_rank_estimate(run)
+    rank (``estimate_ranks`` gives every rank)."""
+    return max(estimate_ranks(run), key=lambda e: e.peak_allocated)
 
 
-def estimate_pipeline_ranks(run: ResolvedRun) -> list[MemoryEstimate]:
-    """The memory of every pipeline rank (index = pp_rank) of a run with pipeline parallelism. A rank holds
-    its stages' blocks, the embedding on the first stage and the final norm + output head on the last, each
-    sharded by TP / FSDP / EP as without a pipeline; one micro-batch is pipeline_microbatch_size samples."""
-    layout = model_layout(run)
-    s = activation_setup(run, layout)
-    return [pipeline_rank_estimate(run, layout, s, rank) for rank in range(run.parallel_dims.pp)]
+def estimate_ranks(run: ResolvedRun) -> list[MemoryEstimate]:
+    """The memory of every pipeline rank (index = pp_rank; one rank without a pipeline). A rank holds its
+    stages' units of the family's plan: their blocks, the embedding on the first stage and the final norm +
+    output head on the last, each sharded by TP / FSDP / EP; without a pipeline, one stage holding them all.
+    One micro-batch is pipeline_microbatch_size samples under a pipeline, the local batch without."""
+    full = model_layout(run)
+    s = activation_setup(run, full)
+    pipe = run.pipeline
+    if pipe is None:
+        whole = StageLayout(index=0, blocks=full.block_keys, first=True, last=True)
+        terms, moments = step_rank(run, s, rank_sizes(run, full, s, [whole]))
+        return [_estimate(run, full, terms, moments)]
+    estimates = []
+    for pp_rank in range(pipe.pp):
+        stages = [pipe.stages[i] for i in pipe.stage_ids(pp_rank)]
+        terms, moments = pipeline_rank(run, s, rank_sizes(run, full, s, stages), pp_rank)
+        estimates.append(_estimate(run, full, terms, moments, pp_rank=pp_rank,
+                                   stages="; ".join(st.describe() for st in stages)))
+    return estimates
+
+
+def _estimate(run: ResolvedRun, full: ModelLayout, terms: list[MemoryTerm], moments: list[Moment],
+              **rank: Any) -> MemoryEstimate:
+    """A rank's estimate: its terms, the CUDA context on CUDA, and its moments."""
+    if run.device_type == "cuda":
+        terms = [*terms, MemoryTerm("CUDA context", CUDA_CONTEXT_BYTES, "outside the caching allocator (constant)")]
+    return MemoryEstimate(terms=tuple(terms), moments=tuple(moments),
+                          layout=f"{full.dims.describe()} (world size {run.world_size})", device_type=run.device_type,
+                          world_size=run.world_size, model=full.counts.describe() if full.counts else "",
+                          all_gather=full.all_gather_text, **rank)
 
 
 def estimate_memory_text(run: ResolvedRun) -> str:
@@ -111,7 +134,7 @@ def estimate_memory_text(run: ResolvedRun) -> str:
 
 def _pipeline_text(run: ResolvedRun) -> str:
     """Every pipeline rank's peak and stages, then the breakdown of the largest rank."""
-    ranks = estimate_pipeline_ranks(run)
+    ranks = estimate_ranks(run)
     largest = max(ranks, key=lambda e: e.peak_allocated)
     assert run.pipeline is not None
     lines = [f"pipeline: {run.pipeline.describe()}; per pipeline rank (every rank of the same pp coordinate "

@@ -5,9 +5,9 @@ trainer's parallelize step applies:
 
 - TP: column-parallel Linears and the output projection split dim 0 (output features), row-parallel
   Linears dim 1 (input features), the embedding its vocabulary rows (dim 0); norms are replicated.
-- FSDP2: one unit per block, one for the embedding, one for final norm + output (the "head"), and the
-  root; a tied embedding stays with the root. FSDP2 shards dim 0 of the (TP-local) tensor and pads it to
-  a multiple of the shard degree: every rank stores ceil(dim0 / dp_shard) rows
+- FSDP2: the units of ``ParallelPlan.fsdp_units``: one per block, one for the embedding, one for final norm
+  + output (the "head"), and the root; a tied embedding stays with the root. FSDP2 shards dim 0 of the
+  (TP-local) tensor and pads it to a multiple of the shard degree: every rank stores ceil(dim0 / dp_shard) rows
   (`FSDPParam._init_sharded_param`, torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so rank 0's
   shapes below are also the padded storage of every rank.
 - dp_replicate copies the shards (HSDP): it does not divide anything.
@@ -49,7 +49,7 @@ class ParamLayout:
     local_shape: tuple[int, ...]
     """Shape on rank 0 after TP and FSDP (with FSDP's padding, every rank's storage)."""
     unit: str
-    """FSDP unit holding the parameter: 'layers.<i>', 'tok_embeddings', 'head' (norm + output) or 'root'."""
+    """FSDP unit holding the parameter (ParallelPlan.fsdp_unit; routed experts count with their block)."""
     is_linear: bool
     casts_master_weight: bool
     """Its Linear is converted to one that casts the master weight itself (float8): autocast makes no
@@ -114,6 +114,10 @@ class ModelLayout:
     """The family's MoE facts for these args (None: a dense model)."""
     counts: ParamCounts | None = None
     """Total and active parameters of the model."""
+    block_keys: tuple[str, ...] = ()
+    """The keys of the model's blocks (in model.<blocks>), in order."""
+    tied: bool = False
+    """The embedding and the output projection share one matrix."""
 
     @property
     def float8_tp_regions(self) -> frozenset[str]:
@@ -185,6 +189,7 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
         args=args, dims=dims, params=tuple(params), linears=linears, buffer_bytes=buffer_bytes,
         float8_all_gather=any(size is not None for size, _ in gather.values()), tp_regions=regions, moe=facts,
         counts=param_counts(model, facts, blocks=plan.blocks, embedding=plan.embedding),
+        block_keys=tuple(getattr(model, plan.blocks).keys()), tied=tied,
         all_gather_text=_all_gather_text(run, quantizer, gather) if dims.fsdp_enabled else "",
     )
 

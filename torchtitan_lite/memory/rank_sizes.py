@@ -1,15 +1,22 @@
-"""Sizes both estimators share (the rank of one training step, step_rank.py, and a pipeline rank,
-pipeline_rank.py): the activation setup of a micro-batch, the per-unit bytes of gathered parameters,
-gradients, autocast copies and float8 casts, and the MoE share of the terms."""
+"""What every rank's estimate is built on, with or without a pipeline (the step of step_rank.py, a pipeline
+rank's of pipeline_rank.py): the activation setup of a micro-batch, the rank's part of the model sized per
+FSDP unit (RankSizes: gathered parameters, gradients, reduce-scatter buffers, autocast copies, float8 casts,
+optimizer scratch), and the MoE share of the terms."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch
+
+from torchtitan_lite.distributed.pipeline.layout import StageLayout
 from torchtitan_lite.memory.activations import ActivationSetup, block_saved_bytes
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, ModelLayout, ParamLayout
-from torchtitan_lite.memory.optimizer_states import state_bytes
+from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
 from torchtitan_lite.memory.routed import EP_RECEIVE_HEADROOM, RoutedSetup, all_to_all_bytes
 from torchtitan_lite.memory.terms import MemoryTerm
+from torchtitan_lite.protocols.model_spec import FSDPUnit
 from torchtitan_lite.resolved_run import ResolvedRun
 
 # --------------------------------------------------------------------------------------------------
@@ -31,7 +38,7 @@ def activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
         # Under a pipeline, activations are those of one pipeline micro-batch.
         tokens=run.tokens_per_forward,
         dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        # A family whose every block is an MoE layer has no dense feed-forward width (0).
+        # A family whose every block is an MoE layer has no dense feed-forward width.
         ffn_dim=args.ffn_hidden_dim, moe=moe,
         vocab_size=args.vocab_size, n_layers=args.n_layers, tp=dims.tp,
         sequence_parallel=run.sequence_parallel, loss_parallel=run.loss_parallel,
@@ -39,6 +46,75 @@ def activation_setup(run: ResolvedRun, layout: ModelLayout) -> ActivationSetup:
         compute_bytes=param_bytes, residual_bytes=4 if precision.autocast else param_bytes,
         autocast=precision.autocast, float8_tp_regions=layout.float8_tp_regions,
         device_type=run.device_type, compiled_loss=run.compile_loss,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# A rank's part of the model
+
+
+@dataclass(frozen=True)
+class RankSizes:
+    """What one rank holds of the model, whatever its step looks like: the part of the layout in its FSDP units
+    (ParallelPlan.fsdp_units of its stages; without a pipeline, one stage holding the whole model), sized as a
+    whole and per unit (keys: the units holding parameters, sorted)."""
+
+    layout: ModelLayout
+    units: tuple[FSDPUnit, ...]
+    """The rank's FSDP units, in the plan's order."""
+    fsdp: bool
+    offload: bool
+    """FSDP offloads parameters, gradients and optimizer states to the host."""
+    params: int
+    """fp32 master weights (on the host with CPU offload, as the states and gradients)."""
+    states: int
+    grads: dict[str, int]
+    """fp32 gradients per unit."""
+    scratch: int
+    scratch_how: str
+    unsharded: dict[str, int]
+    """Gradients as backward produces them (unsharded_grad_bytes) per unit."""
+    gathered: dict[str, int]
+    """All-gathered parameter bytes per unit (empty without FSDP)."""
+    reduce_buffers: dict[str, int]
+    """FSDP's reduce_dtype copy of each unit's gradients for the reduce-scatter (0 without FSDP)."""
+    reduce_bytes: int
+    """Bytes per element of reduce_dtype."""
+    autocast_copies: int
+    float8: int
+
+    @property
+    def persistent(self) -> int:
+        """Parameters, optimizer states and buffers resident on the device."""
+        return (0 if self.offload else self.params + self.states) + self.layout.buffer_bytes
+
+    def units_of(self, *kinds: str) -> tuple[str, ...]:
+        """The names of the rank's units of ``kinds``, in the plan's order."""
+        return tuple(u.name for u in self.units if u.kind in kinds)
+
+
+def rank_sizes(run: ResolvedRun, full: ModelLayout, s: ActivationSetup, stages: Sequence[StageLayout]) -> RankSizes:
+    """The sizes of the rank holding ``stages``: ``full`` restricted to their units (their blocks, the embedding
+    on the first stage and the final norm + output head on the last), each stage module with its own buffers."""
+    units = run.model_spec.parallel_plan.fsdp_units([b for st in stages for b in st.blocks], tied=full.tied,
+                                                    first=any(st.first for st in stages),
+                                                    last=any(st.last for st in stages))
+    layout = full.restricted({u.name for u in units}, modules=len(stages))
+    fsdp, param_bytes, low_bit = layout.dims.fsdp_enabled, run.precision.param_bytes, run.optimizer_low_bit
+    reduce_bytes = torch.tensor([], dtype=run.precision.reduce_dtype).element_size()
+    names = sorted({p.unit for p in layout.params})
+    scratch, scratch_how = optimizer_scratch(run, layout)
+    return RankSizes(
+        layout=layout, units=units, fsdp=fsdp, offload=run.fsdp_cpu_offload and fsdp,
+        params=sum(p.local_numel for p in layout.params) * MASTER_WEIGHT_BYTES,
+        states=sum(state_bytes(p.local_numel, low_bit) for p in layout.params),
+        grads={u: sum(grad_numel(p, fsdp) for p in layout.unit_params(u)) * MASTER_WEIGHT_BYTES for u in names},
+        scratch=scratch, scratch_how=scratch_how,
+        unsharded={u: unsharded_grad_bytes(layout, u, s, fsdp, param_bytes) for u in names},
+        gathered={u: gathered_bytes(layout, u, param_bytes) for u in names} if fsdp else {},
+        reduce_buffers={u: sum(p.tp_numel for p in layout.unit_params(u)) * reduce_bytes if fsdp else 0
+                        for u in names},
+        reduce_bytes=reduce_bytes, autocast_copies=autocast_copies(layout, s), float8=float8_cast_bytes(layout, s),
     )
 
 
@@ -67,6 +143,17 @@ def unsharded_grad_bytes(layout: ModelLayout, unit: str, s: ActivationSetup, fsd
         # The gradient of autocast's low-precision weight copy, before it is cast into the fp32 .grad.
         return sum(p.tp_numel for p in params if p.is_linear and not p.casts_master_weight) * param_bytes
     return 0
+
+
+def optimizer_scratch(run: ResolvedRun, layout: ModelLayout) -> tuple[int, str]:
+    """The optimizer step's temporaries on the rank holding ``layout``, and how they are sized."""
+    scratch, how = step_temporary_bytes([p.local_numel for p in layout.params], low_bit=run.optimizer_low_bit,
+                                        implementation=run.optimizer_implementation, device_type=run.device_type)
+    if not layout.dims.fsdp_enabled and any(p.replicated_grad for p in layout.params):
+        # The optimizer's DTensor op redistributes a replicated gradient to the parameter's shard: a copy.
+        scratch += sum(p.local_numel for p in layout.params if p.replicated_grad) * MASTER_WEIGHT_BYTES
+        how += " + shard copy of the replicated embedding gradient"
+    return scratch, how
 
 
 def autocast_copies(layout: ModelLayout, s: ActivationSetup) -> int:

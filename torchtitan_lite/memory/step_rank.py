@@ -1,10 +1,9 @@
-"""The memory of a rank that runs the whole model in one training step (no pipeline): every term of
-memory/estimate.py's list, with the peak over the moments of memory/timeline.py."""
+"""The rank of a run without a pipeline, one stage holding the whole model and running it once per
+micro-batch: the terms of memory/estimate.py's list, with the peak over the moments of memory/timeline.py."""
 from __future__ import annotations
 
-import torch
-
 from torchtitan_lite.memory.activations import (
+    ActivationSetup,
     block_backward_working_bytes,
     block_plan,
     head_saved_bytes,
@@ -12,60 +11,26 @@ from torchtitan_lite.memory.activations import (
     loss_transient_bytes,
 )
 from torchtitan_lite.memory.estimate_table import gathered_text, mib, optimizer_text, sharding_text
-from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES, model_layout
-from torchtitan_lite.memory.optimizer_states import state_bytes, step_temporary_bytes
-from torchtitan_lite.memory.rank_sizes import (
-    activation_setup,
-    autocast_copies,
-    float8_cast_bytes,
-    gathered_bytes,
-    grad_numel,
-    moe_terms,
-    unsharded_grad_bytes,
-)
-from torchtitan_lite.memory.terms import CUDA_CONTEXT_BYTES, MemoryEstimate, MemoryTerm
-from torchtitan_lite.memory.timeline import StepSizes, step_moments
+from torchtitan_lite.memory.rank_sizes import RankSizes, moe_terms
+from torchtitan_lite.memory.terms import MemoryTerm
+from torchtitan_lite.memory.timeline import Moment, StepSizes, step_moments
 from torchtitan_lite.resolved_run import ResolvedRun
 
 
-def step_rank_estimate(run: ResolvedRun) -> MemoryEstimate:
-    """The per-rank memory of a resolved run without pipeline parallelism."""
-    device_type, world_size = run.device_type, run.world_size
-    layout = model_layout(run)
-    dims = layout.dims
-    param_bytes = run.precision.param_bytes
-    reduce_bytes = torch.tensor([], dtype=run.precision.reduce_dtype).element_size()
-    s = activation_setup(run, layout)
-    fsdp = dims.fsdp_enabled
-    offload = run.fsdp_cpu_offload and fsdp
-    units = sorted({p.unit for p in layout.params})
-    low_bit = run.optimizer_low_bit
-
-    params = sum(p.local_numel for p in layout.params) * MASTER_WEIGHT_BYTES
-    states = sum(state_bytes(p.local_numel, low_bit) for p in layout.params)
-    grads = {u: sum(grad_numel(p, fsdp) for p in layout.unit_params(u)) * MASTER_WEIGHT_BYTES for u in units}
-    scratch, scratch_how = step_temporary_bytes([p.local_numel for p in layout.params], low_bit=low_bit,
-                                                implementation=run.optimizer_implementation,
-                                                device_type=device_type)
-    if not fsdp and any(p.replicated_grad for p in layout.params):
-        # The optimizer's DTensor op redistributes a replicated gradient to the parameter's shard: a copy.
-        scratch += sum(p.local_numel for p in layout.params if p.replicated_grad) * MASTER_WEIGHT_BYTES
-        scratch_how += " + shard copy of the replicated embedding gradient"
+def step_rank(run: ResolvedRun, s: ActivationSetup, rank: RankSizes) -> tuple[list[MemoryTerm], list[Moment]]:
+    """The terms and moments of the rank holding ``rank`` (the whole model) in a step without a pipeline."""
+    param_bytes, layout = run.precision.param_bytes, rank.layout
+    offload = rank.offload
     plan = block_plan(s, run.ac_mode, run.ac_selective_option)
-    gathered = {u: gathered_bytes(layout, u, param_bytes) for u in units} if fsdp else {}
-    float8 = float8_cast_bytes(layout, s)
     sizes = StepSizes(
-        persistent=(0 if offload else params + states) + layout.buffer_bytes,
-        grads={u: 0 if offload else g for u, g in grads.items()},
-        unsharded_grads={u: unsharded_grad_bytes(layout, u, s, fsdp, param_bytes) for u in units},
-        reduce_buffers={u: sum(p.tp_numel for p in layout.unit_params(u)) * reduce_bytes if fsdp else 0
-                        for u in units},
-        gathered=gathered, block_plan=plan, head_saved=head_saved_bytes(s), autocast_copies=autocast_copies(layout, s),
+        persistent=rank.persistent, grads={u: 0 if offload else g for u, g in rank.grads.items()},
+        unsharded_grads=rank.unsharded, reduce_buffers=rank.reduce_buffers, gathered=rank.gathered,
+        block_plan=plan, head_saved=head_saved_bytes(s), autocast_copies=rank.autocast_copies,
         loss_transient=loss_transient_bytes(s), logits_grad=logits_grad_bytes(s),
-        block_working=block_backward_working_bytes(s) + float8, optimizer_scratch=0 if offload else scratch,
-        accumulating=run.n_microbatches > 1,
-        reshard_after_forward=run.fsdp_reshard_after_forward,
-        head_units=tuple(u for u in ("head", "root") if u in units),
+        block_working=block_backward_working_bytes(s) + rank.float8, optimizer_scratch=0 if offload else rank.scratch,
+        accumulating=run.n_microbatches > 1, reshard_after_forward=run.fsdp_reshard_after_forward,
+        block_units=rank.units_of("block"), embedding_unit=next(iter(rank.units_of("embedding")), None),
+        head_units=tuple(u for u in rank.units_of("head", "root") if u in rank.grads),
     )
     moments = step_moments(sizes)
 
@@ -74,11 +39,11 @@ def step_rank_estimate(run: ResolvedRun) -> MemoryEstimate:
     mode = run.ac_mode if run.ac_mode != "selective" else f"selective {run.ac_selective_option}"
     kept = [k for k, _ in plan]
     terms = [
-        MemoryTerm("parameters", params, f"fp32 master weights, {sharding}{where}"),
-        MemoryTerm("optimizer states", states, optimizer_text(low_bit) + where),
+        MemoryTerm("parameters", rank.params, f"fp32 master weights, {sharding}{where}"),
+        MemoryTerm("optimizer states", rank.states, optimizer_text(run.optimizer_low_bit) + where),
         MemoryTerm("buffers", layout.buffer_bytes, "fp32 rotary table, replicated"),
-        MemoryTerm("gradients", sum(grads.values()), f"fp32, {sharding}{where}"),
-        MemoryTerm("optimizer step scratch", sizes.optimizer_scratch, scratch_how),
+        MemoryTerm("gradients", sum(rank.grads.values()), f"fp32, {sharding}{where}"),
+        MemoryTerm("optimizer step scratch", sizes.optimizer_scratch, rank.scratch_how),
         MemoryTerm("activations", sum(kept),
                    f"AC {mode}: {len(kept)} blocks x {mib(max(kept))} max, {s.tokens} tokens/micro-batch, "
                    f"{param_bytes}-byte compute"),
@@ -87,17 +52,12 @@ def step_rank_estimate(run: ResolvedRun) -> MemoryEstimate:
                    "compiled: logits + their gradient" if s.compiled_loss else "fp32 log-probs + 2 fp32 gradients"),
         MemoryTerm("block backward transient", max(r for _, r in plan) + sizes.block_working,
                    "recomputed activations (AC) + activation gradients of one block"),
-        *moe_terms(layout, s, low_bit),
+        *moe_terms(layout, s, run.optimizer_low_bit),
         MemoryTerm("FSDP gathered params", max(m.parts.get("FSDP gathered", 0) for m in moments),
-                   gathered_text(run, fsdp, layout)),
+                   gathered_text(run, rank.fsdp, layout)),
         MemoryTerm("autocast weight copies", sizes.autocast_copies,
                    f"{param_bytes}-byte copy of each non-float8 Linear weight" if s.autocast else "no autocast"),
-        MemoryTerm("float8 casts", float8, "float8 operands of the largest converted Linear" if float8
+        MemoryTerm("float8 casts", rank.float8, "float8 operands of the largest converted Linear" if rank.float8
                    else "no float8 Linears"),
     ]
-    if device_type == "cuda":
-        terms.append(MemoryTerm("CUDA context", CUDA_CONTEXT_BYTES, "outside the caching allocator (constant)"))
-    return MemoryEstimate(terms=tuple(terms), moments=tuple(moments),
-                          layout=f"{dims.describe()} (world size {world_size})", device_type=device_type,
-                          world_size=world_size, model=layout.counts.describe() if layout.counts else "",
-                          all_gather=layout.all_gather_text)
+    return terms, moments

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan_lite.protocols.model_spec import ROOT_UNIT
+
 
 @dataclass(frozen=True)
 class StepSizes:
@@ -54,8 +56,13 @@ class StepSizes:
     optimizer_scratch: int
     accumulating: bool
     reshard_after_forward: str
+    block_units: tuple[str, ...]
+    """The blocks' units, in forward order (ParallelPlan.fsdp_units)."""
+    embedding_unit: str | None
+    """The embedding's unit (None: a tied embedding lives in the root)."""
     head_units: tuple[str, ...]
-    """'head' (norm + output) and/or 'root' (a tied embedding lives there)."""
+    """The units gathered with the head: the head (norm + output) and/or the root when it holds parameters
+    (a tied embedding lives there)."""
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,10 @@ class Moment:
 
 def step_moments(z: StepSizes) -> list[Moment]:
     n = len(z.block_plan)
-    blocks = [f"layers.{i}" for i in range(n)]
+    blocks = list(z.block_units)
+    embedding = [z.embedding_unit] if z.embedding_unit is not None else []
     all_grads = sum(z.grads.values())
-    root = [u for u in z.head_units if u == "root"]
+    root = [u for u in z.head_units if u == ROOT_UNIT]
 
     def grads_done(units: list[str]) -> int:
         return all_grads if z.accumulating else sum(z.grads.get(u, 0) for u in units)
@@ -109,8 +117,8 @@ def step_moments(z: StepSizes) -> list[Moment]:
     for i in reversed(range(n)):
         # Block i computes while the next unit to run backward (block i-1, or the embedding) is prefetched;
         # a tied root stays gathered until its own post-backward at the very end.
-        prefetched = blocks[i - 1] if i > 0 else "tok_embeddings"
-        units = [blocks[i], prefetched] + root
+        prefetched = blocks[i - 1 : i] if i > 0 else embedding
+        units = [blocks[i], *prefetched, *root]
         moments.append(Moment(f"block {i} backward", {
             **common, "activations": sum(saved[: i + 1]), "recompute": z.block_plan[i][1],
             "block working set": z.block_working, "FSDP gathered": gathered(units),
@@ -121,7 +129,7 @@ def step_moments(z: StepSizes) -> list[Moment]:
             "gradients": grads_done(head + blocks[i:]),
         }))
     moments.append(Moment("embedding backward", {
-        **common, **reducing(["tok_embeddings"]), "FSDP gathered": gathered(["tok_embeddings"] + root),
+        **common, **reducing(embedding), "FSDP gathered": gathered(embedding + root),
         "gradients": all_grads,
     }))
     moments.append(Moment("optimizer step", {"persistent": z.persistent, "gradients": all_grads,

@@ -11,9 +11,9 @@ import dataclasses
 import difflib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -117,6 +117,26 @@ class BlockTPPlan:
                                    colwise_from_replicated=keep(self.colwise_from_replicated), moe=moe)
 
 
+HEAD_UNIT = "head"
+"""The FSDP unit of the final norm and the output projection."""
+ROOT_UNIT = "root"
+"""The FSDP unit of the whole model: what no other unit holds (a tied embedding/output matrix)."""
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    """One FSDP unit: what one ``fully_shard`` call of distributed/fsdp.py groups."""
+
+    name: str
+    """'<embedding>', '<blocks>.<key>', '<blocks>.<key>.<experts>', 'head' or 'root'."""
+    kind: Literal["embedding", "experts", "block", "head", "root"]
+    modules: tuple[str, ...]
+    """The modules sharded together, by name from the model's root; () for the root (the whole model). An
+    experts unit names the plan's block-relative path, which an activation-checkpoint wrapper may hide."""
+    block: str | None = None
+    """The block's key in ``model.<blocks>`` (a block or its experts' unit); None otherwise."""
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """A family's tensor-parallel plan and FSDP units, by module name.
@@ -155,14 +175,32 @@ class ParallelPlan:
         own = self.tp_shard_dim(param)
         return own if own is not None else self.tp_shard_dim(param.rsplit(".", 1)[0])
 
+    def fsdp_units(self, block_keys: Sequence[str], *, first: bool, last: bool, tied: bool,
+                   expert_blocks: Container[str] = ()) -> tuple[FSDPUnit, ...]:
+        """The FSDP units of a model, or of a pipeline rank's stages, holding the blocks ``block_keys`` (in
+        order), the embedding if ``first`` and the final norm + output if ``last``, in the order apply_fsdp
+        shards them (distributed/fsdp.py): the embedding, each block (the routed experts of the blocks in
+        ``expert_blocks`` first, as their own unit inside the block's), the head, the root. A tied
+        embedding/output matrix can belong to one unit only: it stays with the root, and so do the final norm
+        and the output."""
+        units = [FSDPUnit(self.embedding, "embedding", (self.embedding,))] if first and not tied else []
+        for key in block_keys:
+            block = f"{self.blocks}.{key}"
+            if key in expert_blocks:
+                units.append(FSDPUnit(f"{block}.{self.experts}", "experts", (f"{block}.{self.experts}",), block=key))
+            units.append(FSDPUnit(block, "block", (block,), block=key))
+        if last and not tied:
+            units.append(FSDPUnit(HEAD_UNIT, "head", (self.final_norm, self.output)))
+        return (*units, FSDPUnit(ROOT_UNIT, "root", ()))
+
     def fsdp_unit(self, module: str, *, tied: bool) -> str:
-        """The FSDP unit that holds ``module``'s parameters: '<blocks>.<i>', the embedding, 'head' (final norm
-        + output) or 'root'. A tied embedding/output matrix can belong to one unit only: the root."""
-        if module.startswith(f"{self.blocks}."):
-            return ".".join(module.split(".")[:2])
-        if tied:
-            return "root"
-        return self.embedding if module == self.embedding else "head"
+        """The FSDP unit that holds ``module``'s parameters (full module name) among ``fsdp_units`` of the whole
+        model, routed experts counted with their block: '<blocks>.<i>', the embedding, 'head' or 'root'."""
+        keys = (module.split(".")[1],) if module.startswith(f"{self.blocks}.") else ()
+        for unit in self.fsdp_units(keys, first=True, last=True, tied=tied):
+            if any(module == m or module.startswith(f"{m}.") for m in unit.modules):
+                return unit.name
+        return ROOT_UNIT
 
 
 def build_tp_plan(block_tp: BlockTPPlan, *, ep_compile_regions: tuple[str, ...] = (), **root: str) -> ParallelPlan:
