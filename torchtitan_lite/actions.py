@@ -16,10 +16,10 @@ import torch
 
 from torchtitan_lite.components.quantization import expert_quantizer, linear_quantizer, low_precision_plan
 from torchtitan_lite.config import CliResult, ConfigError, list_configs_text, main_help_text
-from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
 from torchtitan_lite.launch_check import check_devices, check_memory, check_resume, unchecked_here
 from torchtitan_lite.memory.estimate import GIB
+from torchtitan_lite.mesh import process_groups as dist_utils
 from torchtitan_lite.protocols.model_size import expert_layout_text
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torchtitan_lite.distributed.parallel_dims import ParallelDims
+    from torchtitan_lite.mesh.parallel_dims import ParallelDims
     from torchtitan_lite.protocols.model import BaseModel
 
 

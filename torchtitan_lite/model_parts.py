@@ -17,11 +17,11 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchtitan_lite.components.quantization import fp8_plan_summary
-from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.distributed.pipeline import build_stage_modules
 from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
 from torchtitan_lite.distributed.step_runner import LocalRunner, LossFn, StepRunner
+from torchtitan_lite.mesh import process_groups as dist_utils
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 from torchtitan_lite.resolved_run import ResolvedRun

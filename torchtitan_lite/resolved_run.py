@@ -25,8 +25,8 @@ from torchtitan_lite.config.sections import (
     ParallelismConfig,
     TrainingConfig,
 )
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.pipeline.layout import PipelineLayout, check_pipeline_expert_parallel, resolve_pipeline
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.model_converter import ConversionContext, ModelConvertersContainer
 from torchtitan_lite.protocols.model_shape import ModelShape
 from torchtitan_lite.protocols.model_spec import ModelSpec, RunFacts, build_model_args, get_model_spec

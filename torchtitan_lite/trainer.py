@@ -41,12 +41,12 @@ from torchtitan_lite.config.sections import (
     TrainingConfig,
 )
 from torchtitan_lite.cpu_vector_codegen import use_correct_cpu_vector_width
-from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.compile import CompileStats, compile_stats, first_step_compile_label, maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
 from torchtitan_lite.distributed.step_runner import share_loss
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
 from torchtitan_lite.loss_health import LossHealth
+from torchtitan_lite.mesh import process_groups as dist_utils
 from torchtitan_lite.model_parts import build_model_parts
 from torchtitan_lite.nonfinite import NonFiniteLossError as NonFiniteLossError  # re-exported: train.py catches it here
 from torchtitan_lite.protocols.model_converter import ModelConvertersContainer

@@ -23,9 +23,9 @@ from torchtitan_lite.components.tokenizer import Tokenizer
 from torchtitan_lite.components.validate import Validator
 from torchtitan_lite.config import Configurable, config_to_toml
 from torchtitan_lite.config.sections import DebugConfig, TrainingConfig
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.step_runner import LossFn, StepRunner
 from torchtitan_lite.distributed.tensor_parallel import loss_parallel_context
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 from torchtitan_lite.resolved_run import ResolvedRun
 
 logger = logging.getLogger("torchtitan_lite")

@@ -10,8 +10,8 @@ from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.config.sections import ActivationCheckpointConfig
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 

@@ -36,9 +36,9 @@ from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
 from torchtitan_lite.distributed.compile import maybe_compile_loss
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 # All Linear dims are multiples of 16 (float8 GEMMs need it); heads and KV heads split over tp=2.

@@ -40,8 +40,8 @@ from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.config.sections import ActivationCheckpointConfig, CompileConfig
 from torchtitan_lite.distributed.compile import apply_compile
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 
 # 4 experts (split 2 / 2 under EP 2, 1 / 1 / 1 / 1 under EP 4), top-2, both balancing schemes on so that the

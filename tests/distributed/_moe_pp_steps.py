@@ -28,10 +28,10 @@ from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.config.sections import ActivationCheckpointConfig
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.distributed.pipeline import build_stage_modules, resolve_pipeline
 from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.model_spec import get_model_spec
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 

@@ -44,9 +44,9 @@ from torchtitan_lite.compat import float8_recipe_needs_emulation
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.components.precision import Precision
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.distributed.tensor_parallel import local_loss, loss_parallel_context
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_spec import ParallelPlan
 from torchtitan_lite.protocols.parallelize import ParallelizeContext

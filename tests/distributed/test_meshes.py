@@ -5,7 +5,7 @@ from __future__ import annotations
 from _harness import run_ranks
 from _llama_steps import Run, run_layout, single_process_results
 
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 
 
 def _describe(dims: ParallelDims) -> dict:

@@ -113,7 +113,7 @@ def test_no_import_cycles():
 
 
 PROTOCOL_DEPENDENCIES = ("torchtitan_lite.protocols", "torchtitan_lite.config",
-                         "torchtitan_lite.distributed.parallel_dims", "torchtitan_lite.distributed.utils")
+                         "torchtitan_lite.mesh.parallel_dims", "torchtitan_lite.mesh.process_groups")
 """What the model protocols may import: themselves, the config, the parallel degrees and the process-group
 helpers. Never the resolved run, the trainer or the components."""
 

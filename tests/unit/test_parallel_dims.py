@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from models.llama3.model import Llama3ModelArgs
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 
 ARGS = Llama3ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, max_seq_len=128)
 

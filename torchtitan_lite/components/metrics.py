@@ -36,7 +36,7 @@ import torch
 from torchtitan_lite.components import device_peaks
 from torchtitan_lite.components.tensorboard_writer import FirstWriteSummaryWriter
 from torchtitan_lite.config import Configurable
-from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.mesh import process_groups as dist_utils
 
 logger = logging.getLogger("torchtitan_lite")
 

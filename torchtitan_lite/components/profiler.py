@@ -26,7 +26,7 @@ from types import TracebackType
 import torch
 
 from torchtitan_lite.config import Configurable
-from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.mesh import process_groups as dist_utils
 
 logger = logging.getLogger("torchtitan_lite")
 

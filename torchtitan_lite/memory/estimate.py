@@ -56,7 +56,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torchtitan_lite.distributed import utils as dist_utils
 from torchtitan_lite.distributed.pipeline.layout import StageLayout
 from torchtitan_lite.memory.estimate_table import table
 from torchtitan_lite.memory.layout import ModelLayout, model_layout
@@ -65,6 +64,7 @@ from torchtitan_lite.memory.rank_sizes import activation_setup, rank_sizes
 from torchtitan_lite.memory.step_rank import step_rank
 from torchtitan_lite.memory.terms import CUDA_CONTEXT_BYTES, GIB, MemoryEstimate, MemoryTerm
 from torchtitan_lite.memory.timeline import Moment
+from torchtitan_lite.mesh import process_groups as dist_utils
 from torchtitan_lite.resolved_run import ResolvedRun, resolve_run
 
 if TYPE_CHECKING:

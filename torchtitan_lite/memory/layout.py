@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from torchtitan_lite.components.quantization import linear_quantizer
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.tensor_parallel import TPRegion, tp_regions
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 from torchtitan_lite.protocols.model_shape import ModelShape
 from torchtitan_lite.protocols.model_size import ParamCounts, param_counts
 from torchtitan_lite.protocols.moe_facts import MoEFacts

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_lite.config import Configurable
-from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.mesh import process_groups as dist_utils
 from torchtitan_lite.protocols.tp_misfits import TpMisfits, tp_misfits_message
 
 logger = logging.getLogger(__name__)

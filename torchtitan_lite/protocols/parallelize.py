@@ -12,7 +12,7 @@ from typing import Literal
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchtitan_lite.config.sections import ActivationCheckpointConfig
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.mesh.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)

@@ -415,7 +415,7 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     from torchtitan_lite.components.checkpoint.verify import CheckpointError
     from torchtitan_lite.components.quantization.float8_plan import float8_plan
     from torchtitan_lite.config import ConfigError, parse_cli
-    from torchtitan_lite.distributed import utils as dist_utils
+    from torchtitan_lite.mesh import process_groups as dist_utils
 
     try:
         cli = parse_cli(config_argv, registry=registry)

@@ -69,7 +69,7 @@ from torchtitan_lite.components.checkpoint.saving import (
 from torchtitan_lite.components.checkpoint.verify import CheckpointError, read_metadata, saved_state_names, verify_together
 from torchtitan_lite.components.data.layout import DataLayout
 from torchtitan_lite.config import Configurable
-from torchtitan_lite.distributed import utils as dist_utils
+from torchtitan_lite.mesh import process_groups as dist_utils
 
 logger = logging.getLogger(__name__)
 # A run without a process group is a normal single-process run here, not a mistake worth a warning.

@@ -56,7 +56,7 @@ def main(argv: list[str], *, registry: ConfigRegistry) -> int:
     import torch.distributed as dist
 
     from torchtitan_lite.config import parse_cli
-    from torchtitan_lite.distributed import utils as dist_utils
+    from torchtitan_lite.mesh import process_groups as dist_utils
 
     with tempfile.TemporaryDirectory(prefix="bench_") as dump:
         # Later flags win: the user's overrides come after these defaults, the step count last.
