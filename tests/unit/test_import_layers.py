@@ -165,9 +165,6 @@ MODELS_IMPORT = ("torchtitan_lite.protocols", "torchtitan_lite.mesh")
 """What the families import from the core: the protocols they implement and the parallel layout."""
 
 MODELS_ALSO_IMPORT = {
-    "torchtitan_lite.model_size":
-        "the decoder reports its parameter counts and FLOPs per token (the MFU and the dry run read them from the "
-        "model) with the core's one formula; model_size itself imports only protocols/",
     "torchtitan_lite.components.checkpoint.hf_io":
         "the MoE HF adapters rename config.json's alias keys (canonical_names) as the converter's config check "
         "does, so both read transformers 4 and 5 files alike",
