@@ -12,7 +12,7 @@ from torchtitan_lite.trainer import Trainer
 
 ROUTER_GATES = "router.gate"
 """filter_fqns entry of the MoE router gates: DeepSeek-V3 keeps its gating in high precision (the router computes
-its logits in float32 whatever the recipe, models/common/router.py); --print-fp8-plan lists the reasons."""
+its logits in float32 whatever the recipe, models/common/moe/router.py); --print-fp8-plan lists the reasons."""
 
 
 def _deepseek_v3_recipe(*, power_of_2_scales: bool) -> ModelConvertersContainer.Config:

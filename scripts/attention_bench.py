@@ -7,7 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torchtitan_lite.tools.project_python  # noqa: E402, F401  (no torch in this Python: re-runs with the project's)
-from models.common.attention import causal_attention  # noqa: E402
+from models.common.attention.grouped_query import causal_attention  # noqa: E402
 from torchtitan_lite.tools.attention_bench import main  # noqa: E402
 
 if __name__ == "__main__":

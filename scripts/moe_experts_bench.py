@@ -8,8 +8,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torchtitan_lite.tools.project_python  # noqa: E402, F401  (no torch in this Python: re-runs with the project's)
-from models.common.experts import GroupedExperts  # noqa: E402
-from models.common.moe import MoE  # noqa: E402
+from models.common.moe.experts import GroupedExperts  # noqa: E402
+from models.common.moe.layer import MoE  # noqa: E402
 from models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeModel  # noqa: E402
 from torchtitan_lite.tools.moe_experts_bench import Shape, main  # noqa: E402
 

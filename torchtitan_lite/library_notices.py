@@ -20,7 +20,7 @@ def silence_known_library_notices() -> None:
 
     logging.getLogger("torch.utils._pytree").addFilter(_not_pytree_enum_notice)
     # The rotary embedding multiplies complex pairs, which inductor leaves to torch's eager kernel on
-    # purpose (models/common/rope.py says why); the notice says so once per compiled run.
+    # purpose (models/common/attention/rope.py says why); the notice says so once per compiled run.
     warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex operators")
     if not torch.cuda.is_available():
         logging.getLogger("torchao").setLevel(logging.ERROR)

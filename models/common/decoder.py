@@ -12,12 +12,12 @@ from typing import Generic, Protocol, TypeVar, cast
 import torch
 from torch import nn
 
-from models.common.attention_mask import Mask, build_mask
+from models.common.attention.mask import Mask, build_mask
+from models.common.attention.rope import RotaryEmbedding, RotaryScaling, rope_at
 from models.common.decoder_args import DecoderArgs
 from models.common.decoder_names import BLOCKS, EMBEDDING
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
-from models.common.rope import RotaryEmbedding, RotaryScaling, rope_at
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.model_size import ParamCounts, param_counts, training_flops_per_token
 from torchtitan_lite.protocols.moe_facts import MoEFacts

@@ -6,7 +6,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from models.common.attention_mask import Mask
+from models.common.attention.mask import Mask
 from models.common.decoder_args import DecoderArgs
 from models.common.rms_norm import RMSNorm
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.common.attention import masked_attention
-from models.common.attention_mask import Mask
+from models.common.attention.grouped_query import masked_attention
+from models.common.attention.mask import Mask
+from models.common.attention.rope import apply_rotary_emb
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
-from models.common.rope import apply_rotary_emb
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
 
 LATENT_NORM_EPS = 1e-6
@@ -25,7 +25,7 @@ rms_norm_eps says."""
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """x [batch, seq, dim] -> [batch, seq, dim], causal (or under a mask, models/common/attention_mask.py)."""
+    """x [batch, seq, dim] -> [batch, seq, dim], causal (or under a mask, models/common/attention/mask.py)."""
 
     def __init__(self, args: DeepSeekV3ModelArgs) -> None:
         super().__init__()

@@ -13,8 +13,8 @@
 """
 from __future__ import annotations
 
-from models.common.moe import MoEArgs
-from models.common.yarn import YarnScaling
+from models.common.attention.yarn import YarnScaling
+from models.common.moe.layer import MoEArgs
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.common.hf_fields import hf_field, hf_model_type
-from models.common.hf_rope import rope_scaling_of
-from models.common.yarn import YarnScaling
+from models.common.attention.yarn import YarnScaling
+from models.common.hf.fields import hf_field, hf_model_type
+from models.common.hf.rope import rope_scaling_of
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
 from models.deepseek_v3.state_dict_adapter import HF_ALIASES
 from torchtitan_lite.components.checkpoint.hf_io import canonical_names

@@ -1,4 +1,4 @@
-"""Incremental decoding for generation (models/common/kv_cache.py) with multi-head latent attention's cache.
+"""Incremental decoding for generation (models/common/attention/kv_cache.py) with multi-head latent attention's cache.
 
 Each layer keeps, per position, only what ``MultiHeadLatentAttention.compressed_kv`` gives: the normalised
 latent (kv_lora_rank channels) and the rotated key channels every head shares (qk_rope_head_dim), not the
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from models.common.kv_cache import DecoderKVCache, attend_cached
+from models.common.attention.kv_cache import DecoderKVCache, attend_cached
 from models.deepseek_v3.attention import MultiHeadLatentAttention
 
 

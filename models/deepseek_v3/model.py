@@ -4,13 +4,13 @@ expert bias, shared experts) in the rest. Multi-token prediction is not part of 
 
 Module names follow the Llama 3 family (tok_embeddings, layers.<i>.attention / attention_norm / ffn_norm,
 norm, output); a dense block's feed-forward is layers.<i>.feed_forward, an MoE block's layers.<i>.moe
-(models/common/moe.py). The HF adapter maps the names.
+(models/common/moe/layer.py). The HF adapter maps the names.
 """
 from __future__ import annotations
 
 from models.common.feed_forward import FeedForward
-from models.common.moe import MoE
-from models.common.moe_decoder import MoEDecoder
+from models.common.moe.decoder import MoEDecoder
+from models.common.moe.layer import MoE
 from models.common.pre_norm_block import PreNormBlock
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
 from models.deepseek_v3.attention import MultiHeadLatentAttention

@@ -12,14 +12,14 @@ Sequence-parallel norms, vocabulary-parallel embedding, output and loss as Llama
 
 Data parallelism: FSDP2 / HSDP over every parameter, the 3-D expert weights sharded on their expert dim.
 Expert parallelism (parallelism.ep) splits the routed experts of every MoE block over the EP ranks with
-all-to-all token dispatch (MoE.shard_experts, models/common/moe.py) and FSDP shards them over the ranks left
+all-to-all token dispatch (MoE.shard_experts, models/common/moe/layer.py) and FSDP shards them over the ranks left
 (expert_fsdp_mesh); the dense first blocks, the shared experts, the routers and their expert biases are
 data-parallel as without EP. EP composes with TP as in Qwen3-MoE (the expert weights on the (ep, tp) mesh).
 """
 from __future__ import annotations
 
 from models.common.decoder_names import BLOCKS, EMBEDDING, FINAL_NORM, OUTPUT
-from models.common.moe_checks import check_expert_tp, check_grouped_mm_compile_dtype
+from models.common.moe.checks import check_expert_tp, check_grouped_mm_compile_dtype
 from torchtitan_lite.protocols.model_spec import (
     BlockTPPlan,
     MoETPPlan,

@@ -2,7 +2,7 @@
 
 Rotary layout: our rotary pairs channels (2i, 2i+1), which is DeepSeek's own checkpoint layout and what
 transformers computes with ``rope_interleave: true`` (written to config.json), so no row is permuted.
-The conversion is models/common/hf_moe_adapter.py's; experts: models/common/hf_experts.py (per-expert layout
+The conversion is models/common/hf/moe_adapter.py's; experts: models/common/hf/experts.py (per-expert layout
 written, transformers 5's fused layout read too).
 The expert bias is HF's ``mlp.gate.e_score_correction_bias``: it decides the experts at inference as it
 did in training. Multi-token prediction modules are neither written nor read.
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.common import hf_names
-from models.common.hf_config import with_token_ids
-from models.common.hf_experts import EXPERT_WEIGHTS
-from models.common.hf_moe_adapter import EXPERT_BIAS, MoEStateDictAdapter
+from models.common.hf import names as hf_names
+from models.common.hf.config import with_token_ids
+from models.common.hf.experts import EXPERT_WEIGHTS
+from models.common.hf.moe_adapter import EXPERT_BIAS, MoEStateDictAdapter
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
 
 _ATTENTION = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.common.arg_checks import check_head_groups, check_positive, check_positive_ints
-from models.common.rope_scaling import RopeScaling
+from models.common.attention.rope_scaling import RopeScaling
 
 __all__ = ["Llama3ModelArgs", "RopeScaling"]
 

@@ -1,7 +1,8 @@
-"""Causal grouped-query self-attention with rotary embeddings (models/common/attention.py); head_dim = dim / n_heads."""
+"""Causal grouped-query self-attention with rotary embeddings (models/common/attention/grouped_query.py);
+head_dim = dim / n_heads."""
 from __future__ import annotations
 
-from models.common.attention import GroupedQueryAttention
+from models.common.attention.grouped_query import GroupedQueryAttention
 from models.llama3.args import Llama3ModelArgs
 
 

@@ -1,8 +1,8 @@
-"""Incremental decoding for generation (models/common/kv_cache.py): each layer keeps its grouped-query keys and values."""
+"""Incremental decoding for generation (models/common/attention/kv_cache.py): each layer keeps its grouped-query keys and values."""
 from __future__ import annotations
 
-from models.common.gqa_kv_cache import GroupedQueryKVCache
-from models.common.kv_cache import DecoderKVCache
+from models.common.attention.gqa_kv_cache import GroupedQueryKVCache
+from models.common.attention.kv_cache import DecoderKVCache
 
 
 class Llama3KVCache(DecoderKVCache):

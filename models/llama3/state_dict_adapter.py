@@ -1,6 +1,6 @@
 """Hugging Face `LlamaForCausalLM` <-> our state-dict names, and the matching config.json.
 
-The rows of wq and wk are permuted per head between our rotary layout and HF's (models/common/hf_rotary.py).
+The rows of wq and wk are permuted per head between our rotary layout and HF's (models/common/hf/rotary.py).
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from models.common import hf_names
-from models.common.hf_config import attention_fields, with_token_ids
-from models.common.hf_rotary import permute_from_hf, permute_to_hf
+from models.common.hf import names as hf_names
+from models.common.hf.config import attention_fields, with_token_ids
+from models.common.hf.rotary import permute_from_hf, permute_to_hf
 from models.llama3.args import Llama3ModelArgs
 
 __all__ = ["Llama3StateDictAdapter", "hf_config_dict", "permute_from_hf", "permute_to_hf"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.common.arg_checks import check_head_groups, check_positive, check_positive_ints
-from models.common.moe import MoEArgs
+from models.common.moe.layer import MoEArgs
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 

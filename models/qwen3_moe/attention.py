@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.common.attention import GroupedQueryAttention
+from models.common.attention.grouped_query import GroupedQueryAttention
 from models.common.rms_norm import RMSNorm
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 

@@ -3,7 +3,7 @@
 softmax router, no shared experts, head_dim 128, rope theta 1e6, 151,936-token vocabulary)."""
 from __future__ import annotations
 
-from models.common.moe import MoEArgs
+from models.common.moe.layer import MoEArgs
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 
 

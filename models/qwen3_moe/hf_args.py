@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.common.hf_fields import hf_field, hf_model_type
-from models.common.hf_rope import rope_scaling_of
+from models.common.hf.fields import hf_field, hf_model_type
+from models.common.hf.rope import rope_scaling_of
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 from models.qwen3_moe.state_dict_adapter import HF_ALIASES
 from torchtitan_lite.components.checkpoint.hf_io import canonical_names

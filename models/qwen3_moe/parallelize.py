@@ -21,7 +21,7 @@ dim over tp).
 from __future__ import annotations
 
 from models.common.decoder_names import BLOCKS, EMBEDDING, FINAL_NORM, OUTPUT
-from models.common.moe_checks import check_expert_tp, check_grouped_mm_compile_dtype
+from models.common.moe.checks import check_expert_tp, check_grouped_mm_compile_dtype
 from torchtitan_lite.protocols.model_spec import (
     BlockTPPlan,
     MoETPPlan,

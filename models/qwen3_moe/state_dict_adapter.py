@@ -1,11 +1,11 @@
 """Hugging Face `Qwen3MoeForCausalLM` <-> our state-dict names, and the matching config.json.
 
-The conversion is models/common/hf_moe_adapter.py's; experts: models/common/hf_experts.py (``to_hf`` writes
+The conversion is models/common/hf/moe_adapter.py's; experts: models/common/hf/experts.py (``to_hf`` writes
 HF's per-expert layout, which every transformers version and serving stack reads; ``from_hf`` also accepts
 transformers 5's fused in-memory layout, so a live model's ``state_dict()`` converts too). Qwen3-MoE balances
 with an auxiliary loss: HF's model has no expert bias, so ours must be zero to export and is zero on import.
 
-Rotary layout: as for Llama 3 (models/common/hf_rotary.py), our rotary pairs channels (2i, 2i+1)
+Rotary layout: as for Llama 3 (models/common/hf/rotary.py), our rotary pairs channels (2i, 2i+1)
 and HF's pairs i with i + head_dim / 2, so the rows of wq / wk are permuted per head. Qwen3 normalises q
 and k per head *before* the rotary embedding, so the q_norm / k_norm weights (one per head channel) get
 the same permutation; the RMS itself does not depend on the channel order.
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from models.common import hf_names
-from models.common.hf_config import attention_fields, with_token_ids
-from models.common.hf_experts import EXPERT_WEIGHTS
-from models.common.hf_moe_adapter import EXPERT_BIAS, MoEStateDictAdapter
-from models.common.hf_rotary import permute_from_hf, permute_to_hf
+from models.common.hf import names as hf_names
+from models.common.hf.config import attention_fields, with_token_ids
+from models.common.hf.experts import EXPERT_WEIGHTS
+from models.common.hf.moe_adapter import EXPERT_BIAS, MoEStateDictAdapter
+from models.common.hf.rotary import permute_from_hf, permute_to_hf
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 
 _PER_LAYER = {

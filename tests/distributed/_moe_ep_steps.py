@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from models.common.all_to_all_dispatch import AllToAllTokenDispatcher, _exchange
-from models.common.moe import MoEArgs
-from models.common.moe_hooks import moe_layers
+from models.common.moe.all_to_all_dispatch import AllToAllTokenDispatcher, _exchange
+from models.common.moe.hooks import moe_layers
+from models.common.moe.layer import MoEArgs
 from models.qwen3_moe.args import Qwen3MoeModelArgs
 from models.qwen3_moe.model import Qwen3MoeModel
 from models.qwen3_moe.parallelize import QWEN3_MOE_PARALLEL_PLAN

@@ -21,7 +21,7 @@ from _moe_ep_steps import TINY_MOE
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from models.common.router_stats import named_moe_layers
+from models.common.moe.router_stats import named_moe_layers
 from models.qwen3_moe.model import Qwen3MoeModel
 from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-from models.common.moe import MoEArgs
-from models.common.yarn import YarnScaling
+from models.common.attention.yarn import YarnScaling
+from models.common.moe.layer import MoEArgs
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN
 from models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 from _harness import run_ranks
 
-from models.common.all_to_all_dispatch import AllToAllTokenDispatcher
-from models.common.dispatch import LocalTokenDispatcher
-from models.common.experts import GroupedExperts
+from models.common.moe.all_to_all_dispatch import AllToAllTokenDispatcher
+from models.common.moe.dispatch import LocalTokenDispatcher
+from models.common.moe.experts import GroupedExperts
 
 DIM, HIDDEN, EXPERTS, TOKENS = 16, 32, 4, 6
 # [rank][token] -> 2 experts. Rank 0 keeps to its own experts 0 and 1; expert 3 (rank 1's) gets no token.

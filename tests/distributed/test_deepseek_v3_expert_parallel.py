@@ -20,7 +20,7 @@ from _harness import run_ranks
 from _llama_steps import GLOBAL_BATCH, LR, MAX_NORM, global_batches
 from _moe_ep_steps import full_grads
 
-from models.common.moe_hooks import moe_layers
+from models.common.moe.hooks import moe_layers
 from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model
 from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan_lite.distributed.grad_clip import clip_grad_norm_

@@ -3,7 +3,7 @@
 ranks (1F1B without and with checkpointing, Interleaved1F1B with it, ZBVZeroBubble without).
 tests/distributed/_moe_pp_steps.py runs the stages as the trainer does.
 
-The balance loss enters through the MoE layers' outputs (models/common/aux_loss_grad.py) weighted 1 / (pipeline
+The balance loss enters through the MoE layers' outputs (models/common/moe/aux_loss_grad.py) weighted 1 / (pipeline
 micro-batches x data-parallel ranks): the routers' gradients must equal the one-process run's, where the whole
 batch is one forward. In float32 only the order of sums differs. Measured on a 2-core AMD EPYC CPU over 8 AdamW
 steps, max relative difference from the reference: losses 1.8e-7, gradient norms 3.0e-7; FP32_RTOL = 1e-6 and
@@ -21,7 +21,7 @@ import torch
 from _harness import run_ranks
 from _moe_pp_steps import PPRun, train, train_runs
 
-from models.common.router_stats import merge_router_stats
+from models.common.moe.router_stats import merge_router_stats
 
 FP32_RTOL = 1e-6
 GRAD_NORM_RTOL = 2e-6

@@ -7,7 +7,7 @@ from _harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from models.common.rope import rope_cache
+from models.common.attention.rope import rope_cache
 from models.llama3.model import Llama3ModelArgs, Transformer
 
 

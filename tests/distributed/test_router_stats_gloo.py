@@ -7,8 +7,8 @@ import torch.distributed as dist
 from _harness import run_ranks
 from torch import nn
 
-from models.common.moe import MoE, MoEArgs
-from models.common.router_stats import router_stats
+from models.common.moe.layer import MoE, MoEArgs
+from models.common.moe.router_stats import router_stats
 
 
 def _stats_of_planted_counts(rank: int, world_size: int) -> dict[str, float]:

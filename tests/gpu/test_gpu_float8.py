@@ -91,6 +91,6 @@ def test_compiled_float8_llama_block_trains_close_to_bfloat16():
 
 def _rope(args):
     """The rotary cache the model passes its blocks, built as the model builds it."""
-    from models.common.rope import rope_cache
+    from models.common.attention.rope import rope_cache
 
     return rope_cache(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)

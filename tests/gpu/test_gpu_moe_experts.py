@@ -7,7 +7,7 @@ import pytest
 import torch
 from _gpu_helpers import gpu_count, rel_err
 
-from models.common.experts import GroupedExperts
+from models.common.moe.experts import GroupedExperts
 from torchtitan_lite.components.quantization.grouped_gemm import quantized_grouped_mm
 from torchtitan_lite.components.quantization.moe_experts import (
     MIN_CAPABILITY,

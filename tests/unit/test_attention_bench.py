@@ -4,7 +4,7 @@ from functools import partial
 
 import pytest
 
-from models.common.attention import causal_attention
+from models.common.attention.grouped_query import causal_attention
 from torchtitan_lite.tools.attention_bench import main
 
 

@@ -9,7 +9,7 @@ from _transformers import import_transformers
 from safetensors.torch import save_file
 
 from models import get_model_spec
-from models.common.yarn import YarnScaling
+from models.common.attention.yarn import YarnScaling
 from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter, hf_config_dict
 

@@ -9,8 +9,8 @@ import torch
 from _transformers import import_transformers
 from safetensors.torch import save_file
 
-from models.common.attention import masked_attention
-from models.common.attention_mask import build_mask
+from models.common.attention.grouped_query import masked_attention
+from models.common.attention.mask import build_mask
 from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model
 from models.deepseek_v3 import state_dict_adapter as deepseek_hf
 from models.llama3 import LLAMA3_FLAVORS, Transformer

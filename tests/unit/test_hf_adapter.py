@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models import get_model_spec
-from models.common.rope import apply_rotary_emb, rope_cache
+from models.common.attention.rope import apply_rotary_emb, rope_cache
 from models.llama3 import LLAMA3_FLAVORS, Llama3ModelArgs, RopeScaling, Transformer
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter, hf_config_dict, permute_from_hf, permute_to_hf
 

@@ -10,7 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from models import get_model_spec
-from models.common.moe import MoE, MoEArgs
+from models.common.moe.layer import MoE, MoEArgs
 from models.llama3 import Transformer
 from models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs
 from torchtitan_lite.config.sections import ModelConfig, ParallelismConfig, TrainingConfig

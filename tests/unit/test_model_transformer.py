@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.common.rope import rope_cache
+from models.common.attention.rope import rope_cache
 from models.llama3 import LLAMA3_FLAVORS, Llama3ModelArgs, Transformer
 from models.llama3.attention import Attention
 from models.llama3.model import RMSNorm
@@ -51,7 +51,7 @@ def test_causality_is_exact():
 
 def _reference_attention(attn: Attention, x: torch.Tensor, cache: torch.Tensor, n_heads: int, n_kv: int):
     """Naive causal attention where query head h reads key/value head h // (n_heads / n_kv)."""
-    from models.common.rope import apply_rotary_emb
+    from models.common.attention.rope import apply_rotary_emb
     b, s, _ = x.shape
     hd = attn.head_dim
     q = apply_rotary_emb(attn.wq(x).view(b, s, n_heads, hd), cache)
@@ -191,7 +191,7 @@ def test_backward_reaches_every_parameter():
 def test_cpu_reduced_precision_attention_runs_in_float32_and_returns_the_input_dtype():
     # bf16 inputs attended in float32 (CPU autocast on, as in a single-process bf16 run): the result equals
     # float32 attention of the same bf16-rounded inputs, rounded once to bf16.
-    from models.common.attention import causal_attention
+    from models.common.attention.grouped_query import causal_attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, heads, 24, 16).bfloat16() for heads in (4, 2, 2))

@@ -3,9 +3,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from models.common.load_balance import expert_bias_delta, sequence_aux_loss
-from models.common.moe import MoE, MoEArgs
-from models.common.moe_hooks import set_aux_loss_scale, update_expert_biases
+from models.common.moe.hooks import set_aux_loss_scale, update_expert_biases
+from models.common.moe.layer import MoE, MoEArgs
+from models.common.moe.load_balance import expert_bias_delta, sequence_aux_loss
 
 DIM, HIDDEN, EXPERTS = 8, 8, 4
 

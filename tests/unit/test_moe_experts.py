@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.common.dispatch import LocalTokenDispatcher
-from models.common.experts import GroupedExperts
-from models.common.moe import MoE, MoEArgs
+from models.common.moe.dispatch import LocalTokenDispatcher
+from models.common.moe.experts import GroupedExperts
+from models.common.moe.layer import MoE, MoEArgs
 
 DIM, HIDDEN, EXPERTS = 16, 24, 4
 # float32 GEMMs over the same rows in a different blocking: differences are summation-order rounding of

@@ -3,7 +3,7 @@ that changes which experts are chosen but never the weights they are combined wi
 import pytest
 import torch
 
-from models.common.router import TokenChoiceRouter
+from models.common.moe.router import TokenChoiceRouter
 
 DIM, EXPERTS = 4, 5
 
@@ -82,7 +82,7 @@ def test_bad_settings_are_refused():
 
 
 def test_moe_args_refuse_bad_values_by_name():
-    from models.common.moe import MoEArgs
+    from models.common.moe.layer import MoEArgs
 
     with pytest.raises(ValueError, match="top_k=9 must not exceed num_experts=8"):
         MoEArgs(num_experts=8, top_k=9)
@@ -131,7 +131,7 @@ def test_group_settings_are_checked():
 
 
 def test_moe_args_check_the_groups_with_their_own_prefix():
-    from models.common.moe import MoEArgs
+    from models.common.moe.layer import MoEArgs
 
     with pytest.raises(ValueError, match="^moe args: num_groups=3 must be a positive divisor of num_experts=8$"):
         MoEArgs(num_experts=8, top_k=2, num_groups=3)

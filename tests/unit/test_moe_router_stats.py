@@ -5,9 +5,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.common.load_balance import sequence_aux_loss
-from models.common.moe import MoE, MoEArgs
-from models.common.router_stats import load_imbalance, router_stats, router_summary
+from models.common.moe.layer import MoE, MoEArgs
+from models.common.moe.load_balance import sequence_aux_loss
+from models.common.moe.router_stats import load_imbalance, router_stats, router_summary
 
 DIM, HIDDEN, EXPERTS = 8, 8, 4
 

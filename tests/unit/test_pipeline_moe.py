@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from config_registry import DEFAULT_REGISTRY
-from models.common.router_stats import merge_router_stats
+from models.common.moe.router_stats import merge_router_stats
 from torchtitan_lite.config import parse_cli
 from torchtitan_lite.resolved_run import resolve_run
 

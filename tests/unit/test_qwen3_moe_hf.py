@@ -8,7 +8,7 @@ from _transformers import import_transformers
 from safetensors.torch import save_file
 
 from models import get_model_spec
-from models.common.moe import MoEArgs
+from models.common.moe.layer import MoEArgs
 from models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs
 from models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter, hf_config_dict
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from models.common.rope import RotaryEmbedding, apply_rotary_emb, rope_cache, rope_frequencies
+from models.common.attention.rope import RotaryEmbedding, apply_rotary_emb, rope_cache, rope_frequencies
 from models.llama3 import Llama3ModelArgs, RopeScaling, Transformer
 
 LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)

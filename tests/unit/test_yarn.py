@@ -6,8 +6,8 @@ import pytest
 import torch
 from _transformers import import_transformers
 
-from models.common.rope import rope_cache, rope_frequencies
-from models.common.yarn import YarnScaling
+from models.common.attention.rope import rope_cache, rope_frequencies
+from models.common.attention.yarn import YarnScaling
 
 transformers = import_transformers()
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402

@@ -13,7 +13,7 @@ TensorBoard tags: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tok
 ``train/<key>`` for each extra value, and ``val/loss``; other components add their own tags through
 ``log_scalars`` (the loss-spike policy's ``spike/skipped_steps``, ``spike/rollbacks``, ``spike/z_score``).
 The model's own statistics (MoE router balance: ``moe/<layer>/imbalance`` ..., see
-models/common/router_stats.py) come with each log as full tags and a short summary for the console line.
+models/common/moe/router_stats.py) come with each log as full tags and a short summary for the console line.
 With ``fp8_stats_freq``, every FP8 / MX Linear's health on those steps goes to ``fp8/<layer fqn>/<stat>``
 (components/quantization/fp8_stats.py), with the worst layers on the console and a warning naming each
 layer whose cast crosses a threshold.

@@ -20,7 +20,7 @@ Saved for backward by one block without checkpointing (eager; verified tensor by
 - SDPA's inputs: q after rotary, and on CUDA k, v repeated to Hq heads (`repeat_kv` copies; without
   GQA the projections themselves): 3 x Hq x hd x a (rotary saves only the complex table, a buffer); on
   a CPU, SDPA reads the shared heads itself (`enable_gqa`), so k, v keep Hkv heads, and reduced-precision
-  activations are attended in float32 (models/common/attention.py): (Hq + 2 Hkv) x hd x e, where e, the
+  activations are attended in float32 (models/common/attention/grouped_query.py): (Hq + 2 Hkv) x hd x e, where e, the
   attention's element size, is 4 on a CPU and a elsewhere;
 - SDPA (flash / memory-efficient on CUDA, flash on CPU): output Hq x hd x e and float32 logsumexp Hq x 4;
   wo reads the output as a view, or when e != a its copy rounded to a, Hq x hd x a (float8 TP: a float8

@@ -1,6 +1,6 @@
 """What expert parallelism needs of a model's MoE layers: shard their experts, keep their exchanges.
 
-The models side (models/common/moe.py ``MoE``) satisfies it; the core (torchtitan_lite/distributed/
+The models side (models/common/moe/layer.py ``MoE``) satisfies it; the core (torchtitan_lite/distributed/
 expert_parallel.py) finds such layers by this shape, so the parallelize sequence never imports a model family.
 """
 from __future__ import annotations

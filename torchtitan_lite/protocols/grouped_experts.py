@@ -1,6 +1,6 @@
 """What a converter needs of a model's routed experts: 3-D weights and one replaceable grouped GEMM.
 
-The models side (models/common/experts.py ``GroupedExperts``) satisfies it; converters under torchtitan_lite
+The models side (models/common/moe/experts.py ``GroupedExperts``) satisfies it; converters under torchtitan_lite
 find such modules by this shape, without importing any model family.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ class BaseModel(nn.Module):
 
         Each training forward computes its auxiliary loss (already weighted by its coefficient and averaged over
         that forward's sequences) and attaches its gradient, times ``scale``, to its own activations
-        (models/common/aux_loss_grad.py): the loss the trainer differentiates and logs is the language-model
+        (models/common/moe/aux_loss_grad.py): the loss the trainer differentiates and logs is the language-model
         loss alone, with or without a pipeline schedule. The trainer sets 1 / (forwards per optimizer step and
         rank x data-parallel ranks), times the FP16 loss scale, so the step optimises the auxiliary loss's mean
         over the global batch. Until set, 1. No-op for a model without one. Set it before a step's forwards, not

@@ -7,7 +7,7 @@ The rows are the choices a trainer has for reduced-precision attention on a CPU:
 
 - ``sdpa``: torch's SDPA in the activations' dtype (its flash kernel on CPU);
 - ``sdpa in float32``: the model family's attention (``model_attention``; Llama's
-  ``models/common/attention.py`` widens bf16 / fp16 inputs on a CPU and rounds the output once);
+  ``models/common/attention/grouped_query.py`` widens bf16 / fp16 inputs on a CPU and rounds the output once);
 - ``softmax(QK^T)V``: the plain formula with the scores in the activations' dtype and the softmax in
   float32, eager and compiled (inductor fuses the mask, scale and softmax; the matmuls stay oneDNN's).
 

@@ -24,8 +24,8 @@ N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, VOCAB_SIZE, ROPE_THETA = 4, 4, 2, 32, 2
 
 def build_model(shape: Shape, n_layers: int = N_LAYERS) -> nn.Module:
     from torchtitan.models.common import Embedding, Linear
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.rope import CosSinRoPE
+    from torchtitan.models.common.attention.grouped_query import ScaledDotProductAttention
+    from torchtitan.models.common.attention.rope import CosSinRoPE
     from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers, _qwen3_norm
     from torchtitan.models.qwen3.model import Qwen3Model
 

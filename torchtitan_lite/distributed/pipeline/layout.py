@@ -166,7 +166,7 @@ def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, microbatch
 
 def check_pipeline_expert_parallel(layout: PipelineLayout | None, *, ep: int, ac_mode: str) -> None:
     """Expert parallelism with activation checkpointing replays each checkpointed block's exchanges in its
-    recomputation, taking them in the order of the forwards (models/common/all_to_all_dispatch.py): 1F1B and
+    recomputation, taking them in the order of the forwards (models/common/moe/all_to_all_dispatch.py): 1F1B and
     Interleaved1F1B backpropagate each stage's micro-batches in their forward order and recompute each once.
     The schedules that split the backward recompute a block twice per micro-batch, which no queue of
     exchanges can serve. Refused here, before any work."""

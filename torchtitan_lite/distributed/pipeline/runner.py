@@ -3,7 +3,7 @@
 The schedule runs the backward itself, so what the trainer would do around ``loss.backward()`` happens in the
 loss function handed to it: each micro-batch's loss is normalised by the step's global target-token count
 (the same ``sum / global tokens`` as without a pipeline, so gradients match a 1-process run), the MoE
-auxiliary loss is not involved (it enters through the blocks, models/common/aux_loss_grad.py), and the
+auxiliary loss is not involved (it enters through the blocks, models/common/moe/aux_loss_grad.py), and the
 objective is scaled by the FP16 loss scaler when there is one. Gradients are not rescaled by the schedule
 (``scale_grads=False``): the normalisation above already makes them the global mean.
 

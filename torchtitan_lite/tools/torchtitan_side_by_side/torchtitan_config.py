@@ -84,7 +84,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.attention.grouped_query import ScaledDotProductAttention
 from torchtitan.models.llama3 import (
     Llama3Model, _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init, parallelize_llama,
 )

@@ -1,8 +1,8 @@
 """The decoder skeleton of a family with MoE layers: the trainer-facing MoE hooks every such family shares.
 
-The MoE layers (models/common/moe.py) hold their own balancing state; this base turns the model-wide calls
+The MoE layers (models/common/moe/layer.py) hold their own balancing state; this base turns the model-wide calls
 the trainer makes (torchtitan_lite/protocols/model.py ``BaseModel``) into calls on every MoE layer of the model
-(models/common/moe_hooks.py, models/common/router_stats.py), and reports the family's MoE layers as data
+(models/common/moe/hooks.py, models/common/moe/router_stats.py), and reports the family's MoE layers as data
 (``moe_facts``, from its args). A family adds only what differs: its blocks, its rotary table, FLOPs, ...
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from models.common.decoder import Decoder
 from models.common.decoder_args import DecoderArgs
-from models.common.moe_hooks import set_aux_loss_scale, update_expert_biases
-from models.common.router_stats import merge_router_stats, router_stats, router_summary
+from models.common.moe.hooks import set_aux_loss_scale, update_expert_biases
+from models.common.moe.router_stats import merge_router_stats, router_stats, router_summary
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
@@ -40,7 +40,7 @@ class MoEDecoder(Decoder[MoEArgsT]):
         update_expert_biases(self, dp_group)
 
     def training_stats(self, dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-        """The routers' load balance since the previous call (models/common/router_stats.py)."""
+        """The routers' load balance since the previous call (models/common/moe/router_stats.py)."""
         return router_stats(self, dp_group)
 
     def merge_training_stats(self, parts: list[dict[str, float]]) -> dict[str, float]:

@@ -2,18 +2,18 @@
 (+ optional shared experts), with both load-balancing schemes.
 
 Replaceable parts, so that later work plugs in without touching this module:
-  * ``experts.grouped_mm`` (models/common/experts.py): the GEMM a low-precision converter swaps;
-  * ``dispatcher`` (models/common/dispatch.py): local sort/unsort, or the all-to-all over an expert-parallel
-    group (models/common/all_to_all_dispatch.py) that a family's parallelize swaps in with the expert slice;
+  * ``experts.grouped_mm`` (models/common/moe/experts.py): the GEMM a low-precision converter swaps;
+  * ``dispatcher`` (models/common/moe/dispatch.py): local sort/unsort, or the all-to-all over an expert-parallel
+    group (models/common/moe/all_to_all_dispatch.py) that a family's parallelize swaps in with the expert slice;
   * the balancing state is two buffers: ``expert_bias`` (persistent: it checkpoints and, being [E],
     reshards with the experts) and ``tokens_per_expert`` (this step's loads, zeroed by the update);
-  * what the router metrics read (models/common/router_stats.py) is kept apart, so reading it never disturbs
+  * what the router metrics read (models/common/moe/router_stats.py) is kept apart, so reading it never disturbs
     the bias update: ``routed_tokens`` (loads of every training forward since the previous read) and
     ``aux_loss_window`` (summed balance loss and forwards since then).
 
 The balance loss never leaves the layer: a training forward attaches its gradient to the layer's output
-(models/common/aux_loss_grad.py), weighted by the ``aux_loss_scale`` buffer, so that it works alike with and
-without a pipeline schedule. What the trainer calls (see ``models/common/moe_hooks.py`` for the model-wide forms):
+(models/common/moe/aux_loss_grad.py), weighted by the ``aux_loss_scale`` buffer, so that it works alike with and
+without a pipeline schedule. What the trainer calls (see ``models/common/moe/hooks.py`` for the model-wide forms):
   * ``aux_loss_scale.fill_(s)`` once per step: the balance loss's weight in the objective (1 until set);
   * ``update_expert_bias()`` once after each optimizer step that changed the weights.
 """
@@ -26,15 +26,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from models.common.all_to_all_dispatch import AllToAllTokenDispatcher
-from models.common.aux_loss_grad import attach_aux_loss
-from models.common.dispatch import LocalTokenDispatcher, TokenDispatcher, tokens_per_expert
-from models.common.expert_parallel import shard_experts
-from models.common.experts import GroupedExperts
 from models.common.feed_forward import FeedForward
-from models.common.load_balance import expert_bias_delta, sequence_aux_loss
-from models.common.recompute import recomputing
-from models.common.router import SCORE_FUNCS, ScoreFunc, TokenChoiceRouter, check_groups
+from models.common.moe.all_to_all_dispatch import AllToAllTokenDispatcher
+from models.common.moe.aux_loss_grad import attach_aux_loss
+from models.common.moe.dispatch import LocalTokenDispatcher, TokenDispatcher, tokens_per_expert
+from models.common.moe.expert_parallel import shard_experts
+from models.common.moe.experts import GroupedExperts
+from models.common.moe.load_balance import expert_bias_delta, sequence_aux_loss
+from models.common.moe.recompute import recomputing
+from models.common.moe.router import SCORE_FUNCS, ScoreFunc, TokenChoiceRouter, check_groups
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 
 
@@ -126,7 +126,7 @@ class MoE(nn.Module):
         self.aux_loss_window: torch.Tensor
         self.register_buffer("routed_tokens", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_window", torch.zeros(2, dtype=torch.float32), persistent=False)
-        # The weight of this layer's balance loss in what backward differentiates (models/common/moe_hooks.py:
+        # The weight of this layer's balance loss in what backward differentiates (models/common/moe/hooks.py:
         # set_aux_loss_scale): 1 / the forwards over which the step averages it, times the FP16 loss scale. A
         # buffer, not a float attribute: a compiled block reads it as an input and recompiles for no new value.
         self.aux_loss_scale: torch.Tensor
@@ -134,7 +134,7 @@ class MoE(nn.Module):
 
     def shard_experts(self, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None) -> None:
         """Expert parallelism (ExpertParallelLayer): the expert weights become DTensors sharded on dim 0 over
-        ``ep_mesh`` and the tokens are exchanged over it (models/common/expert_parallel.py). ep_tp_mesh: the
+        ``ep_mesh`` and the tokens are exchanged over it (models/common/moe/expert_parallel.py). ep_tp_mesh: the
         (ep, tp) mesh, when the experts are already TP-split DTensors on its tp dim (TP applied first)."""
         dispatcher = AllToAllTokenDispatcher(self.args.num_experts, ep_mesh.get_group())  # checks the split first
         shard_experts(self.experts, ep_mesh, ep_tp_mesh)

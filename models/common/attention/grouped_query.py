@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.attention_mask import Mask
+from models.common.attention.mask import Mask
+from models.common.attention.rope import apply_rotary_emb
 from models.common.init import trunc_normal_
-from models.common.rope import apply_rotary_emb
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -50,7 +50,7 @@ class GroupedQueryAttention(nn.Module):
     def project(self, x: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] of x, q and k normalised
         and rotated by positions 0..seq-1 of ``rope_cache``: what the training forward and the KV cache
-        (models/common/gqa_kv_cache.py) attend with."""
+        (models/common/attention/gqa_kv_cache.py) attend with."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the projections' outputs, not from the args: under tensor parallelism each
         # rank holds n_heads / tp query heads and n_kv_heads / tp key/value heads.
@@ -62,7 +62,7 @@ class GroupedQueryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: Mask | None = None) -> torch.Tensor:
         """``rope_cache``: the rotary table [max_seq, head_dim / 2], or one row per token [batch, seq, ...]
-        (positions restarting per document); ``mask``: models/common/attention_mask.py's (None: causal)."""
+        (positions restarting per document); ``mask``: models/common/attention/mask.py's (None: causal)."""
         return self.wo(grouped_query_attention(*self.project(x, rope_cache), mask))
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.common.moe import MoE
+from models.common.moe.layer import MoE
 from torchtitan_lite.protocols.module_names import unwrapped_name
 
 

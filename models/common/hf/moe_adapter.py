@@ -1,5 +1,5 @@
 """What the MoE families' Hugging Face adapters share: the walk over both state dicts, the routed experts between
-our stacked [E, ...] weights and HF's per-expert (or transformers 5's fused) layout (models/common/hf_experts.py),
+our stacked [E, ...] weights and HF's per-expert (or transformers 5's fused) layout (models/common/hf/experts.py),
 the expert bias, tied embeddings, and the checks on names, shapes and completeness.
 
 A family states only its names and what differs (``MoEStateDictAdapter``'s class attributes and hooks): the
@@ -14,8 +14,8 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import torch
 from torch.distributed.tensor import DTensor
 
-from models.common import hf_names
-from models.common.hf_experts import (
+from models.common.hf import names as hf_names
+from models.common.hf.experts import (
     EXPERT_WEIGHTS,
     HF_EXPERT_KEY,
     HF_FUSED,
@@ -23,7 +23,7 @@ from models.common.hf_experts import (
     experts_to_hf,
     split_fused,
 )
-from models.common.moe import MoEArgs
+from models.common.moe.layer import MoEArgs
 
 EXPERT_BIAS = "moe.expert_bias"
 """The MoE layer's expert-bias buffer (a state-dict key; block-relative)."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from models.common.attention import GroupedQueryAttention, repeat_kv
-from models.common.kv_cache import attend_cached
+from models.common.attention.grouped_query import GroupedQueryAttention, repeat_kv
+from models.common.attention.kv_cache import attend_cached
 
 
 class GroupedQueryKVCache:
-    """Keys and values [batch, max_len, kv_heads, head_dim] of one GroupedQueryAttention (models/common/kv_cache.py)."""
+    """Keys and values [batch, max_len, kv_heads, head_dim] of one GroupedQueryAttention (models/common/attention/kv_cache.py)."""
 
     def __init__(self, attention: GroupedQueryAttention, *, batch_size: int, max_len: int) -> None:
         self.attention = attention

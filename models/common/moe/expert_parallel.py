@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from models.common.experts import GroupedExperts
+from models.common.moe.experts import GroupedExperts
 
 
 def shard_experts(experts: GroupedExperts, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None) -> None:

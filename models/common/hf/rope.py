@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.common.rope_scaling import RopeScaling
-from models.common.yarn import YarnScaling
+from models.common.attention.rope_scaling import RopeScaling
+from models.common.attention.yarn import YarnScaling
 from torchtitan_lite.components.checkpoint.hf_rope import RopeError
 
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models.common.rope_scaling import RopeScaling
-from models.common.yarn import YarnScaling, yarn_frequencies
+from models.common.attention.rope_scaling import RopeScaling
+from models.common.attention.yarn import YarnScaling, yarn_frequencies
 
 RotaryScaling = RopeScaling | YarnScaling
 """Llama 3.1's frequency scaling or YaRN (DeepSeek-V3)."""

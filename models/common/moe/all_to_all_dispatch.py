@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from models.common.dispatch import DispatchHandle, LocalTokenDispatcher
-from models.common.recompute import recomputing
+from models.common.moe.dispatch import DispatchHandle, LocalTokenDispatcher
+from models.common.moe.recompute import recomputing
 from torchtitan_lite.protocols.placeholder_forward import in_placeholder_forward
 
 

@@ -1,4 +1,4 @@
-"""Llama 3.1 rotary frequency scaling: the settings the rotary table (models/common/rope.py) applies."""
+"""Llama 3.1 rotary frequency scaling: the settings the rotary table (models/common/attention/rope.py) applies."""
 from __future__ import annotations
 
 from dataclasses import dataclass

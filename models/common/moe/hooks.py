@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from models.common.moe import MoE
+from models.common.moe.layer import MoE
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
