@@ -28,6 +28,10 @@ COMMAND_PREFIXES = ("./", "python ", "torchrun ", "scripts/", ".venv/", "pip ")
 ENV_PREFIX = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)+")
 
 LONG_RUNNING = {
+    "python scripts/layout_equivalence.py --baseline main~1":
+        "trains 32 runs of two revisions (tests/unit/test_layout_equivalence.py checks its judgement)",
+    "python scripts/planning_equivalence.py --baseline main~1":
+        "plans 146 commands in two revisions (tests/unit/test_layout_equivalence.py checks its command list)",
     "./run_train.sh --config llama3_debug --model.attention_mask document":
         "trains 200 steps (tests/integration/test_document_mask_run.py trains it on short documents, 1 process "
         "and a pipeline)",
