@@ -155,7 +155,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     """
     par, training, ac = config.parallelism, config.training, config.activation_checkpoint
     dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size,
-                        ep=par.ep, pp=par.pp)
+                        ep=par.ep, pp=par.pp, cp=par.cp)
     spec = get_model_spec(config.model.name)
     args = resolve_model_args(config, spec, vocab_size)
     # Decided once: the pipeline schedule, the family's rules, the converters and parallelize all read it.
@@ -172,6 +172,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     check_pipeline_expert_parallel(pipeline, ep=dims.ep, ac_mode=ac.mode)
     sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
     dims.validate_for_model(args, training.seq_len, sequence_parallel=sequence_parallel)
+    check_context_parallel(dims.cp)
     precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
                                   cuda_available=cuda_available)
     if spec.check_run is not None:
@@ -264,6 +265,17 @@ def check_expert_parallel(ep: int, facts: MoEFacts | None, model: ModelConfig,
             f"activation_checkpoint.mode=selective with selective_option=op does not work with expert parallelism "
             f"(parallelism.ep={ep}) on this PyTorch: per-op checkpointing cannot replay the experts' FSDP hooks; use "
             "--activation_checkpoint.mode full, or --activation_checkpoint.selective_option 2 (every 2nd block)")
+
+
+def check_context_parallel(cp: int) -> None:
+    """The cp mesh dimension exists (degrees, ranks, FSDP over dp_shard x cp), but no attention splits the
+    sequence yet: refuse rather than train every CP rank on the whole sequence."""
+    if cp > 1:
+        raise ValueError(
+            f"parallelism.cp={cp} needs context-parallel attention (each rank attending with its own chunk of "
+            "the sequence over the K/V gathered from its CP group), which is not implemented yet; use "
+            "--parallelism.cp 1"
+        )
 
 
 def check_validation_precision(validation: Validator.Config, converters: ModelConvertersContainer, *,

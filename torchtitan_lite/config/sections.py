@@ -98,6 +98,11 @@ class ParallelismConfig:
     """Expert-parallel degree (MoE models): the routed experts are split over this many of the dp_shard
     ranks, with all-to-all token dispatch; expert weights are FSDP-sharded over the dp_shard / ep ranks left.
     Must divide dp_shard."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is cut into 2 x cp chunks and rank r of a CP group holds chunks r
+    and 2 cp - 1 - r (equal causal work per rank); the CP ranks hold the same weights, so FSDP shards over
+    dp_shard x cp. training.seq_len must be a multiple of 2 x cp. Only 1 runs today: context-parallel attention
+    does not exist yet."""
     enable_sequence_parallel: bool = True
     """With TP, shard norms and residual activations along the sequence dimension."""
     enable_loss_parallel: bool = True
@@ -130,7 +135,7 @@ class ParallelismConfig:
     multiple of pp. 0: split the blocks as evenly as that rule allows into pp x stages-per-rank stages."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "ep", "pp", "pipeline_microbatch_size"):
+        for name in ("dp_replicate", "tp", "ep", "pp", "cp", "pipeline_microbatch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallelism.{name}={getattr(self, name)} must be >= 1")
         if self.dp_shard < 1 and self.dp_shard != -1:

@@ -1,8 +1,12 @@
 """Parallelism degrees and the device meshes built from them.
 
-The world is laid out as a (pp, dp_replicate, dp_shard, tp) grid, tp innermost so that tensor-parallel ranks
+The world is laid out as a (pp, dp_replicate, dp_shard, cp, tp) grid, tp innermost so that tensor-parallel ranks
 are neighbours (same host on GPU clusters) and pp outermost so that pipeline stages, which exchange only one
-activation per micro-batch, may sit on different hosts. Expert parallelism borrows its ranks from dp_shard: dp_shard is
+activation per micro-batch, may sit on different hosts. Context parallelism (cp) splits each sequence over its
+ranks: they read the same samples but hold different tokens, so they hold the same weights and get different
+gradients; FSDP therefore shards over dp_shard x cp flattened (as torchtitan does), and the token and loss sums
+run over the batch mesh (dp_replicate, dp_shard, cp). With cp=1 every mesh, name and log line is the one
+without it. Expert parallelism borrows its ranks from dp_shard: dp_shard is
 unflattened into (efsdp, ep), ep inner, so the ranks that exchange tokens are neighbours and the efsdp ranks
 that hold the same experts shard those experts' weights (FSDP). Every check here is arithmetic on the degrees, so a wrong
 layout fails before any process group exists.
@@ -18,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 logger = logging.getLogger(__name__)
 
-MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class HeadShape(Protocol):
@@ -33,46 +37,54 @@ class HeadShape(Protocol):
     def tie_word_embeddings(self) -> bool: ...
 
 
+def _grid(cp: int, pp: int, dp_replicate: int, dp_shard: int | None, tp: int) -> str:
+    """'pp x dp_replicate x dp_shard x tp = 1 x 2 x 4 x 2' (dp_shard None: left out; cp named only when > 1)."""
+    pairs = [("pp", pp), ("dp_replicate", dp_replicate)] + ([("dp_shard", dp_shard)] if dp_shard is not None else [])
+    pairs += ([("cp", cp)] if cp > 1 else []) + [("tp", tp)]
+    return " x ".join(n for n, _ in pairs) + " = " + " x ".join(str(v) for _, v in pairs)
+
+
 class ParallelDims:
     """Validated degrees; `build_mesh` then creates the named meshes (none at all for a single process)."""
 
-    def __init__(self, dp_replicate: int, dp_shard: int, tp: int, world_size: int, ep: int = 1, pp: int = 1) -> None:
+    def __init__(self, dp_replicate: int, dp_shard: int, tp: int, world_size: int, ep: int = 1, pp: int = 1,
+                 cp: int = 1) -> None:
         for name, value in (("world_size", world_size), ("parallelism.dp_replicate", dp_replicate),
-                            ("parallelism.tp", tp), ("parallelism.ep", ep), ("parallelism.pp", pp)):
+                            ("parallelism.tp", tp), ("parallelism.ep", ep), ("parallelism.pp", pp),
+                            ("parallelism.cp", cp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if not isinstance(dp_shard, int) or (dp_shard < 1 and dp_shard != -1):
             raise ValueError(
                 f"parallelism.dp_shard={dp_shard!r} must be a positive integer, or -1 to use the ranks left "
-                "after pp, dp_replicate and tp"
+                "after pp, dp_replicate" + (", cp" if cp > 1 else "") + " and tp"
             )
+        self.cp = cp
         filled = dp_shard == -1
+        others = pp * dp_replicate * cp * tp
         if dp_shard == -1:
-            others = pp * dp_replicate * tp
             if world_size % others != 0:
                 raise ValueError(
                     f"parallelism.dp_shard=-1 cannot fill world size {world_size}: it is not divisible by "
-                    f"pp x dp_replicate x tp = {pp} x {dp_replicate} x {tp} = {others}; choose degrees whose "
+                    f"{_grid(cp, pp, dp_replicate, None, tp)} = {others}; choose degrees whose "
                     f"product divides {world_size}"
                 )
             dp_shard = world_size // others
-        product = pp * dp_replicate * dp_shard * tp
+        product = others * dp_shard
         if product != world_size:
             raise ValueError(
-                f"parallelism degrees pp x dp_replicate x dp_shard x tp = {pp} x {dp_replicate} x {dp_shard} x "
-                f"{tp} = {product} must equal the world size {world_size}; change the degrees (dp_shard=-1 takes "
-                "the rest) or launch with that many processes"
+                f"parallelism degrees {_grid(cp, pp, dp_replicate, dp_shard, tp)} = {product} must equal the world "
+                f"size {world_size}; change the degrees (dp_shard=-1 takes the rest) or launch with that many processes"
             )
         if dp_shard % ep != 0 and filled:
             # dp_shard took what the processes left: more processes are the fix, so name how many.
-            others = pp * dp_replicate * tp
             need = others * math.ceil(dp_shard / ep) * ep
             step = "" if need == others * ep else f"; any multiple of {others * ep} runs"
             raise ValueError(
                 f"parallelism.ep={ep} splits the experts over data-parallel (FSDP) ranks, and {world_size} process(es) "
-                f"leave parallelism.dp_shard={dp_shard} after pp x dp_replicate x tp = {pp} x {dp_replicate} x {tp} = "
-                f"{others}: this layout needs {need} processes (pp x dp_replicate x dp_shard x tp = {pp} x "
-                f"{dp_replicate} x {need // others} x {tp}{step}); launch {need} (NPROC={need}, or NGPU={need} on GPUs) or "
+                f"leave parallelism.dp_shard={dp_shard} after {_grid(cp, pp, dp_replicate, None, tp)} = "
+                f"{others}: this layout needs {need} processes ({_grid(cp, pp, dp_replicate, need // others, tp)}"
+                f"{step}); launch {need} (NPROC={need}, or NGPU={need} on GPUs) or "
                 + ("drop expert parallelism (ep=1)" if dp_shard == 1 else f"use an ep that divides {dp_shard}")
             )
         if dp_shard % ep != 0:
@@ -89,10 +101,15 @@ class ParallelDims:
         self.world_size = world_size
         self.world_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
+        self._fsdp_shard_mesh: DeviceMesh | None = None
+        self._batch_mesh: DeviceMesh | None = None
         self._expert_mesh: DeviceMesh | None = None
+        self._expert_shard_mesh: DeviceMesh | None = None
 
     def validate_for_model(self, args: HeadShape, seq_len: int, *, sequence_parallel: bool = True) -> None:
-        """Check that the model's shapes split over `tp` (``args``: the family's args, a ModelShape)."""
+        """Check that the model's shapes split over `tp` and the sequence over `cp` (``args``: the family's args, a
+        ModelShape)."""
+        self._validate_sequence_split(seq_len, sequence_parallel=sequence_parallel)
         if self.tp == 1:
             return
         n_kv_heads = args.kv_heads
@@ -119,6 +136,24 @@ class ParallelDims:
                 "parallelism.tp=1 (FSDP) for this flavor"
             )
 
+    def _validate_sequence_split(self, seq_len: int, *, sequence_parallel: bool) -> None:
+        """CP cuts every sequence into 2 x cp chunks (rank r holds chunks r and 2 cp - 1 - r, which balances the
+        causal work), so seq_len must split into them; sequence parallelism then splits each rank's part over tp."""
+        if self.cp == 1:
+            return
+        if seq_len % (2 * self.cp) != 0:
+            raise ValueError(
+                f"training.seq_len={seq_len} must be divisible by 2 x parallelism.cp = {2 * self.cp}: context "
+                f"parallelism cuts each sequence into 2 x cp load-balanced chunks; use a seq_len that is a multiple "
+                f"of {2 * self.cp}, or a cp that divides seq_len / 2"
+            )
+        if sequence_parallel and self.tp > 1 and (seq_len // self.cp) % self.tp != 0:
+            raise ValueError(
+                f"training.seq_len / parallelism.cp = {seq_len} / {self.cp} = {seq_len // self.cp} tokens per rank "
+                f"must be divisible by parallelism.tp={self.tp} when sequence parallelism shards them; change "
+                "seq_len or set parallelism.enable_sequence_parallel=false"
+            )
+
     # ----------------------------------------------------------------------------------------------
     # Degrees
 
@@ -133,12 +168,17 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        """Parameters are wrapped by FSDP2 whenever data is parallel (HSDP with shard size 1 is replication)."""
-        return self.dp_degree > 1
+        """Parameters are wrapped by FSDP2 whenever data or context is parallel (HSDP with shard size 1 is
+        replication; CP ranks hold the same weights and sum their gradients, so they join the FSDP group)."""
+        return self.dp_degree * self.cp > 1
 
     @property
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -159,18 +199,25 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data shard (0..dp_degree-1); the tp ranks of one group and the pipeline stages of one
-        data shard read the same data."""
+        """This rank's data shard (0..dp_degree-1); the tp and cp ranks of one group and the pipeline stages of
+        one data shard read the same data."""
         if self.world_size == 1:
             return 0
-        return (dist.get_rank() // self.tp) % self.dp_degree
+        return (dist.get_rank() // (self.tp * self.cp)) % self.dp_degree
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group (0..cp-1): which chunks of each sequence it holds."""
+        if self.world_size == 1:
+            return 0
+        return (dist.get_rank() // self.tp) % self.cp
 
     @property
     def pp_rank(self) -> int:
         """This rank's position in its pipeline (0..pp-1); pp is the outermost mesh dimension."""
         if self.world_size == 1:
             return 0
-        return dist.get_rank() // (self.dp_degree * self.tp)
+        return dist.get_rank() // (self.dp_degree * self.cp * self.tp)
 
     # ----------------------------------------------------------------------------------------------
     # Meshes
@@ -185,19 +232,28 @@ class ParallelDims:
                 f"ParallelDims was validated for world size {self.world_size} but the process group has "
                 f"{actual}; launch with torchrun --nproc-per-node {self.world_size} (or NPROC/NGPU)"
             )
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
                                 mesh_dim_names=MESH_DIM_NAMES)
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        if self.cp_enabled:
+            # Flattened only under CP: with cp=1 FSDP and the sums keep the plain dimensions they always had.
+            self._fsdp_shard_mesh = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+            self._batch_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="batch")
         if self.ep_enabled:
             # The same ranks as the world mesh, dp_shard seen as (efsdp, ep): the meshes sliced from it share
             # the world's root, which FSDP needs to shard the EP-sharded expert weights further. The dimension
             # goes by index: torch 2.11's _unflatten refuses a name that IS one of the mesh's (inverted check).
             self._expert_mesh = mesh._unflatten(MESH_DIM_NAMES.index("dp_shard"), (self.expert_fsdp_degree, self.ep),
                                                 ("efsdp", "ep"))
+            if self.cp_enabled:
+                # Experts are replicated over cp like every weight: their FSDP group spans efsdp x cp.
+                # The name is registered on the world mesh (the root), where the HSDP slice finds it.
+                self._expert_shard_mesh = self._expert_mesh["efsdp", "cp"]._flatten(mesh_dim_name="efsdp_cp")
         self.world_mesh = mesh
         experts = f" (ep={self.ep} x efsdp={self.expert_fsdp_degree})" if self.ep_enabled else ""
-        logger.info("device mesh %s: pp=%d dp_replicate=%d dp_shard=%d tp=%d%s", device_type, self.pp,
-                    self.dp_replicate, self.dp_shard, self.tp, experts)
+        cp = f" cp={self.cp}" if self.cp_enabled else ""
+        logger.info("device mesh %s: pp=%d dp_replicate=%d dp_shard=%d%s tp=%d%s", device_type, self.pp,
+                    self.dp_replicate, self.dp_shard, cp, self.tp, experts)
         return mesh
 
     @property
@@ -206,13 +262,27 @@ class ParallelDims:
         return self._dp_mesh if self.world_mesh is not None and self.dp_enabled else None
 
     @property
+    def batch_mesh(self) -> DeviceMesh | None:
+        """1-D mesh over every rank that holds different tokens of one step (dp x cp): token, loss and statistic
+        sums run over it. Without CP it is ``dp_mesh``; None when dp x cp is 1."""
+        if self.world_mesh is None or self.dp_degree * self.cp == 1:
+            return None
+        return self._batch_mesh if self.cp_enabled else self._dp_mesh
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """1-D mesh of the ranks that split one sequence (same data shard, pipeline stage and tp coordinate)."""
+        return self.world_mesh["cp"] if self.world_mesh is not None and self.cp_enabled else None
+
+    @property
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """dp_shard (FSDP) or (dp_replicate, dp_shard) (HSDP) mesh that parameters are sharded over."""
+        """dp_shard (FSDP) or (dp_replicate, dp_shard) (HSDP) mesh that parameters are sharded over; under CP
+        dp_shard x cp flattened (dp_shard_cp) takes dp_shard's place."""
         if self.world_mesh is None or not self.fsdp_enabled:
             return None
         if self.hsdp_enabled:
-            return self.world_mesh["dp_replicate", "dp_shard"]
-        return self.world_mesh["dp_shard"]
+            return self.world_mesh["dp_replicate", "dp_shard_cp" if self.cp_enabled else "dp_shard"]
+        return self._fsdp_shard_mesh if self._fsdp_shard_mesh is not None else self.world_mesh["dp_shard"]
 
     @property
     def ep_mesh(self) -> DeviceMesh | None:
@@ -231,9 +301,12 @@ class ParallelDims:
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh expert weights are FSDP-sharded over under EP: efsdp (the dp_shard ranks holding the same
-        experts), with dp_replicate in front for HSDP; None without EP."""
+        experts; under CP efsdp x cp flattened, efsdp_cp), with dp_replicate in front for HSDP; None without EP."""
         if self._expert_mesh is None:
             return None
+        if self._expert_shard_mesh is not None:
+            assert self.world_mesh is not None
+            return self.world_mesh["dp_replicate", "efsdp_cp"] if self.hsdp_enabled else self._expert_shard_mesh
         return self._expert_mesh["dp_replicate", "efsdp"] if self.hsdp_enabled else self._expert_mesh["efsdp"]
 
     @property
@@ -252,8 +325,10 @@ class ParallelDims:
             parts.append(f"PP {self.pp}")
         if self.hsdp_enabled:
             parts.append(f"HSDP {self.dp_replicate}x{self.dp_shard}")
-        elif self.fsdp_enabled:
+        elif self.dp_degree > 1:
             parts.append(f"FSDP {self.dp_shard}")
+        if self.cp_enabled:
+            parts.append(f"CP {self.cp}")
         if self.tp_enabled:
             parts.append(f"TP {self.tp}")
         if self.ep_enabled:
@@ -262,4 +337,4 @@ class ParallelDims:
 
     def __repr__(self) -> str:
         return (f"ParallelDims(pp={self.pp}, dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp}, "
-                f"ep={self.ep}, world_size={self.world_size})")
+                f"ep={self.ep}, " + (f"cp={self.cp}, " if self.cp_enabled else "") + f"world_size={self.world_size})")
