@@ -24,7 +24,8 @@ def _describe(dims: ParallelDims) -> dict:
         "dp": _ranks(dims.dp_mesh), "batch": _ranks(dims.batch_mesh), "pp": _ranks(dims.pp_mesh),
         "tp": _ranks(dims.tp_mesh), "ep": _ranks(dims.ep_mesh),
         "fsdp": None if fsdp is None else (fsdp.mesh_dim_names, tuple(fsdp.shape), _ranks(fsdp[fsdp.mesh_dim_names[-1]])),
-        "efsdp": None if efsdp is None else (efsdp.mesh_dim_names, _ranks(efsdp)),
+        "efsdp": None if efsdp is None else (efsdp.mesh_dim_names, tuple(efsdp.shape),
+                                             _ranks(efsdp[efsdp.mesh_dim_names[-1]])),
     }
 
 
@@ -34,12 +35,15 @@ def _worker(rank: int, world_size: int) -> dict:
         "dp2_cp2_tp2": dict(dp_replicate=1, dp_shard=2, tp=2, cp=2),
         "hsdp2x2_cp2": dict(dp_replicate=2, dp_shard=2, tp=1, cp=2),
         "dp4_cp2_ep2": dict(dp_replicate=1, dp_shard=4, tp=1, cp=2, ep=2),
+        "hsdp2x2_cp2_ep2": dict(dp_replicate=2, dp_shard=2, tp=1, cp=2, ep=2),
     }
     out = {}
     for name, degrees in layouts.items():
         dims = ParallelDims(world_size=world_size, **degrees)
         dims.build_mesh("cpu")
         out[name] = _describe(dims)
+        if dims.expert_fsdp_mesh is not None and dims.hsdp_enabled:
+            out[name]["efsdp_replicas"] = _ranks(dims.expert_fsdp_mesh["dp_replicate"])
     return out
 
 
@@ -77,5 +81,13 @@ def test_cp_meshes_on_eight_ranks_match_the_hand_computed_groups():
             "dp": [c, 2 + c, 4 + c, 6 + c], "batch": list(range(8)), "pp": None, "tp": None,
             "ep": [4 * e + c, 4 * e + 2 + c],
             "fsdp": (("dp_shard_cp",), (8,), list(range(8))),
-            "efsdp": (("efsdp_cp",), [2 * x + i for i in (0, 1, 4, 5)]),
+            "efsdp": (("efsdp_cp",), (4,), [2 * x + i for i in (0, 1, 4, 5)]),
         }
+        # HSDP 2 x (ep 2 over dp_shard 2) x cp 2: rank = 4 r + 2 x + c; efsdp is 1, so each expert's shard group
+        # is its two CP ranks, replicated over dp_replicate.
+        r, x, c = rank // 4, rank // 2 % 2, rank % 2
+        got_hsdp_ep = got["hsdp2x2_cp2_ep2"]
+        assert got_hsdp_ep["ep"] == [4 * r + c, 4 * r + 2 + c]
+        assert got_hsdp_ep["fsdp"] == (("dp_replicate", "dp_shard_cp"), (2, 4), [4 * r + i for i in range(4)])
+        assert got_hsdp_ep["efsdp"] == (("dp_replicate", "efsdp_cp"), (2, 2), [4 * r + 2 * x, 4 * r + 2 * x + 1])
+        assert got_hsdp_ep["efsdp_replicas"] == [2 * x + c, 4 + 2 * x + c]

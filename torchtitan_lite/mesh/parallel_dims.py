@@ -6,10 +6,12 @@ activation per micro-batch, may sit on different hosts. Context parallelism (cp)
 ranks: they read the same samples but hold different tokens, so they hold the same weights and get different
 gradients; FSDP therefore shards over dp_shard x cp flattened (as torchtitan does), and the token and loss sums
 run over the batch mesh (dp_replicate, dp_shard, cp). With cp=1 every mesh, name and log line is the one
-without it. Expert parallelism borrows its ranks from dp_shard: dp_shard is
-unflattened into (efsdp, ep), ep inner, so the ranks that exchange tokens are neighbours and the efsdp ranks
-that hold the same experts shard those experts' weights (FSDP). Every check here is arithmetic on the degrees, so a wrong
-layout fails before any process group exists.
+without it.
+
+Expert parallelism borrows its ranks from dp_shard: dp_shard is unflattened into (efsdp, ep), ep inner, so the
+ranks that exchange tokens are neighbours and the efsdp ranks that hold the same experts shard those experts'
+weights (FSDP; under CP over efsdp x cp, since CP ranks hold the same experts too). Every check here is
+arithmetic on the degrees, so a wrong layout fails before any process group exists.
 """
 from __future__ import annotations
 
