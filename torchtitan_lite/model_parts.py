@@ -23,6 +23,7 @@ from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
 from torchtitan_lite.distributed.step_runner import LocalRunner, LossFn, StepRunner
 from torchtitan_lite.mesh import process_groups as dist_utils
 from torchtitan_lite.protocols.model import BaseModel
+from torchtitan_lite.protocols.model_size import attention_flops_per_token
 from torchtitan_lite.protocols.parallelize import ParallelizeContext
 from torchtitan_lite.resolved_run import ResolvedRun
 
@@ -52,7 +53,7 @@ def build_model_parts(run: ResolvedRun, *, mp_policy: MixedPrecisionPolicy, devi
     if plan is not None and dist_utils.is_rank0():
         logger.info("%s", plan)
     flops_per_token = model.flops_per_token(run.seq_len)
-    attention_flops_per_token = flops_per_token - model.flops_per_token(0)  # the formula is linear in seq_len
+    attention_flops = attention_flops_per_token(run.model_args, run.seq_len)
     n_params = model.num_params()
     start = time.perf_counter()
     layout = run.pipeline
@@ -74,7 +75,7 @@ def build_model_parts(run: ResolvedRun, *, mp_policy: MixedPrecisionPolicy, devi
         logger.info("%s; this rank runs %s (%s params)", layout.describe(),
                     ", ".join(layout.stages[i].describe() for i in stage_ids), f"{sum(p.num_params() for p in parts):,}")
     return ModelParts(parts=parts, runner=runner, flops_per_token=flops_per_token,
-                      attention_flops_per_token=attention_flops_per_token)
+                      attention_flops_per_token=attention_flops)
 
 
 def build_meta_model(run: ResolvedRun) -> BaseModel:

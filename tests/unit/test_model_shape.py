@@ -9,7 +9,7 @@ import torch
 
 import models  # noqa: F401  (registers the model families)
 from torchtitan_lite.protocols.model_shape import ModelShape
-from torchtitan_lite.protocols.model_size import ParamCounts, training_flops_per_token
+from torchtitan_lite.protocols.model_size import ParamCounts, attention_flops_per_token, training_flops_per_token
 from torchtitan_lite.protocols.model_spec import build_model_args, model_specs
 
 INTS = ("dim", "n_layers", "n_heads", "kv_heads", "head_dim", "v_head_dim", "vocab_size", "max_seq_len")
@@ -46,3 +46,12 @@ def test_training_flops_count_the_scores_over_head_dim_and_the_values_over_v_hea
     assert training_flops_per_token(counts, shape, 5) == 60 + 960
     equal = SimpleNamespace(n_layers=2, n_heads=4, head_dim=3, v_head_dim=3)
     assert training_flops_per_token(counts, equal, 5) == 60 + 12 * 2 * 4 * 3 * 5
+
+
+def test_the_attention_part_is_what_the_window_length_adds():
+    # MFU scales this part by a document mask's share: it must be exactly the seq_len-dependent term.
+    counts = ParamCounts(total=20, active=15, routed_experts=0, embedding_lookup=5)
+    shape = SimpleNamespace(n_layers=2, n_heads=4, head_dim=3, v_head_dim=1)
+    assert attention_flops_per_token(shape, 5) == 6 * 2 * 4 * (3 + 1) * 5
+    assert attention_flops_per_token(shape, 5) == \
+        training_flops_per_token(counts, shape, 5) - training_flops_per_token(counts, shape, 0)

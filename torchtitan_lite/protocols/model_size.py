@@ -64,11 +64,16 @@ def param_counts(model: nn.Module, facts: MoEFacts | None, *, blocks: str, embed
                        embedding_lookup=weight.numel() if uses == 1 else 0)
 
 
+def attention_flops_per_token(shape: ModelShape, seq_len: int) -> int:
+    """The attention's part of ``training_flops_per_token``: scores and their weighted sum over all ``seq_len``
+    keys of the window (what a document mask scales down, components/metrics.py)."""
+    return 6 * shape.n_layers * shape.n_heads * (shape.head_dim + shape.v_head_dim) * seq_len
+
+
 def training_flops_per_token(counts: ParamCounts, shape: ModelShape, seq_len: int) -> int:
     """Forward + backward FLOPs per token at ``seq_len`` (see the module docstring): what MFU and the dry run
     count, for every family."""
-    attention = 6 * shape.n_layers * shape.n_heads * (shape.head_dim + shape.v_head_dim) * seq_len
-    return 6 * counts.active_matmul + attention
+    return 6 * counts.active_matmul + attention_flops_per_token(shape, seq_len)
 
 
 def expert_layout_text(facts: MoEFacts, *, n_layers: int, ep: int, dp_shard: int, fsdp: bool, tp: int = 1) -> str:
