@@ -9,6 +9,7 @@ its config.json, and any rewrite of a tensor on the way (Qwen3-MoE's q/k rotary 
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
@@ -45,7 +46,7 @@ class MoEAdapterArgs(Protocol):
 ArgsT = TypeVar("ArgsT", bound=MoEAdapterArgs)
 
 
-class MoEStateDictAdapter(Generic[ArgsT]):
+class MoEStateDictAdapter(ABC, Generic[ArgsT]):
     """Renames and splits / stacks experts between our full state dict and HF's. Tensors must be whole: gather
     DTensor-sharded state (get_model_state_dict with full_state_dict=True) first."""
 
@@ -67,21 +68,25 @@ class MoEStateDictAdapter(Generic[ArgsT]):
 
     # -- what a family states --------------------------------------------------------------------------
 
+    @abstractmethod
     def _hf_requires(self) -> tuple[tuple[str, object, object], ...]:
         """(setting as shown, our value, the value HF's model has) for what HF's model cannot change."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _hf_config(self, **kwargs: Any) -> dict[str, Any]:
         """The family's config.json content for these args."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _block_names(self, layer: int) -> list[str]:
         """The block-relative state-dict names of block ``layer``, in module order."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of each top-level and block-relative name (the routed experts' included)."""
-        raise NotImplementedError
+        ...
 
     def _to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A renamed block weight (``name`` ours) as HF holds it; as is by default."""
