@@ -46,3 +46,15 @@ def test_the_planning_comparison_reads_the_documented_commands(tmp_path):
         ({}, ["--config", "b", "--estimate-memory"])]
     assert normalised("[rank0] 13:45:01 INFO models.x: 12:30 GiB, built in 0.4s") == \
         "[rank0] HH:MM:SS INFO <logger>: 12:30 GiB, built in Ns"
+
+
+def test_a_revision_is_extracted_once_per_commit_it_names(tmp_path):
+    # A name such as main~1 moves: what is kept (the tree, the baseline's runs and texts) goes by its commit.
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=eq.REPO_ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    commit, tree = eq.source_of("HEAD", tmp_path)
+    assert commit == head and tree == tmp_path / head and (tree / "train.py").exists()
+    (tree / "kept").write_text("")
+    assert eq.source_of(f"{head}~0", tmp_path) == (head, tree) and (tree / "kept").exists()

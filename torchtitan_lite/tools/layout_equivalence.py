@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from torchtitan_lite.tools.loss_compare_runs import CompareError, read_losses
+from torchtitan_lite.tools.repo import REPO_ROOT, SCRIPTS_DIR
 
 LAYOUTS: dict[str, tuple[int, tuple[str, ...], bool]] = {
     # name: (processes, flags, needs experts)
@@ -69,12 +70,17 @@ def planned(families: list[str], layouts: list[str]) -> list[tuple[str, str]]:
     return [(f, layout) for f in families for layout in layouts if FAMILIES[f] or not LAYOUTS[layout][2]]
 
 
-def source_of(revision: str, into: Path) -> Path:
-    """The tree of ``revision`` as plain files (no git state changes in the checkout)."""
-    into.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(["git", "archive", revision], cwd=ROOT, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
+def source_of(revision: str, folder: Path) -> tuple[str, Path]:
+    """(commit, its tree as plain files under ``folder``/commit): extracted once per commit (a name such as
+    main~1 moves, so what is kept goes by the commit it names), without touching the checkout's git state."""
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{revision}^{{commit}}"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, check=True).stdout.strip()
+    into = folder / commit
+    if not (into / "train.py").exists():
+        into.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", commit], cwd=REPO_ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return commit, into
 
 
 def train(source: Path, revision: str, family: str, layout: str, steps: int, folder: Path) -> str | None:
@@ -90,7 +96,7 @@ def train(source: Path, revision: str, family: str, layout: str, steps: int, fol
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    worker = str(ROOT / "scripts" / "_equivalence_worker.py")
+    worker = str(SCRIPTS_DIR / "_equivalence_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", worker,
            str(folder / "initial"), *args]
     env = {**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -122,11 +128,11 @@ def state_difference(a: dict, b: dict) -> str | None:
 
 
 def step_losses(folder: Path) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(folder / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("train/loss")} if "train/loss" in acc.Tags()["scalars"] else {}
+    """The run's logged step losses; none when it logged none (judged unequal)."""
+    try:
+        return read_losses(folder)
+    except CompareError:
+        return {}
 
 
 def largest_relative_difference(a: dict[int, float], b: dict[int, float]) -> float | None:
@@ -150,10 +156,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="layout_equivalence_"))
-    sides = {"baseline": (args.baseline, source_of(args.baseline, out / "baseline" / "src")),
-             "current": ("checkout", ROOT) if args.current is None
-             else (args.current, source_of(args.current, out / "current" / "src"))}
-    print(f"baseline {args.baseline} vs {args.current or f'the checkout at {ROOT}'}; runs under {out}", flush=True)
+    sides = {"baseline": source_of(args.baseline, out / "baseline" / "src"),
+             "current": ("checkout", REPO_ROOT) if args.current is None
+             else source_of(args.current, out / "current" / "src")}
+    print(f"baseline {args.baseline} vs {args.current or f'the checkout at {REPO_ROOT}'}; runs under {out}",
+          flush=True)
     outcomes = []
     for family, layout in planned(args.families, args.layouts):
         runs = {name: out / name / family / layout for name in sides}

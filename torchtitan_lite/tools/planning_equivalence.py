@@ -23,7 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from torchtitan_lite.tools.layout_equivalence import ROOT, source_of
+from torchtitan_lite.tools.layout_equivalence import source_of
+from torchtitan_lite.tools.repo import REPO_ROOT
 
 DOCUMENTED = re.compile(r"((?:NGPU=\d+ )?\./run_train\.sh [^`\n]*--(?:dry-run|estimate-memory)\b[^`\n]*)")
 CLOCK = re.compile(r"\b\d\d:\d\d:\d\d(?:[.,]\d+)?\b")
@@ -92,12 +93,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="planning_equivalence_"))
-    baseline = source_of(args.baseline, out / "baseline" / "src") if not (out / "baseline" / "src").exists() \
-        else out / "baseline" / "src"
-    commands = documented_commands(ROOT) + registry_commands(registered_configs(ROOT))
+    commit, baseline = source_of(args.baseline, out / "baseline" / "src")
+    commands = documented_commands(REPO_ROOT) + registry_commands(registered_configs(REPO_ROOT))
     print(f"{len(commands)} planning commands, baseline {args.baseline} vs the checkout; runs under {out}", flush=True)
-    before = [normalised(t) for t in texts(baseline, commands, out / f"baseline-{args.baseline.replace('/', '_')}.json")]
-    after = texts(ROOT, commands, None)
+    before = [normalised(t) for t in texts(baseline, commands, out / f"baseline-{commit}.json")]
+    after = texts(REPO_ROOT, commands, None)
     differing = 0
     for (env, cmd), a, b in zip(commands, before, after):
         if a == b:
