@@ -69,14 +69,16 @@ def model_batch(batch: Batch, *, document_mask: bool, cp: int = 1, cp_rank: int 
     if not document_mask and cp == 1:
         return ModelBatch(inputs, labels, {}, 1.0)
     bsz, seq_len = inputs.shape
-    local = load_balanced_index(seq_len, cp, cp_rank) if cp > 1 else torch.arange(seq_len)
-    keys = torch.cat([load_balanced_index(seq_len, cp, r) for r in range(cp)]) if cp > 1 else local
+    # One rank holds the whole window: no chunk to pick, the keys in window order.
+    local: torch.Tensor | slice = load_balanced_index(seq_len, cp, cp_rank) if cp > 1 else slice(None)
+    keys: torch.Tensor | slice = \
+        torch.cat([load_balanced_index(seq_len, cp, r) for r in range(cp)]) if cp > 1 else slice(None)
     window = torch.arange(seq_len).expand(bsz, seq_len)
-    docs = batch.document_ids() if document_mask else torch.zeros(bsz, seq_len, dtype=torch.int64)
-    kwargs = {"positions": (document_positions(docs) if document_mask else window)[:, local],
-              "q_index": window[:, local], "kv_index": window[:, keys]}
-    if document_mask:
-        kwargs |= {"q_doc": docs[:, local], "kv_doc": docs[:, keys]}
+    kwargs = {"q_index": window[:, local], "kv_index": window[:, keys]}
+    if not document_mask:
+        return ModelBatch(inputs[:, local], labels[:, local], {"positions": window[:, local], **kwargs}, 1.0)
+    docs = batch.document_ids()
+    kwargs |= {"positions": document_positions(docs)[:, local], "q_doc": docs[:, local], "kv_doc": docs[:, keys]}
     return ModelBatch(inputs[:, local], labels[:, local], kwargs, attention_share(docs))
 
 
