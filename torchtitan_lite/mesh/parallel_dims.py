@@ -17,26 +17,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Protocol
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchtitan_lite.protocols.model_shape import ModelShape
+
 logger = logging.getLogger(__name__)
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-class HeadShape(Protocol):
-    """The part of a model's shape (protocols/model_shape.py's ModelShape, which the protocols above this
-    module define) that tensor parallelism splits."""
-
-    @property
-    def n_heads(self) -> int: ...
-    @property
-    def kv_heads(self) -> int: ...
-    @property
-    def tie_word_embeddings(self) -> bool: ...
 
 
 def _grid(cp: int, pp: int, dp_replicate: int, dp_shard: int | None, tp: int) -> str:
@@ -108,9 +97,8 @@ class ParallelDims:
         self._expert_mesh: DeviceMesh | None = None
         self._expert_shard_mesh: DeviceMesh | None = None
 
-    def validate_for_model(self, args: HeadShape, seq_len: int, *, sequence_parallel: bool = True) -> None:
-        """Check that the model's shapes split over `tp` and the sequence over `cp` (``args``: the family's args, a
-        ModelShape)."""
+    def validate_for_model(self, args: ModelShape, seq_len: int, *, sequence_parallel: bool = True) -> None:
+        """Check that the model's shapes split over `tp` and the sequence over `cp` (``args``: the family's args)."""
         self._validate_sequence_split(seq_len, sequence_parallel=sequence_parallel)
         if self.tp == 1:
             return
