@@ -17,12 +17,13 @@ import torch.distributed as dist
 
 import torchtitan_lite.components.quantization  # noqa: F401  (registers the built-in converter kinds)
 from torchtitan_lite.aux_loss_weight import set_aux_loss_weight
+from torchtitan_lite.batch_sums import global_target_tokens, sum_over
 from torchtitan_lite.components.checkpoint import CheckpointManager, ModelWrapper
 from torchtitan_lite.components.checkpoint.seed_warning import seed_over_later_run
 from torchtitan_lite.components.data import TextDataLoader
 from torchtitan_lite.components.data.readiness import require_data
 from torchtitan_lite.components.data.sequence_layout import SequenceLayout, check_document_starts
-from torchtitan_lite.components.loss import IGNORE_INDEX, cross_entropy_sum
+from torchtitan_lite.components.loss import cross_entropy_sum
 from torchtitan_lite.components.lr_scheduler import LRSchedulersContainer
 from torchtitan_lite.components.metrics import MetricsProcessor
 from torchtitan_lite.components.optimizer import OptimizersContainer
@@ -169,8 +170,10 @@ class Trainer(Configurable):
         ``loss_fn`` is the training loss."""
         self.flops_per_token = built.flops_per_token
         self.attention_flops_per_token = built.attention_flops_per_token
-        self.sequence_layout = SequenceLayout(document_mask=self.run.document_mask)
-        """Lays each batch out for the model: positions and the attention mask's indices under document masking."""
+        self.sequence_layout = SequenceLayout(document_mask=self.run.document_mask, cp=self.parallel_dims.cp,
+                                              cp_rank=self.parallel_dims.cp_rank)
+        """Lays each batch out for the model: this rank's chunks under context parallelism (the CP ranks of one
+        data shard read the same batches), positions and the attention mask's indices."""
         self.optimizers = cfg.optimizer.build(model_parts=self.model_parts)
         self.lr_schedulers = cfg.lr_scheduler.build(optimizers=self.optimizers, training_steps=cfg.training.steps)
         # Right after each applied optimizer step (not one the scaler or the spike policy skipped), each part
@@ -178,7 +181,7 @@ class Trainer(Configurable):
         # per part on that part's optimizer, so a rank holding several pipeline stages updates each once.
         for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
             optimizer.register_step_post_hook(lambda *_, part=part: self.converters.post_optimizer_hook([part]))
-            optimizer.register_step_post_hook(lambda *_, part=part: part.post_optimizer_step(self._dp_group()))
+            optimizer.register_step_post_hook(lambda *_, part=part: part.post_optimizer_step(self._batch_group()))
         self.grad_scaler = self.precision.grad_scaler(process_group=None)
 
     def _build_loop_components(self) -> None:
@@ -217,7 +220,9 @@ class Trainer(Configurable):
         self.metrics = cfg.metrics.build(
             dump_folder=cfg.job.dump_folder, device=self.device,
             num_flops_per_token=self.flops_per_token, attention_flops_per_token=self.attention_flops_per_token,
-            dp_degree=self.parallel_dims.dp_degree, tp_degree=self.parallel_dims.tp * self.parallel_dims.pp,
+            # Ranks holding different tokens: data shards times the CP ranks that split each sequence.
+            dp_degree=self.parallel_dims.dp_degree * self.parallel_dims.cp,
+            tp_degree=self.parallel_dims.tp * self.parallel_dims.pp,
         )
         self.spikes = None if self.spike_guard is None else SpikeResponse(
             self.spike_guard, checkpointer=self.checkpointer, metrics=self.metrics, health=self.health,
@@ -225,9 +230,9 @@ class Trainer(Configurable):
         self.validator = build_validator(
             cfg.validation, cfg.data, cfg.training, tokenizer=self.tokenizer, parallel_dims=self.parallel_dims,
             vocab_size=self.model_args.vocab_size, loss_fn=self.runner.loss_fn, device=self.device,
-            dp_group=self._dp_group(), precision=self.precision, loss_parallel=self.run.loss_parallel,
+            dp_group=self._batch_group(), precision=self.precision, loss_parallel=self.run.loss_parallel,
             runner=self.runner, sequence_layout=self.sequence_layout)
-        self.fp8_stats = build_fp8_stats(self.model_parts, freq=cfg.metrics.fp8_stats_freq, dp_group=self._dp_group())
+        self.fp8_stats = build_fp8_stats(self.model_parts, freq=cfg.metrics.fp8_stats_freq, dp_group=self._batch_group())
         self.watcher = PreemptionWatcher(self.device)
 
     def _fp8_capture(self, on: bool) -> contextlib.AbstractContextManager[None]:
@@ -240,8 +245,10 @@ class Trainer(Configurable):
         if dist_utils.is_rank0() and self.config.job.save_config:
             save_resolved_config(self.config, dump_folder=self.config.job.dump_folder)
 
-    def _dp_group(self) -> dist.ProcessGroup | None:
-        mesh = self.parallel_dims.dp_mesh
+    def _batch_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold different tokens of one step (data x context parallel): every sum over a step's
+        tokens (target tokens, loss, expert loads, statistics) runs over it."""
+        mesh = self.parallel_dims.batch_mesh
         return None if mesh is None else mesh.get_group()
 
     # ----------------------------------------------------------------------------------------------
@@ -336,7 +343,7 @@ class Trainer(Configurable):
                         f", {first_step_compile_label(compiled_before, compile_stats(), step_s=step_s)}")
             logger.info("first step took %.1fs (%.1fs loading data%s)", step_s, data_s, compiled)
         if values is not None:
-            model_scalars, model_summary = model_stats(self.model_parts, self.runner, dp_group=self._dp_group())
+            model_scalars, model_summary = model_stats(self.model_parts, self.runner, dp_group=self._batch_group())
             # The logged loss is the mean since the previous log line (one step's batch is a noisy
             # sample); the step's own loss goes to TensorBoard as train/loss_step.
             mean_loss = self.train_state.take_mean_loss(fallback=values.loss)
@@ -354,19 +361,22 @@ class Trainer(Configurable):
         return False
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over ``batches``; returns the loss (summed over data-parallel ranks) and the
+        """One optimizer step over ``batches``; returns the loss (summed over the batch group) and the
         gradient norm as device scalars, and queues them for the loop to read (``PendingSteps``). Nothing
         here reads a device value except what decides this step: the FP16 scaler's overflow flag, the
         spike policy's verdict, FP8 statistics on their steps."""
-        global_tokens = self._global_target_tokens(batches)
+        # Laid out first: under context parallelism this rank's labels are its chunks, and the target tokens of
+        # the step are counted over the ranks that hold them.
+        laid_out = [self.sequence_layout(batch) for batch in batches]
+        global_tokens = global_target_tokens([mb.labels for mb in laid_out], self.device, self._batch_group())
         loss_total = torch.zeros((), device=self.device)
         fp8_stats_step = self.fp8_stats is not None and self.fp8_stats.due(self.train_state.step)
         set_aux_loss_weight(self.model_parts, n_batches=len(batches), forwards_per_batch=self.runner.forwards_per_batch,
                             parallel_dims=self.parallel_dims,
                             loss_scale=self.grad_scaler.scale_value if self.grad_scaler is not None else 1.0)
-        for i, batch in enumerate(batches):
+        for i, host_batch in enumerate(laid_out):
             # non_blocking: a blocking host-to-device copy waits for the device to finish all queued work.
-            mb = self.sequence_layout(batch).to(self.device, non_blocking=True)
+            mb = host_batch.to(self.device, non_blocking=True)
             self.train_state.tokens_seen += mb.inputs.numel()
             self.metrics.record_tokens(mb.inputs.numel(), attention_share=mb.attention_share)
             with (self._fp8_capture(fp8_stats_step and i == 0), self.precision.autocast(),
@@ -379,7 +389,7 @@ class Trainer(Configurable):
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.config.training.max_norm, pp_mesh=self.parallel_dims.pp_mesh)
         # Under a pipeline only the last stage's rank computed the loss: every rank logs, checks and judges that one.
-        loss_total = self._sum_over_dp(share_loss(loss_total, self.runner))
+        loss_total = sum_over(share_loss(loss_total, self.runner), self._batch_group())
         step = self.train_state.step
         verdict: Verdict | None = None
         if self.spikes is None:
@@ -415,21 +425,6 @@ class Trainer(Configurable):
         return settle(self.pending, health=self.health, train_state=self.train_state, checkpointer=self.checkpointer,
                       stop_nonfinite=self.spikes is None, scaled=self.grad_scaler is not None,
                       clipping=self.config.training.max_norm > 0, fp16=self.precision.param_dtype == torch.float16)
-
-    def _global_target_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        # Counted where the labels are (the host) and sent to the device without reading anything back.
-        local = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in batches]).sum()
-        count = local.to(self.device, torch.float32, non_blocking=True)
-        group = self._dp_group()
-        if group is not None:
-            dist.all_reduce(count, group=group)
-        return count.clamp_min(1.0)
-
-    def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        group = self._dp_group()
-        if group is not None:
-            dist.all_reduce(value, group=group)
-        return value
 
     def _maybe_validate(self, *, force: bool) -> None:
         if self.validator is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from models.common.attention.grouped_query import masked_attention
 from models.common.attention.mask import Mask
@@ -18,6 +19,7 @@ from models.common.attention.rope import apply_rotary_emb
 from models.common.init import trunc_normal_
 from models.common.rms_norm import RMSNorm
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
+from torchtitan_lite.mesh.sequence_collectives import gather_sequence
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of the q / kv latent norms: DeepSeek's reference and HF both use the RMSNorm default, whatever
@@ -47,6 +49,14 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(args.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        self.cp_group: ProcessGroup | None = None
+        """Context parallelism's group (None: this rank holds whole sequences); ``use_context_parallel``."""
+
+    def use_context_parallel(self, group: ProcessGroup) -> bool:
+        """Attend over the whole sequence: the compressed latent and rotary key of every token are all-gathered
+        over ``group`` (the CP ranks) and expanded by ``wkv_b`` on each rank."""
+        self.cp_group = group
+        return True
 
     def init_weights(self, out_proj_std: float) -> None:
         for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
@@ -83,7 +93,14 @@ class MultiHeadLatentAttention(nn.Module):
         bsz, seqlen, _ = x.shape
         q_nope, q_rope = self.query_heads(x, rope_cache)
         latent, k_rope = self.compressed_kv(x, rope_cache)
-        kv = self.wkv_b(latent).view(bsz, seqlen, -1, self.nope_dim + self.v_dim)
+        if self.cp_group is not None:
+            # Context parallelism gathers what a token contributes to every head, kv_lora_rank + rope_dim values
+            # (576 in V3), in one collective, not the expanded heads (n_heads x (qk_head_dim + v_head_dim)); each
+            # key was rotated at its own position before the gather. The expansion then runs on every rank.
+            compressed = gather_sequence(torch.cat([latent, k_rope.squeeze(2)], dim=-1), self.cp_group)
+            latent, k_rope = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            k_rope = k_rope.unsqueeze(2)
+        kv = self.wkv_b(latent).view(bsz, latent.shape[1], -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         heads = k_nope.shape[2]
         q = torch.cat([q_nope, q_rope], dim=-1)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from _harness import run_ranks
 
-from torchtitan_lite.distributed.context_parallel import gather_sequence
+from torchtitan_lite.mesh.sequence_collectives import gather_sequence
 
 B, S, H, D = 2, 3, 2, 4
 

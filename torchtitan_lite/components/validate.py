@@ -87,7 +87,8 @@ class Validator(Configurable):
             device: where batches go for the forward.
             dataloader_factory: returns a fresh validation loader (of ``(inputs, labels)``) per call.
             dataloader: alternatively, an iterable that starts from its beginning on every ``iter()``.
-            dp_group: data-parallel group to sum losses and tokens over; None for one data-parallel rank.
+            dp_group: the ranks holding different tokens (data x context parallel) to sum losses and tokens over;
+                None for one such rank.
             autocast: returns the context the forward runs in (e.g. ``Precision.eval_autocast``).
             loss_context: returns the context around forward and loss (e.g. tensor-parallel loss_parallel).
             runner: runs each batch's forward (``eval``) and names the group its sums are shared over: the

@@ -38,6 +38,9 @@ ALWAYS_SAVED_OPS = ATTENTION_OPS | frozenset({
     _aten.amax.default,
     # A recomputed collective would communicate again (and must match on every rank).
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    # Context parallelism's K/V gather and balance-statistic sums (torchtitan_lite/mesh/sequence_collectives.py).
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
 })
 
 

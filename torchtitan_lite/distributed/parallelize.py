@@ -1,14 +1,15 @@
 """The one parallelize sequence of every family: the family gives its plan as data, the run its layout.
 
 Order: TP (float8 styles per communication region, sequence parallel, loss parallel; expert tensor parallelism
-when the plan has an MoE part) -> expert parallelism -> activation checkpointing -> torch.compile per block ->
-FSDP2 / HSDP. TP must see the plain Linears to swap in DTensor parameters, and EP then splits the TP-split
-experts over the (ep, tp) mesh; checkpointing wraps the parallelized block, and the MoE layers of a
-checkpointed block keep their token exchanges for its recomputation; compile traces the checkpointed block
-(under EP only the regions between the all-to-alls, whose split sizes are host integers); FSDP goes last so its
-all-gather / reduce-scatter hooks sit outside the compiled graphs. A dense family's plan makes every MoE step a
-no-op. The layout rules are not repeated here: parallelize runs on a resolved run, and ``resolve_run`` has
-already refused what the run cannot do.
+when the plan has an MoE part) -> expert parallelism -> context parallelism -> activation checkpointing ->
+torch.compile per block -> FSDP2 / HSDP. TP must see the plain Linears to swap in DTensor parameters, and EP then
+splits the TP-split experts over the (ep, tp) mesh; the layers that read the whole sequence learn their CP group
+before checkpointing and compile wrap them (a recomputed block gathers its K/V again); checkpointing wraps the
+parallelized block, and the MoE layers of a checkpointed block keep their token exchanges for its recomputation;
+compile traces the checkpointed block (under EP only the regions between the all-to-alls, whose split sizes are
+host integers); FSDP goes last so its all-gather / reduce-scatter hooks sit outside the compiled graphs. A dense
+family's plan makes every MoE step a no-op. The layout rules are not repeated here: parallelize runs on a resolved
+run, and ``resolve_run`` has already refused what the run cannot do.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from torchtitan_lite.distributed.activation_checkpoint import apply_ac
 from torchtitan_lite.distributed.compile import apply_compile, expert_parallel_regions
+from torchtitan_lite.distributed.context_parallel import apply_context_parallel
 from torchtitan_lite.distributed.expert_parallel import apply_expert_parallel, keep_exchanges_for_recompute
 from torchtitan_lite.distributed.fsdp import apply_fsdp
 from torchtitan_lite.distributed.tensor_parallel import apply_tp
@@ -29,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 def parallelize(model: BaseModel, plan: ParallelPlan, context: ParallelizeContext, *, label: str) -> BaseModel:
-    """TP -> EP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) in place as ``plan`` and
+    """TP -> EP -> CP -> AC -> compile -> FSDP2 on ``model`` (on meta, meshes built) in place as ``plan`` and
     ``context`` say, then one log line 'parallelized <label>: ...' naming the layout; returns ``model``.
 
     Without data parallelism no FSDP is applied (the precision component then casts through autocast instead).
@@ -43,6 +45,9 @@ def parallelize(model: BaseModel, plan: ParallelPlan, context: ParallelizeContex
         apply_expert_parallel(blocks, dims.ep_mesh, dims.ep_tp_mesh)
         split = f"EP {dims.ep} x expert TP {dims.tp}" if dims.tp_enabled else f"EP {dims.ep}"
         layouts.append(f"experts split over {split}, FSDP-sharded over {dims.expert_fsdp_degree} rank(s)")
+    if dims.cp_mesh is not None:
+        apply_context_parallel(blocks, dims.cp_mesh.get_group())
+        layouts.append(f"K/V all-gathered over CP, {2 * dims.cp} head-tail chunks per sequence")
     ac_config = context.activation_checkpoint
     ac = apply_ac(blocks, ac_config.mode, ac_config.selective_option,
                   compiled_tp=context.compile_model and dims.tp_enabled)

@@ -1,8 +1,12 @@
-"""The collective of context parallelism: every rank of a CP group holds its own chunks of each sequence (its
+"""The collectives of context parallelism, which the models' attention and MoE layers call.
+
+Every rank of a CP group holds its own chunks of each sequence (its
 queries), and attention needs the keys and values of the whole sequence, so K and V are all-gathered along the
 sequence dimension. All-gather rather than ring or all-to-all because it needs no sharding rule for the attention
 kernel (torch's ring path has none for CPU attention) and keeps each rank's attention one plain call over the
 whole K/V; the gathered K/V are Hkv heads (before any repeat), or MLA's compressed latent, so the bytes stay small.
+
+They live in the low mesh package (torch only) because the model families call them and import no higher layer.
 """
 from __future__ import annotations
 
@@ -38,3 +42,26 @@ def gather_sequence(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     if group is None:
         return x
     return _GatherSequence.apply(x, group)
+
+
+class _SumOverSequence(torch.autograd.Function):
+    """Forward: all-reduce (sum). Backward: the gradient as it is. For a statistic summed over a sequence whose
+    tokens are spread over the CP ranks: every rank then holds the whole sequence's value and computes the same
+    function of it, and each rank's backward reaches only its own tokens, so the ranks' gradients, summed by
+    FSDP over the CP group, are the one-rank gradient exactly once."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def sum_over_sequence(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``x`` summed over the CP group (each rank's part of a per-sequence sum); the gradient passes through
+    unchanged (see _SumOverSequence). Without a group ``x`` itself."""
+    if group is None:
+        return x
+    return _SumOverSequence.apply(x, group)

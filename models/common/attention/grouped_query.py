@@ -8,10 +8,12 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from models.common.attention.mask import Mask
 from models.common.attention.rope import apply_rotary_emb
 from models.common.init import trunc_normal_
+from torchtitan_lite.mesh.sequence_collectives import gather_sequence
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -37,6 +39,13 @@ class GroupedQueryAttention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.cp_group: ProcessGroup | None = None
+        """Context parallelism's group (None: this rank holds whole sequences); ``use_context_parallel``."""
+
+    def use_context_parallel(self, group: ProcessGroup) -> bool:
+        """Attend over the keys and values of the whole sequence, all-gathered over ``group`` (the CP ranks)."""
+        self.cp_group = group
+        return True
 
     def init_weights(self, out_proj_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -62,8 +71,14 @@ class GroupedQueryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: Mask | None = None) -> torch.Tensor:
         """``rope_cache``: the rotary table [max_seq, head_dim / 2], or one row per token [batch, seq, ...]
-        (positions restarting per document); ``mask``: models/common/attention/mask.py's (None: causal)."""
-        return self.wo(grouped_query_attention(*self.project(x, rope_cache), mask))
+        (positions restarting per document); ``mask``: models/common/attention/mask.py's (None: causal).
+
+        Under context parallelism x holds this rank's chunks of each sequence: its queries attend over the keys
+        and values of every chunk, gathered from the CP group (n_kv_heads of them, before any repeat, so the
+        bytes are the smallest the attention can use), under the mask the sequence layout built for them."""
+        q, k, v = self.project(x, rope_cache)
+        k, v = gather_sequence(k, self.cp_group), gather_sequence(v, self.cp_group)
+        return self.wo(grouped_query_attention(q, k, v, mask))
 
 
 def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -74,7 +89,7 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Head counts come from the tensors, not from model args: under tensor parallelism each rank holds
     n_heads / tp query heads and n_kv_heads / tp key/value heads."""
-    bsz, seqlen = q.shape[:2]
+    bsz, seqlen = q.shape[:2]  # the queries' length (under context parallelism the keys may be more)
     n_rep = q.shape[2] // k.shape[2]
     # On CPU the flash kernel reads each key/value head for its n_rep query heads itself (enable_gqa): no
     # repeated copies forward and no reduction over them backward (measured ~6% faster per attention

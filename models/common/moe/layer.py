@@ -131,6 +131,14 @@ class MoE(nn.Module):
         # buffer, not a float attribute: a compiled block reads it as an input and recompiles for no new value.
         self.aux_loss_scale: torch.Tensor
         self.register_buffer("aux_loss_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.cp_group: dist.ProcessGroup | None = None
+        """Context parallelism's group: the sequence-level balance loss sums its statistics over it."""
+
+    def use_context_parallel(self, group: dist.ProcessGroup) -> bool:
+        """ContextParallelLayer: the balance loss is per sequence, and this rank holds only its chunks of each.
+        Not an attention (False): routing is per token and needs nothing else of the other ranks."""
+        self.cp_group = group
+        return False
 
     def shard_experts(self, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None) -> None:
         """Expert parallelism (ExpertParallelLayer): the expert weights become DTensors sharded on dim 0 over
@@ -192,7 +200,7 @@ class MoE(nn.Module):
         if self.args.aux_loss_coeff <= 0:
             return None
         aux_loss = self.args.aux_loss_coeff * sequence_aux_loss(
-            scores.view(batch, seq_len, -1), experts.view(batch, seq_len, -1), self.args.num_experts)
+            scores.view(batch, seq_len, -1), experts.view(batch, seq_len, -1), self.args.num_experts, self.cp_group)
         if not recomputing:
             with torch.no_grad():  # [sum of the loss, forwards], read by the metrics
                 self.aux_loss_window.add_(torch.stack([aux_loss.detach().float(), aux_loss.new_ones(())]))

@@ -11,6 +11,9 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
+
+from torchtitan_lite.mesh.sequence_collectives import sum_over_sequence
 
 
 def expert_bias_delta(tokens_per_expert: torch.Tensor, rate: float) -> torch.Tensor:
@@ -24,12 +27,22 @@ def expert_bias_delta(tokens_per_expert: torch.Tensor, rate: float) -> torch.Ten
     return delta - delta.mean()
 
 
-def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Sequence-level balance loss (without its coefficient) of scores [B, S, E] and chosen experts [B, S, k]."""
+def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                      cp_group: ProcessGroup | None = None) -> torch.Tensor:
+    """Sequence-level balance loss (without its coefficient) of scores [B, S, E] and chosen experts [B, S, k].
+
+    Under context parallelism (``cp_group``) a rank holds only its chunks of each sequence: the per-sequence
+    counts and score sums are summed over the CP ranks, so that every rank computes the whole sequence's loss,
+    and each rank's backward reaches its own tokens' scores (``sum_over_sequence``)."""
     batch, seq_len, top_k = experts.shape
     probs = scores / scores.sum(dim=-1, keepdim=True)  # softmax scores already sum to 1; sigmoid ones do not
-    p = probs.mean(dim=1)  # [B, E]
     counts = torch.zeros(batch, num_experts, device=scores.device, dtype=scores.dtype)
     counts.scatter_add_(1, experts.reshape(batch, -1), torch.ones_like(experts.reshape(batch, -1), dtype=scores.dtype))
+    if cp_group is None:
+        p = probs.mean(dim=1)  # [B, E]
+    else:
+        seq_len *= cp_group.size()
+        p = sum_over_sequence(probs.sum(dim=1), cp_group) / seq_len
+        counts = sum_over_sequence(counts, cp_group)
     f = counts * (num_experts / (top_k * seq_len))
     return (f * p).sum(dim=-1).mean()
