@@ -2,7 +2,7 @@
 its head-tail chunks of every sequence, K/V all-gathered) gives the one-process loss and first gradients of the same
 batch, under the causal and the document mask, for Llama 3 (grouped-query attention) and DeepSeek-V3 (multi-head
 latent attention: the compressed latent and rotary key gathered; a sequence-level balance loss summed over CP),
-alone and with FSDP or TP on 4 ranks.
+alone and with FSDP, TP or EP, under full and selective activation checkpointing.
 
 Tolerance 1e-5 relative per parameter (float32): CP changes only the order of sums (FSDP's reduce-scatter of the
 chunks' gradients, the attention over gathered keys); measured ~1e-7. Negative controls, planted and seen red: a
@@ -78,11 +78,12 @@ def _one_process(family: str, document: bool) -> tuple[float, dict[str, torch.Te
     return float(loss), grads
 
 
-def _worker(rank: int, world_size: int, family: str, document: bool, cp: int, dp: int, tp: int, ac: str) -> dict:
+def _worker(rank: int, world_size: int, family: str, document: bool, cp: int, dp: int, tp: int, ac: str,
+            ep: int) -> dict:
     import torch.distributed as dist
 
     spec = get_model_spec(family)
-    dims = ParallelDims(1, dp, tp, world_size=world_size, cp=cp)
+    dims = ParallelDims(1, dp, tp, world_size=world_size, cp=cp, ep=ep)
     dims.build_mesh("cpu")
     precision = Precision.Config(param_dtype="float32").build(device="cpu", fsdp_enabled=True)
     with torch.device("meta"):
@@ -112,21 +113,23 @@ def _relative_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
 
 
 CASES = [
-    # family, document mask, cp, dp_shard, tp, AC mode
-    pytest.param("llama3", False, 2, 1, 1, "none", id="llama3-causal-cp2"),
-    pytest.param("llama3", True, 2, 1, 1, "none", id="llama3-document-cp2"),
-    pytest.param("deepseek_v3", False, 2, 1, 1, "none", id="deepseek_v3-causal-cp2"),
-    pytest.param("deepseek_v3", True, 2, 1, 1, "full", id="deepseek_v3-document-cp2-full-ac"),
-    pytest.param("llama3", True, 4, 1, 1, "selective", id="llama3-document-cp4-selective-ac"),
-    pytest.param("deepseek_v3", True, 2, 2, 1, "none", id="deepseek_v3-document-fsdp2-cp2"),
-    pytest.param("llama3", True, 2, 1, 2, "none", id="llama3-document-cp2-tp2"),
+    # family, document mask, cp, dp_shard, tp, AC mode, ep
+    pytest.param("llama3", False, 2, 1, 1, "none", 1, id="llama3-causal-cp2"),
+    pytest.param("llama3", True, 2, 1, 1, "none", 1, id="llama3-document-cp2"),
+    pytest.param("deepseek_v3", False, 2, 1, 1, "none", 1, id="deepseek_v3-causal-cp2"),
+    pytest.param("deepseek_v3", True, 2, 1, 1, "full", 1, id="deepseek_v3-document-cp2-full-ac"),
+    pytest.param("llama3", True, 4, 1, 1, "selective", 1, id="llama3-document-cp4-selective-ac"),
+    pytest.param("deepseek_v3", True, 2, 2, 1, "none", 1, id="deepseek_v3-document-fsdp2-cp2"),
+    pytest.param("llama3", True, 2, 1, 2, "none", 1, id="llama3-document-cp2-tp2"),
+    # EP borrows the CP ranks: the two ranks of one sequence exchange its tokens with each other's experts.
+    pytest.param("deepseek_v3", True, 2, 1, 1, "none", 2, id="deepseek_v3-document-cp2-ep2"),
 ]
 
 
-@pytest.mark.parametrize(("family", "document", "cp", "dp", "tp", "ac"), CASES)
-def test_context_parallel_gives_the_one_process_loss_and_gradients(family, document, cp, dp, tp, ac):
+@pytest.mark.parametrize(("family", "document", "cp", "dp", "tp", "ac", "ep"), CASES)
+def test_context_parallel_gives_the_one_process_loss_and_gradients(family, document, cp, dp, tp, ac, ep):
     ref_loss, ref_grads = _one_process(family, document)
-    results = run_ranks(_worker, cp * dp * tp, family, document, cp, dp, tp, ac)
+    results = run_ranks(_worker, cp * dp * tp, family, document, cp, dp, tp, ac, ep)
     assert all(abs(r["loss"] - ref_loss) <= RTOL * abs(ref_loss) for r in results), ([r["loss"] for r in results],
                                                                                    ref_loss)
     errors = _relative_errors(results[0]["grads"], ref_grads)

@@ -1,7 +1,7 @@
 """The meshes ParallelDims builds with a cp dimension, on 8 ranks, against groups computed by hand: rank =
 ((((pp * dp_replicate + r) * dp_shard + s) * cp + c) * tp + t), tp innermost. CP ranks read the same data
-(one dp rank), FSDP shards over dp_shard x cp, the batch mesh sums over dp x cp, and EP keeps borrowing from
-dp_shard while the expert FSDP group also spans cp."""
+(one dp rank), FSDP shards over dp_shard x cp, the batch mesh sums over dp x cp, and EP borrows its ranks from
+dp_shard x cp (the experts' own (efsdp, ep) mesh over the same ranks, in the world mesh's order)."""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -73,21 +73,22 @@ def test_cp_meshes_on_eight_ranks_match_the_hand_computed_groups():
             "dp": [c, 2 + c, 4 + c, 6 + c], "batch": list(range(8)), "pp": None, "tp": None, "ep": None,
             "fsdp": (("dp_replicate", "dp_shard_cp"), (2, 4), [4 * r + i for i in range(4)]), "efsdp": None,
         }
-        # dp_shard 4 = (efsdp 2, ep 2) x cp 2: rank = 4 e + 2 x + c. EP exchanges tokens between the ranks of
-        # one cp coordinate; the expert weights are sharded over efsdp x cp.
-        e, x, c = rank // 4, rank // 2 % 2, rank % 2
+        # dp_shard 4 x cp 2 = 8 FSDP ranks = (efsdp 4, ep 2): the FSDP coordinate is 2 s + c = rank, so EP exchanges
+        # tokens between the two CP ranks of one data shard, and each expert is sharded over the four ranks of
+        # one ep coordinate.
+        e, x, c = rank // 2, rank % 2, rank % 2
         assert got["dp4_cp2_ep2"] == {
-            "ranks": (0, 2 * e + x, c), "cp": [4 * e + 2 * x, 4 * e + 2 * x + 1], "cp_local": c,
+            "ranks": (0, e, c), "cp": [2 * e, 2 * e + 1], "cp_local": c,
             "dp": [c, 2 + c, 4 + c, 6 + c], "batch": list(range(8)), "pp": None, "tp": None,
-            "ep": [4 * e + c, 4 * e + 2 + c],
+            "ep": [2 * e, 2 * e + 1],
             "fsdp": (("dp_shard_cp",), (8,), list(range(8))),
-            "efsdp": (("efsdp_cp",), (4,), [2 * x + i for i in (0, 1, 4, 5)]),
+            "efsdp": (("efsdp",), (4,), [x, 2 + x, 4 + x, 6 + x]),
         }
-        # HSDP 2 x (ep 2 over dp_shard 2) x cp 2: rank = 4 r + 2 x + c; efsdp is 1, so each expert's shard group
-        # is its two CP ranks, replicated over dp_replicate.
-        r, x, c = rank // 4, rank // 2 % 2, rank % 2
+        # HSDP 2 x dp_shard 2 x cp 2: in each replica the FSDP coordinate 2 s + c = (efsdp 2, ep 2); the expert
+        # shard group is the ranks of one ep coordinate, replicated over dp_replicate.
+        r, s, x = rank // 4, rank // 2 % 2, rank % 2
         got_hsdp_ep = got["hsdp2x2_cp2_ep2"]
-        assert got_hsdp_ep["ep"] == [4 * r + c, 4 * r + 2 + c]
+        assert got_hsdp_ep["ep"] == [4 * r + 2 * s, 4 * r + 2 * s + 1]
         assert got_hsdp_ep["fsdp"] == (("dp_replicate", "dp_shard_cp"), (2, 4), [4 * r + i for i in range(4)])
-        assert got_hsdp_ep["efsdp"] == (("dp_replicate", "efsdp_cp"), (2, 2), [4 * r + 2 * x, 4 * r + 2 * x + 1])
-        assert got_hsdp_ep["efsdp_replicas"] == [2 * x + c, 4 + 2 * x + c]
+        assert got_hsdp_ep["efsdp"] == (("dp_replicate", "efsdp"), (2, 2), [4 * r + x, 4 * r + 2 + x])
+        assert got_hsdp_ep["efsdp_replicas"] == [rank % 4, 4 + rank % 4]

@@ -42,9 +42,11 @@ def test_cp_one_names_nothing_new():
      "dp_shard=-1 cannot fill world size 12: it is not divisible by pp x dp_replicate x cp x tp = 1 x 1 x 4 x 2 = 8"),
     (dict(dp_replicate=1, dp_shard=0, tp=1, world_size=2, cp=2), "or -1 to use the ranks left after pp, dp_replicate, "
      "cp and tp"),
-    (dict(dp_replicate=1, dp_shard=-1, tp=1, world_size=6, cp=2, ep=2),
-     "leave parallelism.dp_shard=3 after pp x dp_replicate x cp x tp = 1 x 1 x 2 x 1 = 2: this layout needs 8 "
-     "processes (pp x dp_replicate x dp_shard x cp x tp = 1 x 1 x 4 x 2 x 1; any multiple of 4 runs)"),
+    # EP borrows from dp_shard x cp: 3 x 2 = 6 FSDP ranks take ep 2 (or 3) but not 4.
+    (dict(dp_replicate=1, dp_shard=-1, tp=1, world_size=6, cp=2, ep=4),
+     "parallelism.ep=4 must divide parallelism.dp_shard x parallelism.cp = 3 x 2: under context parallelism the "
+     "experts are split over the FSDP ranks, dp_shard x cp = 6; use an ep among the divisors of 6, or raise "
+     "dp_shard"),
 ])
 def test_bad_degrees_with_cp_name_the_numbers(kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -104,3 +106,9 @@ def test_resolve_run_sizes_the_linears_by_the_rank_s_chunk():
     run = resolve_run(config, world_size=4, device_type="cpu", vocab_size=2048)
     assert run.tokens_per_forward == config.training.seq_len * config.training.local_batch_size
     assert run.converters.converters[0].context.dp_shard == 4
+
+
+def test_expert_parallelism_borrows_from_dp_shard_times_cp():
+    dims = ParallelDims(1, 3, 1, world_size=6, cp=2, ep=2)
+    assert (dims.dp_shard, dims.ep, dims.expert_fsdp_degree) == (3, 2, 3)
+    assert ParallelDims(1, 1, 1, world_size=2, cp=2, ep=2).expert_fsdp_degree == 1

@@ -67,7 +67,13 @@ class ParallelDims:
                 f"parallelism degrees {_grid(cp, pp, dp_replicate, dp_shard, tp)} = {product} must equal the world "
                 f"size {world_size}; change the degrees (dp_shard=-1 takes the rest) or launch with that many processes"
             )
-        if dp_shard % ep != 0 and filled:
+        if cp > 1 and (dp_shard * cp) % ep != 0:
+            raise ValueError(
+                f"parallelism.ep={ep} must divide parallelism.dp_shard x parallelism.cp = {dp_shard} x {cp}: under "
+                f"context parallelism the experts are split over the FSDP ranks, dp_shard x cp = {dp_shard * cp}; use "
+                f"an ep among the divisors of {dp_shard * cp}, or raise dp_shard"
+            )
+        if cp == 1 and dp_shard % ep != 0 and filled:
             # dp_shard took what the processes left: more processes are the fix, so name how many.
             need = others * math.ceil(dp_shard / ep) * ep
             step = "" if need == others * ep else f"; any multiple of {others * ep} runs"
@@ -78,7 +84,7 @@ class ParallelDims:
                 f"{step}); launch {need} (NPROC={need}, or NGPU={need} on GPUs) or "
                 + ("drop expert parallelism (ep=1)" if dp_shard == 1 else f"use an ep that divides {dp_shard}")
             )
-        if dp_shard % ep != 0:
+        if cp == 1 and dp_shard % ep != 0:
             raise ValueError(
                 f"parallelism.ep={ep} must divide parallelism.dp_shard={dp_shard}: expert parallelism splits "
                 f"the experts over data-parallel (FSDP) ranks, so ep cannot exceed them; use an ep among the "
@@ -95,7 +101,6 @@ class ParallelDims:
         self._fsdp_shard_mesh: DeviceMesh | None = None
         self._batch_mesh: DeviceMesh | None = None
         self._expert_mesh: DeviceMesh | None = None
-        self._expert_shard_mesh: DeviceMesh | None = None
 
     def validate_for_model(self, args: ModelShape, seq_len: int, *, sequence_parallel: bool = True) -> None:
         """Check that the model's shapes split over `tp` and the sequence over `cp` (``args``: the family's args)."""
@@ -184,8 +189,9 @@ class ParallelDims:
 
     @property
     def expert_fsdp_degree(self) -> int:
-        """The dp_shard ranks left after EP: how many ranks shard each expert's weights."""
-        return self.dp_shard // self.ep
+        """The FSDP ranks (dp_shard, under CP dp_shard x cp) left after EP: how many ranks shard each expert's
+        weights."""
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def dp_rank(self) -> int:
@@ -229,16 +235,21 @@ class ParallelDims:
             # Flattened only under CP: with cp=1 FSDP and the sums keep the plain dimensions they always had.
             self._fsdp_shard_mesh = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
             self._batch_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="batch")
-        if self.ep_enabled:
+        if self.ep_enabled and self.cp_enabled:
+            # EP takes its ranks from dp_shard x cp (the FSDP ranks), as torchtitan does: the experts' mesh is its own
+            # root over the same ranks, (pp, dp_replicate, efsdp, ep, tp) with efsdp x ep = dp_shard x cp in the world
+            # mesh's rank order, so that the experts' 2-D (efsdp, ep) layout is made of contiguous dimensions (a
+            # flattened (efsdp, cp) beside ep is not a mesh DTensor can reduce over). EP then exchanges tokens
+            # between CP ranks as between data ranks: routing is per token, whatever part of a sequence it is.
+            self._expert_mesh = init_device_mesh(
+                device_type, (self.pp, self.dp_replicate, self.expert_fsdp_degree, self.ep, self.tp),
+                mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
+        elif self.ep_enabled:
             # The same ranks as the world mesh, dp_shard seen as (efsdp, ep): the meshes sliced from it share
             # the world's root, which FSDP needs to shard the EP-sharded expert weights further. The dimension
             # goes by index: torch 2.11's _unflatten refuses a name that IS one of the mesh's (inverted check).
             self._expert_mesh = mesh._unflatten(MESH_DIM_NAMES.index("dp_shard"), (self.expert_fsdp_degree, self.ep),
                                                 ("efsdp", "ep"))
-            if self.cp_enabled:
-                # Experts are replicated over cp like every weight: their FSDP group spans efsdp x cp.
-                # The name is registered on the world mesh (the root), where the HSDP slice finds it.
-                self._expert_shard_mesh = self._expert_mesh["efsdp", "cp"]._flatten(mesh_dim_name="efsdp_cp")
         self.world_mesh = mesh
         experts = f" (ep={self.ep} x efsdp={self.expert_fsdp_degree})" if self.ep_enabled else ""
         cp = f" cp={self.cp}" if self.cp_enabled else ""
@@ -290,13 +301,10 @@ class ParallelDims:
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
-        """The mesh expert weights are FSDP-sharded over under EP: efsdp (the dp_shard ranks holding the same
-        experts; under CP efsdp x cp flattened, efsdp_cp), with dp_replicate in front for HSDP; None without EP."""
+        """The mesh expert weights are FSDP-sharded over under EP: efsdp (the FSDP ranks holding the same experts),
+        with dp_replicate in front for HSDP; None without EP."""
         if self._expert_mesh is None:
             return None
-        if self._expert_shard_mesh is not None:
-            assert self.world_mesh is not None
-            return self.world_mesh["dp_replicate", "efsdp_cp"] if self.hsdp_enabled else self._expert_shard_mesh
         return self._expert_mesh["dp_replicate", "efsdp"] if self.hsdp_enabled else self._expert_mesh["efsdp"]
 
     @property
