@@ -35,6 +35,9 @@ LONG_RUNNING = {
     "./run_train.sh --config llama3_debug --model.attention_mask document":
         "trains 200 steps (tests/integration/test_document_mask_run.py trains it on short documents, 1 process "
         "and a pipeline)",
+    "NPROC=2 ./run_train.sh --config llama3_debug --parallelism.cp 2 --model.attention_mask document":
+        "trains 200 steps on 2 processes (tests/integration/test_context_parallel_run.py trains CP 2 on short "
+        "documents against one process)",
     "python scripts/loss_compare.py --verdict llama3 --seeds 4 --parallel 2":
         "trains 32 runs (tests/unit/test_paired_verdict.py runs the verdict on stubbed runs)",
     "python scripts/loss_compare.py --verdict llama3 --recipes tensorwise --seeds 4 --parallel 2":
