@@ -170,6 +170,7 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     moe_facts = spec.moe_facts(args) if spec.moe_facts is not None else None
     check_expert_parallel(dims.ep, moe_facts, config.model, ac)
     check_pipeline_expert_parallel(pipeline, ep=dims.ep, ac_mode=ac.mode)
+    check_sequence_length(training.seq_len, args.max_seq_len)
     sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
     dims.validate_for_model(args, training.seq_len, sequence_parallel=sequence_parallel)
     precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
@@ -268,6 +269,15 @@ def check_expert_parallel(ep: int, facts: MoEFacts | None, model: ModelConfig,
             f"activation_checkpoint.mode=selective with selective_option=op does not work with expert parallelism "
             f"(parallelism.ep={ep}) on this PyTorch: per-op checkpointing cannot replay the experts' FSDP hooks; use "
             "--activation_checkpoint.mode full, or --activation_checkpoint.selective_option 2 (every 2nd block)")
+
+
+def check_sequence_length(seq_len: int, max_seq_len: int) -> None:
+    """Refused before launch rather than at the first forward (and under context parallelism, where a rank's
+    forward sees only seq_len / cp tokens, it would index past the rotary table instead)."""
+    if seq_len > max_seq_len:
+        raise ValueError(
+            f"training.seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len} (its rotary table); use a "
+            f"seq_len <= {max_seq_len}, or a flavor with a longer max_seq_len (--model.flavor)")
 
 
 def check_validation_precision(validation: Validator.Config, converters: ModelConvertersContainer, *,

@@ -112,3 +112,16 @@ def test_expert_parallelism_borrows_from_dp_shard_times_cp():
     dims = ParallelDims(1, 3, 1, world_size=6, cp=2, ep=2)
     assert (dims.dp_shard, dims.ep, dims.expert_fsdp_degree) == (3, 2, 3)
     assert ParallelDims(1, 1, 1, world_size=2, cp=2, ep=2).expert_fsdp_degree == 1
+
+
+def test_a_sequence_longer_than_the_rotary_table_is_refused_before_launch():
+    """Under CP a rank's forward sees seq_len / cp tokens, so the model's own length check cannot catch it."""
+    config = config_registry.get("llama3_debug")
+    config.training.seq_len, config.parallelism.cp = 4096, 2
+    with pytest.raises(ValueError) as e:
+        resolve_run(config, world_size=2, device_type="cpu", vocab_size=2048)
+    assert str(e.value) == (
+        "training.seq_len=4096 exceeds the model's max_seq_len=2048 (its rotary table); use a seq_len <= 2048, or a "
+        "flavor with a longer max_seq_len (--model.flavor)")
+    config.training.seq_len = 2048
+    assert resolve_run(config, world_size=2, device_type="cpu", vocab_size=2048).seq_len == 2048
