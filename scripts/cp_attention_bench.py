@@ -10,7 +10,8 @@ import torchtitan_lite.tools.project_python  # noqa: E402, F401  (no torch in th
 import torchtitan_lite.tools.script_start  # noqa: E402, F401  (before torchao prints its notices)
 
 # isort: split
+from models.common.attention.mask import build_mask  # noqa: E402  (registers the families; the model's mask)
 from torchtitan_lite.tools.cp_attention_bench import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], build_mask=build_mask))

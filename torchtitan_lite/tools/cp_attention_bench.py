@@ -31,9 +31,11 @@ from pathlib import Path
 
 import torch
 
+from torchtitan_lite.protocols.model_spec import get_model_spec
 from torchtitan_lite.tools.cp_attention_ranks import (
     ATTENTIONS,
     MASKS,
+    BuildMask,
     Case,
     RankResult,
     Settings,
@@ -122,10 +124,11 @@ class Layout:
 
 
 def published_layouts() -> list[Layout]:
-    from models.llama3.flavors import LLAMA3_FLAVORS
+    """llama3's 8B and 405B flavors (the registry's: the script imports the families)."""
+    flavors = get_model_spec("llama3").flavors
 
     def layout(flavor: str, name: str, tp: int, cp: int) -> Layout:
-        a = LLAMA3_FLAVORS[flavor]
+        a = flavors[flavor]
         return Layout(name, a.n_layers, a.kv_heads, a.head_dim, tp, 131072, cp)
 
     return [layout("8B", "llama3_8b", 1, 8), layout("405B", "Llama 3 405B", 8, 16)]
@@ -197,15 +200,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def measure(settings: Settings, cps: list[int], cases: list[Case]) -> list[Row]:
+def measure(settings: Settings, cps: list[int], cases: list[Case], build_mask: BuildMask) -> list[Row]:
     results: list[RankResult] = []
     for cp in cps:
-        results += run_cp(cp, cases, settings)
+        results += run_cp(cp, cases, settings, build_mask)
         print(f"cp={cp}: done", flush=True)
     return summarize(results, settings)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], *, build_mask: BuildMask) -> int:
+    """``build_mask``: models/common/attention/mask.py's, which the model's forward builds its mask with."""
     from torchtitan_lite.tools.benchmark.report import write_markdown
 
     args = parse_args(argv)
@@ -213,7 +217,7 @@ def main(argv: list[str]) -> int:
     cases = [Case(a, m) for a in args.attention for m in args.mask]
     load_before = _load()
     start = time.monotonic()
-    rows = measure(settings, args.cp, cases)
+    rows = measure(settings, args.cp, cases, build_mask)
     command = "python scripts/cp_attention_bench.py " + shlex.join(argv)
     section = report(settings, rows, command=command.strip(), cps=args.cp, elapsed_s=time.monotonic() - start,
                      load=(load_before, _load()))

@@ -4,28 +4,27 @@ forward + backward over their head-tail chunks of one sequence, and report time,
 mask bytes and the bytes the K/V gather and its reduce-scatter move."""
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import socket
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import torchtitan_lite.mesh.sequence_collectives as sequence_collectives
-from models.common.attention.grouped_query import GroupedQueryAttention
-from models.common.attention.mask import build_mask
-from models.common.attention.rope import rope_at, rope_cache
-from models.deepseek_v3.args import DeepSeekV3ModelArgs
-from models.deepseek_v3.attention import MultiHeadLatentAttention
 from torchtitan_lite.components.data.batch import Batch
 from torchtitan_lite.components.data.sequence_layout import model_batch
+from torchtitan_lite.protocols.model_spec import get_model_spec
+
+BuildMask = Callable[..., torch.Tensor]
+"""models/common/attention/mask.py's build_mask, handed in by the script (the core imports no model family)."""
 
 ATTENTIONS = ("gqa", "mla")
 MASKS = ("causal", "document")
@@ -35,7 +34,9 @@ MASKS = ("causal", "document")
 class Shapes:
     """One attention layer's sizes per rank (tensor parallelism already applied: the heads one rank holds)."""
 
-    dim: int = 1024
+    dim: int = 512
+    """GQA's width; llama3 derives head_dim = dim / heads."""
+    mla_dim: int = 1024
     heads: int = 8
     kv_heads: int = 2
     head_dim: int = 64
@@ -50,10 +51,11 @@ class Shapes:
 
     def describe(self, attention: str) -> str:
         if attention == "gqa":
-            return (f"GQA: dim {self.dim}, {self.heads} q heads / {self.kv_heads} kv heads x head_dim {self.head_dim} "
-                    f"(W = {self.gathered_width(attention)})")
-        return (f"MLA: dim {self.dim}, {self.heads} heads, kv_lora_rank {self.kv_lora_rank}, rope {self.rope_dim}, "
-                f"nope {self.nope_dim}, v {self.v_dim}, full-rank query (W = {self.gathered_width(attention)})")
+            return (f"GQA (llama3's attention): dim {self.dim}, {self.heads} q heads / {self.kv_heads} kv heads x "
+                    f"head_dim {self.head_dim} (W = {self.gathered_width(attention)})")
+        return (f"MLA (deepseek_v3's attention): dim {self.mla_dim}, {self.heads} heads, kv_lora_rank "
+                f"{self.kv_lora_rank}, rope {self.rope_dim}, nope {self.nope_dim}, v {self.v_dim}, full-rank query "
+                f"(W = {self.gathered_width(attention)})")
 
 
 @dataclass(frozen=True)
@@ -176,41 +178,49 @@ def document_batch(seq_len: int, *, seed: int = 0) -> Batch:
     return Batch(tokens, tokens, [torch.tensor(starts)])
 
 
-def build_layer(attention: str, shapes: Shapes, seq_len: int) -> tuple[nn.Module, torch.Tensor]:
-    """The layer and its rotary table (one row per window position)."""
+def build_layer(attention: str, shapes: Shapes, seq_len: int) -> tuple[Any, torch.Tensor]:
+    """The attention of a one-block model of the family (llama3 or deepseek_v3, sized by ``shapes``) and the
+    model's own rotary table, as the trainer builds them."""
     s = shapes
     if attention == "gqa":
-        layer: nn.Module = GroupedQueryAttention(s.dim, s.heads, s.kv_heads, s.head_dim)
-        table = rope_cache(s.head_dim, seq_len, 500000.0, None)
+        spec = get_model_spec("llama3")
+        args = dataclasses.replace(spec.flavors["debug"], dim=s.dim, n_heads=s.heads, n_kv_heads=s.kv_heads,
+                                   n_layers=1, vocab_size=256, max_seq_len=seq_len)
+        if args.head_dim != s.head_dim:
+            raise ValueError(f"llama3's head_dim is dim / heads = {args.head_dim}, not {s.head_dim}")
     else:
-        args = DeepSeekV3ModelArgs(dim=s.dim, n_heads=s.heads, q_lora_rank=0, kv_lora_rank=s.kv_lora_rank,
-                                   qk_nope_head_dim=s.nope_dim, qk_rope_head_dim=s.rope_dim, v_head_dim=s.v_dim,
-                                   rope_scaling=None, max_seq_len=seq_len)
-        layer = MultiHeadLatentAttention(args)
-        table = rope_cache(s.rope_dim, seq_len, args.rope_theta, None)
-    layer.init_weights(0.02)  # type: ignore[operator]
-    return layer, table
+        spec = get_model_spec("deepseek_v3")
+        # One dense block: the attention is what is measured; no rotary scaling at this length.
+        args = dataclasses.replace(spec.flavors["debug"], dim=s.mla_dim, n_heads=s.heads, q_lora_rank=0,
+                                   kv_lora_rank=s.kv_lora_rank, qk_nope_head_dim=s.nope_dim,
+                                   qk_rope_head_dim=s.rope_dim, v_head_dim=s.v_dim, n_layers=1, n_dense_layers=1,
+                                   vocab_size=256, rope_scaling=None, max_seq_len=seq_len)
+    model: Any = spec.model_cls(args)
+    model.init_weights()
+    return model.layers["0"].attention, model.rope.cache
 
 
-def measure_case(rank: int, cp: int, case: Case, settings: Settings) -> RankResult:
+def measure_case(rank: int, cp: int, case: Case, settings: Settings, build_mask: BuildMask) -> RankResult:
     """This rank's numbers for one case (every rank of the group calls it together)."""
     torch.manual_seed(0)
     dtype = getattr(torch, settings.dtype)
     layer, table = build_layer(case.attention, settings.shapes, settings.seq_len)
     layer = layer.to(dtype)
     if cp > 1:
-        layer.use_context_parallel(dist.group.WORLD)  # type: ignore[operator]
+        layer.use_context_parallel(dist.group.WORLD)
     full = document_batch(settings.seq_len) if case.mask == "document" else Batch(
         torch.zeros(1, settings.seq_len, dtype=torch.int64), torch.zeros(1, settings.seq_len, dtype=torch.int64), [])
     mb = model_batch(full, document_mask=case.mask == "document", cp=cp, cp_rank=rank)
     kw = mb.model_kwargs
-    # As Decoder.forward: per-token rotary rows and the mask from the layout's tensors (none: SDPA's is_causal).
-    rope = rope_at(table, kw.get("positions"))
+    # As Decoder.forward: per-token rotary rows (rope_at) and the mask from the layout's tensors (none: SDPA's
+    # is_causal).
+    rope = table if "positions" not in kw else table[kw["positions"]]
     mask = build_mask(kw["q_index"], kw["kv_index"], kw.get("q_doc"), kw.get("kv_doc")) if "q_index" in kw else None
     local = mb.inputs.shape[1]
     g = torch.Generator().manual_seed(1 + rank)
-    x = torch.randn(1, local, settings.shapes.dim, generator=g).to(dtype).requires_grad_(True)
-    grad = torch.randn(1, local, settings.shapes.dim, generator=g).to(dtype)
+    width = layer.wo.weight.shape[0]  # the residual width: wo's output
+    x = torch.randn(1, local, width, generator=g).to(dtype).requires_grad_(True)
+    grad = torch.randn(1, local, width, generator=g).to(dtype)
     barrier = dist.barrier if cp > 1 else (lambda: None)
     with counted_collectives() as counter:
         saved = SavedBytes(list(layer.parameters()), None if mask is None else tuple(mask.shape))
@@ -229,10 +239,10 @@ def measure_case(rank: int, cp: int, case: Case, settings: Settings) -> RankResu
                 walls.append(1e3 * (time.perf_counter() - start))
                 cpus.append(1e3 * (time.thread_time() - cpu_start))
     return RankResult(cp, case, rank, walls, cpus, saved.total, saved.mask_total,
-                      mask.nbytes if mask is not None else 0, first[0], first[1], mb.attention_share)
+                      mask.nbytes if isinstance(mask, torch.Tensor) else 0, first[0], first[1], mb.attention_share)
 
 
-def _rank_entry(rank: int, cp: int, port: int, cases: list[Case], settings: Settings,
+def _rank_entry(rank: int, cp: int, port: int, cases: list[Case], settings: Settings, build_mask: BuildMask,
                 queue: multiprocessing.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cp),
                       OMP_NUM_THREADS="1")
@@ -240,7 +250,7 @@ def _rank_entry(rank: int, cp: int, port: int, cases: list[Case], settings: Sett
     try:
         dist.init_process_group("gloo", rank=rank, world_size=cp)
         for case in cases:
-            queue.put((rank, True, measure_case(rank, cp, case, settings)))
+            queue.put((rank, True, measure_case(rank, cp, case, settings, build_mask)))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -248,14 +258,14 @@ def _rank_entry(rank: int, cp: int, port: int, cases: list[Case], settings: Sett
             dist.destroy_process_group()
 
 
-def run_cp(cp: int, cases: list[Case], settings: Settings, *, timeout_s: float = 1800) -> list[RankResult]:
+def run_cp(cp: int, cases: list[Case], settings: Settings, build_mask: BuildMask, *, timeout_s: float = 1800) -> list[RankResult]:
     """Every rank's result for every case, on ``cp`` forked processes (they inherit the parent's imports)."""
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_entry, args=(rank, cp, port, cases, settings, queue), daemon=True)
+    procs = [ctx.Process(target=_rank_entry, args=(rank, cp, port, cases, settings, build_mask, queue), daemon=True)
              for rank in range(cp)]
     for p in procs:
         p.start()
