@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOOL_SCRIPTS = ("benchmark", "_bench_worker", "bare_loop", "fp8_sqnr", "float8_layer_bench", "loss_compare",
                 "trace_compare", "train_tokenizer", "torchtitan_side_by_side", "generate", "first_window_bench",
                 "attention_bench", "compile_time_bench", "_compile_time_worker", "pipeline_bubble", "pretokenize",
-                "data_loader_bench", "layout_equivalence", "planning_equivalence")
+                "data_loader_bench", "layout_equivalence", "planning_equivalence", "cp_attention_bench")
 
 
 @pytest.mark.parametrize("script", TOOL_SCRIPTS)
