@@ -25,8 +25,8 @@ def test_tiny_run_counts_the_formulas_bytes_exactly():
     # 2 kv heads x head_dim 64 for k and v: W = 256; (2-1)/2 x 256 tokens x 256 x 2 bytes (bf16).
     assert two.formula == 65536
     assert (two.gather_received, two.scatter_sent) == (65536, 65536) and two.matches
-    # cp=1 causal runs SDPA's is_causal: no mask; cp=2 attends with the layout's dense mask.
-    assert one.mask_mib == 0 and two.mask_mib == pytest.approx(128 * 256 / 2 ** 20)
+    # cp=1 causal runs SDPA's is_causal: no mask; cp=2 attends with the layout's dense additive float32 mask.
+    assert one.mask_mib == 0 and two.mask_mib == pytest.approx(128 * 256 * 4 / 2 ** 20)
     assert 0 < two.saved_mib < one.saved_mib and two.ms > 0
     table = "\n".join(bench.measured_table(rows))
     assert "| GQA | causal | 2 | 128 |" in table and "| 65,536 | 65,536 | 65,536 | yes |" in table

@@ -140,7 +140,7 @@ def counted_collectives() -> Iterator[CountingCollectives]:
 class SavedBytes:
     """saved_tensors_hooks that count the distinct storages a forward keeps for backward (a view saved twice,
     or a tensor and its view, count once); parameters are left out, they are held anyway. Storages of the
-    mask's shape are also counted apart: SDPA keeps its own float copy of a boolean mask, 4x its bytes."""
+    mask's shape are also counted apart (SDPA saves the mask it is given, or its own float copy of a boolean one)."""
 
     def __init__(self, exclude: list[torch.Tensor], mask_shape: tuple[int, ...] | None = None) -> None:
         self.exclude = {t.untyped_storage().data_ptr() for t in exclude}

@@ -121,12 +121,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enabl
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None, *, enable_gqa: bool,
                      scale: float | None = None) -> torch.Tensor:
-    """``causal_attention`` under ``mask``: None (SDPA's is_causal), a dense boolean [B, 1, s, S] (SDPA's
+    """``causal_attention`` under ``mask``: None (SDPA's is_causal), a dense additive [B, 1, s, S] (SDPA's
     attn_mask) or a FlexAttention BlockMask. The CPU float32 rule above holds for the first two."""
     if mask is not None and not isinstance(mask, torch.Tensor):
         return _flex()(q, k, v, block_mask=mask, enable_gqa=enable_gqa, scale=scale)
     masking = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+        if mask is not None and mask.dtype != q.dtype:  # a float32 mask (mask.py) under another compute dtype
+            masking = {"attn_mask": mask.to(q.dtype)}
         return F.scaled_dot_product_attention(q, k, v, **masking, enable_gqa=enable_gqa, scale=scale)
     with torch.autocast("cpu", enabled=False):
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **masking, enable_gqa=enable_gqa,
