@@ -172,19 +172,22 @@ def resolve_run(config: RunConfig, *, world_size: int, device_type: str, vocab_s
     check_pipeline_expert_parallel(pipeline, ep=dims.ep, ac_mode=ac.mode)
     sequence_parallel = dims.tp_enabled and par.enable_sequence_parallel
     dims.validate_for_model(args, training.seq_len, sequence_parallel=sequence_parallel)
-    check_context_parallel(dims.cp)
     precision = resolve_precision(config.precision, device_type=device_type, fsdp_enabled=dims.fsdp_enabled,
                                   cuda_available=cuda_available)
     if spec.check_run is not None:
         spec.check_run(RunFacts(model_args=args, compile_model=compile_model, param_dtype=precision.param_dtype,
                                 tp=dims.tp))
-    tokens_per_forward = training.seq_len * (pipeline.microbatch_size if pipeline is not None
-                                             else training.local_batch_size)
+    # The tokens one forward of a rank's Linears sees: under context parallelism a rank holds seq_len / cp of
+    # each sequence (what the FP8 filters size the GEMMs by).
+    tokens_per_forward = training.seq_len // dims.cp * (pipeline.microbatch_size if pipeline is not None
+                                                        else training.local_batch_size)
     context = ConversionContext(
         device_type=device_type, param_dtype=precision.param_dtype, autocast=precision.autocast,
         fsdp_sharded=dims.fsdp_enabled, tp_enabled=dims.tp_enabled, compile_model=compile_model,
         seq_len=training.seq_len, output_module=spec.parallel_plan.output, blocks=spec.parallel_plan.blocks,
-        dp_shard=dims.dp_shard if dims.fsdp_enabled else 1, tp=dims.tp, tp_shard_dim=spec.parallel_plan.tp_shard_dim,
+        # FSDP shards over dp_shard x cp: CP ranks hold the same weights and join the FSDP group.
+        dp_shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, tp=dims.tp,
+        tp_shard_dim=spec.parallel_plan.tp_shard_dim,
         tokens_per_forward=tokens_per_forward, ep=dims.ep,
     )
     converters = resolve_converters(config, context)
@@ -265,17 +268,6 @@ def check_expert_parallel(ep: int, facts: MoEFacts | None, model: ModelConfig,
             f"activation_checkpoint.mode=selective with selective_option=op does not work with expert parallelism "
             f"(parallelism.ep={ep}) on this PyTorch: per-op checkpointing cannot replay the experts' FSDP hooks; use "
             "--activation_checkpoint.mode full, or --activation_checkpoint.selective_option 2 (every 2nd block)")
-
-
-def check_context_parallel(cp: int) -> None:
-    """The cp mesh dimension exists (degrees, ranks, FSDP over dp_shard x cp), but no attention splits the
-    sequence yet: refuse rather than train every CP rank on the whole sequence."""
-    if cp > 1:
-        raise ValueError(
-            f"parallelism.cp={cp} needs context-parallel attention (each rank attending with its own chunk of "
-            "the sequence over the K/V gathered from its CP group), which is not implemented yet; use "
-            "--parallelism.cp 1"
-        )
 
 
 def check_validation_precision(validation: Validator.Config, converters: ModelConvertersContainer, *,

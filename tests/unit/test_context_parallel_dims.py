@@ -92,13 +92,15 @@ def test_config_field_is_checked():
         ParallelismConfig(cp=0)
 
 
-def test_resolve_run_refuses_cp_until_context_parallel_attention_exists():
-    config = config_registry.get("llama3_debug")
+def test_resolve_run_sizes_the_linears_by_the_rank_s_chunk():
+    """Under CP a rank's Linears see seq_len / cp tokens of each sequence, and FSDP shards over dp_shard x cp."""
+    config = config_registry.get("llama3_debug_fp8")
     config.parallelism.cp = 2
-    with pytest.raises(ValueError) as e:
-        resolve_run(config, world_size=2, device_type="cpu", vocab_size=2048)
-    assert str(e.value) == (
-        "parallelism.cp=2 needs context-parallel attention (each rank attending with its own chunk of the "
-        "sequence over the K/V gathered from its CP group), which is not implemented yet; use --parallelism.cp 1")
+    run = resolve_run(config, world_size=4, device_type="cpu", vocab_size=2048)
+    assert (run.parallel_dims.cp, run.parallel_dims.dp_shard) == (2, 2)
+    assert run.tokens_per_forward == config.training.seq_len // 2 * config.training.local_batch_size
+    assert run.converters.converters[0].context.dp_shard == 4
     config.parallelism.cp = 1
-    assert resolve_run(config, world_size=2, device_type="cpu", vocab_size=2048).parallel_dims.cp == 1
+    run = resolve_run(config, world_size=4, device_type="cpu", vocab_size=2048)
+    assert run.tokens_per_forward == config.training.seq_len * config.training.local_batch_size
+    assert run.converters.converters[0].context.dp_shard == 4
