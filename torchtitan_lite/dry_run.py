@@ -74,7 +74,7 @@ def dry_run_text(run: ResolvedRun, precision_config: Precision.Config, *, detail
         f"over a fake process group in {seconds:.1f}s",
         f"model: {counts.describe()}; {flops:,} training FLOPs per token at seq_len {seq_len} (MFU counts these)",
         *([expert_layout_text(run.moe_facts, n_layers=args.n_layers, ep=dims.ep, dp_shard=dims.dp_shard,
-                              fsdp=dims.fsdp_enabled, tp=dims.tp)] if run.moe_facts is not None else []),
+                              fsdp=dims.fsdp_enabled, tp=dims.tp, cp=dims.cp)] if run.moe_facts is not None else []),
         f"precision: {run.precision.describe()}; {run.n_microbatches} micro-batch(es) of "
         f"{run.tokens_per_microbatch} tokens per step" + ("" if run.pipeline is None else
                                                          f", each cut into {run.pipeline.n_microbatches} pipeline "

@@ -8,6 +8,7 @@ import copy
 
 import config_registry
 from torchtitan_lite.memory.estimate import estimate_memory, estimate_run_memory
+from torchtitan_lite.protocols.model_size import expert_layout_text
 from torchtitan_lite.resolved_run import resolve_run
 
 
@@ -102,3 +103,16 @@ def test_the_attention_mask_is_a_dense_bool_matrix_on_a_cpu_even_at_cp_1():
     assert estimate_memory(config, world_size=2, device_type="cpu")["attention mask"] == batch * seq // 2 * seq
     cuda = estimate_memory(config, world_size=2, device_type="cuda")
     assert cuda["attention mask"] == 4 * batch * 1 * 1 * 4  # s = 64 and S = 128 tokens: one block each way
+
+
+def test_experts_are_sharded_over_cp_as_every_weight_is():
+    """Context-parallel ranks hold the same experts: FSDP shards them over dp_shard / ep x cp, in the estimate and
+    in the layout line --dry-run and --check-config print."""
+    config = config_registry.get("deepseek_v3_debug")
+    config.parallelism.cp, config.parallelism.ep = 2, 2
+    run = resolve_run(config, world_size=4, device_type="cpu")
+    est = estimate_run_memory(run)
+    assert "sharded FSDP 4 (dp_shard 2 x cp 2); routed experts EP 2 x FSDP 2" in est.terms[0].how
+    dims = run.parallel_dims
+    text = expert_layout_text(run.moe_facts, n_layers=4, ep=dims.ep, dp_shard=dims.dp_shard, fsdp=True, cp=dims.cp)
+    assert "4 experts per rank, their weights sharded by FSDP 2 (dp_shard 2 / ep 2 x cp 2)" in text
