@@ -220,3 +220,28 @@ def llama3_405b_fp8() -> Trainer.Config:
     cfg.compile = CompileConfig(enable=True)
     cfg.model_converters = _fp8("tensorwise", all_gather=True)
     return cfg
+
+
+@register
+def llama3_8b_128k() -> Trainer.Config:
+    """llama3_8b at a 131072-token context: one sequence per rank, attention within each document, context
+    parallelism 8 (each rank holds 16384 tokens of the sequence, K/V all-gathered from its CP group) and full
+    activation checkpointing. It continues an 8K run (llama3_8b): pass that run's checkpoint as
+    --checkpoint.initial_load_path. The 8B flavor's RoPE is already Llama 3.1-scaled to 128K (max_seq_len
+    131072), so the model is the 8K run's."""
+    cfg = llama3_8b()
+    cfg.training.seq_len = 131072
+    cfg.training.local_batch_size = 1
+    cfg.model.attention_mask = "document"
+    cfg.parallelism.cp = 8
+    cfg.activation_checkpoint.mode = "full"
+    return cfg
+
+
+@register
+def llama3_8b_128k_fp8() -> Trainer.Config:
+    """llama3_8b_128k + compile + FP8 tensorwise with FP8 FSDP all-gather and precomputed scales."""
+    cfg = llama3_8b_128k()
+    cfg.compile = CompileConfig(enable=True)
+    cfg.model_converters = _fp8("tensorwise", all_gather=True)
+    return cfg

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model, DeepSeekV3ModelArgs
+from models.deepseek_v3.attention_shape import deepseek_v3_attention_shape
 from models.deepseek_v3.hf_args import deepseek_v3_args_from_hf
 from models.deepseek_v3.kv_cache import DeepSeekV3KVCache
 from models.deepseek_v3.parallelize import DEEPSEEK_V3_PARALLEL_PLAN, check_deepseek_v3_run
@@ -58,6 +59,7 @@ DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
     moe_facts=DeepSeekV3ModelArgs.moe_facts,
     check_run=check_deepseek_v3_run,
     args_from_hf=deepseek_v3_args_from_hf,
+    attention_shape=deepseek_v3_attention_shape,
 ))
 
 MODEL_SPECS: dict[str, ModelSpec] = model_specs()

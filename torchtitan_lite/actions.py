@@ -140,7 +140,7 @@ def _check_config(cli: CliResult, registry: ConfigRegistry) -> str:
         dims = run.parallel_dims
         verdict += (f"\nmodel: {estimate.model}\n" + expert_layout_text(
             run.moe_facts, n_layers=run.model_args.n_layers, ep=dims.ep, dp_shard=dims.dp_shard, fsdp=dims.fsdp_enabled,
-            tp=dims.tp))
+            tp=dims.tp, cp=dims.cp))
     if run.pipeline is not None:
         # Two different numbers: micro-batches flow through the stages, accumulation repeats the pipeline step.
         verdict += (f"\npipeline: {run.pipeline.summary()}; gradient accumulation {run.n_microbatches} "

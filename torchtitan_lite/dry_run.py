@@ -32,7 +32,9 @@ from torch.distributed.tensor import DTensor
 from torchtitan_lite.components.quantization import fp8_plan_summary, low_precision_plan
 from torchtitan_lite.distributed.pipeline import StageLayout
 from torchtitan_lite.distributed.tensor_parallel import tp_communication_text
+from torchtitan_lite.memory.context_parallel import context_parallel_setup
 from torchtitan_lite.memory.estimate import GIB, estimate_memory_text, estimate_ranks
+from torchtitan_lite.memory.estimate_table import mib
 from torchtitan_lite.memory.layout import MASTER_WEIGHT_BYTES
 from torchtitan_lite.memory.optimizer_states import state_bytes
 from torchtitan_lite.model_parts import build_meta_model, parallelized_parts
@@ -72,11 +74,12 @@ def dry_run_text(run: ResolvedRun, precision_config: Precision.Config, *, detail
         f"over a fake process group in {seconds:.1f}s",
         f"model: {counts.describe()}; {flops:,} training FLOPs per token at seq_len {seq_len} (MFU counts these)",
         *([expert_layout_text(run.moe_facts, n_layers=args.n_layers, ep=dims.ep, dp_shard=dims.dp_shard,
-                              fsdp=dims.fsdp_enabled, tp=dims.tp)] if run.moe_facts is not None else []),
+                              fsdp=dims.fsdp_enabled, tp=dims.tp, cp=dims.cp)] if run.moe_facts is not None else []),
         f"precision: {run.precision.describe()}; {run.n_microbatches} micro-batch(es) of "
         f"{run.tokens_per_microbatch} tokens per step" + ("" if run.pipeline is None else
                                                          f", each cut into {run.pipeline.n_microbatches} pipeline "
                                                          f"micro-batches of {run.pipeline.microbatch_size * seq_len}"),
+        *_context_parallel_text(run),
     ]
     for rank_shards, estimate in zip(shards, estimate_ranks(run), strict=True):
         if estimate.pp_rank is None:
@@ -91,6 +94,16 @@ def dry_run_text(run: ResolvedRun, precision_config: Precision.Config, *, detail
             lines.append(f"  {name:<{width}} {nbytes / GIB:>9.3f} GiB  {nbytes:>17,}  [{estimated:,}]")
     lines += ["", plan_text, "", estimate_memory_text(run)]
     return "\n".join(lines)
+
+
+def _context_parallel_text(run: ResolvedRun) -> list[str]:
+    """Under context parallelism, what a rank holds of each sequence and what it gathers per layer."""
+    cp = context_parallel_setup(run)
+    if cp is None or cp.cp == 1:
+        return []
+    return [f"CP {cp.cp}: {cp.local_tokens} tokens per rank of each {cp.seq_len}-token sequence (2 x {cp.cp} "
+            f"head-tail chunks), K/V gathered {mib(cp.gather_bytes())}/layer ({cp.gathered_width} channels per "
+            "token, all-gathered along the sequence, reduce-scattered in backward)"]
 
 
 def _pipeline_shard_bytes(model: BaseModel, run: ResolvedRun, context: ParallelizeContext) -> list[dict[str, int]]:

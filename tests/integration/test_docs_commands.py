@@ -176,6 +176,8 @@ LONG_RUNNING = {
         "needs a SLURM cluster",
     "sbatch --nodes=256 scripts/slurm_multinode.sh --config llama3_405b_fp8 --parallelism.pp 8 --parallelism.tp 8 "
     "--parallelism.pipeline_schedule Interleaved1F1B --training.local_batch_size 16": "needs a SLURM cluster",
+    "NGPU=8 ./run_train.sh --config llama3_8b_128k --checkpoint.enable true --checkpoint.initial_load_path "
+    "outputs/llama3_8b/checkpoint/step-1000": "needs 8 GPUs and an 8K run's checkpoint",
     "NPROC=2 ./run_train.sh --config llama3_debug --parallelism.pp 2 --training.steps 20":
         "trains on 2 processes (tests/integration/test_train_pipeline.py compares such runs with one process)",
     "python scripts/convert_from_hf.py --hf-dir assets/hf/Llama-3.1-8B --config llama3_8b_fp8 --output seeds/llama3_8b":
@@ -250,6 +252,9 @@ RUN_ELSEWHERE = {
         "tests/integration/test_dry_run.py",
     "NGPU=256 ./run_train.sh --config deepseek_v3_671b_fp8 --parallelism.ep 8 --dry-run":
         "tests/integration/test_moe_planning.py",
+    "NGPU=1024 ./run_train.sh --config llama3_405b_fp8 --training.seq_len 131072 --parallelism.cp 16 "
+    "--parallelism.tp 8 --training.local_batch_size 1 --model.attention_mask document --dry-run":
+        "tests/integration/test_dry_run.py",
 }
 """Quick commands that take tens of seconds (cluster-size dry runs) and that another test runs with the same
 arguments and checks further (every pipeline rank's bytes, the fit in 80 GiB): run there, not twice."""

@@ -102,3 +102,18 @@ def test_a_dry_run_prints_a_summary_and_the_detail_flag_adds_the_fp8_tables(cli)
     assert len(detail.splitlines()) > len(summary.splitlines()) + 21 + 12
     assert summary.splitlines()[-10:] == detail.splitlines()[-10:]  # the memory estimate, in both
 
+
+
+def test_405b_fp8_at_128k_with_cp_16_names_cp_and_the_per_rank_peak(cli):
+    """README's long-context layout: 131072-token windows under a document mask on 1024 GPUs, TP 8 in each node
+    x CP 16 x FSDP 8 (FSDP shards over dp_shard x cp = 128, as the shards read back show). A rank holds 8192
+    tokens of each sequence and gathers the keys and values of all 131072 per layer."""
+    out = _dry_run(cli, "llama3_405b_fp8", 1024, "--training.seq_len", "131072", "--parallelism.cp", "16",
+                   "--parallelism.tp", "8", "--training.local_batch_size", "1", "--model.attention_mask", "document")
+    assert "dry run: rank 0 of 1024, FSDP 8 + CP 16 + TP 8" in out
+    # K/V: 131072 tokens x 2 x 1 KV head per TP rank x 128 channels x 2 bytes = 64 MiB per layer.
+    assert ("CP 16: 8192 tokens per rank of each 131072-token sequence (2 x 16 head-tail chunks), K/V gathered "
+            "64.0 MiB/layer") in out
+    assert "8192 tokens/micro-batch" in out and "sharded TP 8 x FSDP 128 (dp_shard 8 x cp 16)" in out
+    assert re.search(r"^peak allocated\s+[\d.]+\s+[\d,]+\s+at ", out, re.M)
+    assert _peak_gib(out) < 0.85 * 80  # 15% headroom on an 80 GiB GPU

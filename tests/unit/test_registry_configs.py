@@ -15,7 +15,8 @@ from torchtitan_lite.trainer import Trainer
 
 REQUIRED = ["llama3_debug", "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b", "llama3_405b",
             "llama3_debug_bf16", "llama3_debug_fp16", "llama3_debug_fp8", "llama3_debug_fp8_rowwise",
-            "llama3_8b_fp8", "llama3_8b_fp8_rowwise", "llama3_70b_fp8", "llama3_405b_fp8"]
+            "llama3_8b_fp8", "llama3_8b_fp8_rowwise", "llama3_70b_fp8", "llama3_405b_fp8", "llama3_8b_128k",
+            "llama3_8b_128k_fp8"]
 
 
 def test_required_configs_are_registered():

@@ -8,7 +8,7 @@ component below per rank, and finds the peak over the moments of a training step
 
 Components:
 
-  parameters        float32 master weights, sharded by TP and by FSDP (dp_shard); dp_replicate copies them;
+  parameters        float32 master weights, sharded by TP and by FSDP (dp_shard x cp); dp_replicate copies them;
                     routed experts split over EP, then FSDP over dp_shard / ep (memory/layout.py)
   optimizer states  AdamW: 2 fp32 moments + a float32 `step` per parameter; torchao low-bit: codes + fp32
                     block scales (+ qmap) per moment, fp32 for small tensors (memory/optimizer_states.py)
@@ -34,6 +34,11 @@ Components:
                     saves the high-precision input and weight and re-casts in backward
                     (`ctx.save_for_backward(input_hp, weight_hp_t)` in torchao/float8/float8_linear.py;
                     `force_recompute_fp8_weight_in_bwd` is deprecated there and changes nothing)
+  CP gathered K/V   under context parallelism (cp > 1; a rank's activations above are its seq_len / cp chunk's):
+                    the keys and values of the whole sequence attention saves per block, or under full AC one
+                    block's gathered again, with their gradient before the reduce-scatter (memory/context_parallel.py)
+  attention mask    when the model gets a mask (cp > 1 or a document mask): a dense float32 matrix on a CPU, a
+                    FlexAttention block mask on CUDA, held from forward to the first block's backward
   CUDA context      on CUDA only, `CUDA_CONTEXT_BYTES` that the caching allocator never sees
 
 Under pipeline parallelism every pipeline rank is sized on its own (``estimate_ranks``): the

@@ -19,11 +19,14 @@ def gathered_text(run: ResolvedRun, fsdp: bool, layout: ModelLayout) -> str:
 def sharding_text(layout: ModelLayout) -> str:
     dims = layout.dims
     parts = [f"TP {dims.tp}"] if dims.tp_enabled else []
-    if dims.fsdp_enabled and dims.dp_shard > 1:
-        parts.append(f"FSDP {dims.dp_shard}")
+    # Under context parallelism FSDP shards over dp_shard x cp (its ranks hold the same weights).
+    cp = f" (dp_shard {dims.dp_shard} x cp {dims.cp})" if dims.cp_enabled else ""
+    if dims.fsdp_enabled and dims.dp_shard * dims.cp > 1:
+        parts.append(f"FSDP {dims.dp_shard * dims.cp}{cp}")
     text = "sharded " + " x ".join(parts) if parts else "not sharded"
     if dims.ep_enabled:
-        expert_fsdp = f" x FSDP {dims.expert_fsdp_degree}" if dims.fsdp_enabled and dims.expert_fsdp_degree > 1 else ""
+        expert_degree = dims.expert_fsdp_degree  # dp_shard x cp / ep under CP
+        expert_fsdp = f" x FSDP {expert_degree}" if dims.fsdp_enabled and expert_degree > 1 else ""
         text += f"; routed experts EP {dims.ep}{expert_fsdp}"
     return text
 

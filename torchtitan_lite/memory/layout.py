@@ -10,7 +10,8 @@ trainer's parallelize step applies:
   (TP-local) tensor and pads it to a multiple of the shard degree: every rank stores ceil(dim0 / dp_shard) rows
   (`FSDPParam._init_sharded_param`, torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so rank 0's
   shapes below are also the padded storage of every rank.
-- dp_replicate copies the shards (HSDP): it does not divide anything.
+- dp_replicate copies the shards (HSDP): it does not divide anything. Context parallelism (cp) does: its ranks
+  hold the same weights, so FSDP shards over dp_shard x cp (and the experts over dp_shard x cp / ep).
 - EP (the family's MoE facts name the routed experts): each EP rank holds num_experts / ep whole experts
   (dim 0 of the stacked expert weights), and FSDP2 shards those over the dp_shard / ep ranks left after
   EP (ParallelDims.expert_fsdp_degree), dim 0 padded as above. All other parameters are sharded over
@@ -153,8 +154,9 @@ def model_layout(run: ResolvedRun) -> ModelLayout:
     if quantizer is not None and dims.fsdp_enabled:
         gather = quantizer.all_gather_per_linear(quantizer.plan_rows(model))
     tied = model.get_submodule(plan.output).weight is model.get_submodule(plan.embedding).weight
-    shard = dims.dp_shard if dims.fsdp_enabled else 1
-    expert_shard = dims.expert_fsdp_degree if dims.fsdp_enabled else 1
+    # Context-parallel ranks hold the same weights and join the FSDP group: it shards over dp_shard x cp.
+    shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    expert_shard = dims.expert_fsdp_degree if dims.fsdp_enabled else 1  # dp_shard x cp / ep under CP
 
     linear_modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     params = []

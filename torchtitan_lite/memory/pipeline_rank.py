@@ -14,6 +14,11 @@ from torchtitan_lite.memory.activations import (
     head_saved_bytes,
     loss_transient_bytes,
 )
+from torchtitan_lite.memory.context_parallel import (
+    context_parallel_setup,
+    context_parallel_terms,
+    with_context_parallel,
+)
 from torchtitan_lite.memory.estimate_table import gathered_text, mib, optimizer_text, sharding_text
 from torchtitan_lite.memory.pipeline_timeline import PipelineRankSizes, pipeline_moments
 from torchtitan_lite.memory.rank_sizes import RankSizes, moe_terms
@@ -39,13 +44,18 @@ def _pipeline_sizes(run: ResolvedRun, s: ActivationSetup, rank: RankSizes, pp_ra
     fsdp, offload = rank.fsdp, rank.offload
     # Per stage: what one micro-batch keeps until its backward (AC counted from the stage's first block), and
     # on the last stage the logits the schedule keeps as the stage output with the loss's saved log-probs.
-    plans = {sid: block_plan(s, run.ac_mode, run.ac_selective_option, [int(b) for b in pipe.stages[sid].blocks])
+    # Context parallelism's gathered K/V and each stage's attention mask join its blocks' (none at cp 1, causal).
+    cp = context_parallel_setup(run)
+    plans = {sid: with_context_parallel(block_plan(s, run.ac_mode, run.ac_selective_option,
+                                                   [int(b) for b in pipe.stages[sid].blocks]),
+                                        cp, run.ac_mode, run.ac_selective_option)
              for sid in stage_ids}
     tail = {sid: _held_loss_bytes(s) + head_saved_bytes(s) if pipe.stages[sid].last else _boundary_bytes(s)
             for sid in stage_ids}
     kept = {sid: sum(k for k, _ in plans[sid]) + tail[sid] for sid in stage_ids}
     held = peak_held_bytes(pipe, pp_rank, kept, {sid: _awaiting_weight_bytes(s, pipe.stages[sid]) for sid in stage_ids})
-    block_transient = max(r for sid in stage_ids for _, r in plans[sid]) + block_backward_working_bytes(s) + rank.float8
+    block_transient = (max(r for sid in stage_ids for _, r in plans[sid]) + block_backward_working_bytes(s) + rank.float8
+                       + (cp.gradient_bytes() if cp is not None else 0))
     # What the loss saved is already held (_held_loss_bytes): the log-probs, or a compiled loss's logits.
     saved_by_loss = s.tokens * s.vocab * (s.compute_bytes if s.compiled_loss else 4)
     loss = loss_transient_bytes(s) - saved_by_loss if any(st.last for st in stages) else 0
@@ -96,6 +106,10 @@ def _rank_terms(run: ResolvedRun, s: ActivationSetup, pp_rank: int, rank: RankSi
                    f"{param_bytes}-byte compute; the last stage's logits and loss log-probs included"),
         MemoryTerm("block backward transient", sizes.block_transient,
                    "one block's recomputation + activation gradients + fresh unsharded gradients"),
+        *[MemoryTerm(t.name, t.nbytes, f"{t.how} (of activations in flight / block backward transient above, per "
+                     "micro-batch)") for t in context_parallel_terms(context_parallel_setup(run), run.ac_mode,
+                                                                    run.ac_selective_option,
+                                                                    sum(len(st.blocks) for st in stages))],
         MemoryTerm("loss backward transient", loss, "fp32 gradients in and out of log-softmax of one micro-batch"
                    if loss else "no last stage on this rank"),
         MemoryTerm("pipeline receive buffers", recv,

@@ -76,20 +76,24 @@ def training_flops_per_token(counts: ParamCounts, shape: ModelShape, seq_len: in
     return 6 * counts.active_matmul + attention_flops_per_token(shape, seq_len)
 
 
-def expert_layout_text(facts: MoEFacts, *, n_layers: int, ep: int, dp_shard: int, fsdp: bool, tp: int = 1) -> str:
-    """One line: the routed experts and how the ranks hold them (under TP each rank holds hidden / tp of each)."""
+def expert_layout_text(facts: MoEFacts, *, n_layers: int, ep: int, dp_shard: int, fsdp: bool, tp: int = 1,
+                       cp: int = 1) -> str:
+    """One line: the routed experts and how the ranks hold them (under TP each rank holds hidden / tp of each;
+    context-parallel ranks hold the same weights, so FSDP shards them over cp as well, and EP takes its ranks from
+    dp_shard x cp)."""
     text = (f"experts: {facts.num_experts} routed (top-{facts.top_k}, hidden {facts.expert_hidden_dim}"
             + (f", shared hidden {facts.shared_hidden_dim}" if facts.shared_hidden_dim else "")
             + f") in {len(facts.layers)} of {n_layers} blocks; ")
     split = f", each expert's hidden dim split over TP {tp}" if tp > 1 else ""
     if ep == 1:
         return text + ("no EP: every rank routes to all experts, " +
-                       (f"their weights sharded by FSDP {dp_shard} with the rest" if fsdp and dp_shard > 1
+                       (f"their weights sharded by FSDP {dp_shard * cp} with the rest" if fsdp and dp_shard * cp > 1
                         else "their weights whole on each rank" if tp == 1 else "their weights not FSDP-sharded")
                        + split)
-    expert_fsdp = dp_shard // ep
-    held = (f"their weights sharded by FSDP {expert_fsdp} (dp_shard {dp_shard} / ep {ep})" if fsdp and expert_fsdp > 1
-            else f"their weights {'whole on each rank' if tp == 1 else 'not FSDP-sharded'} (dp_shard {dp_shard} / "
-                 f"ep {ep} = 1)")
+    # Under CP expert parallelism borrows its ranks from dp_shard x cp (mesh/parallel_dims.py).
+    expert_fsdp = dp_shard * cp // ep
+    ranks = f"dp_shard {dp_shard} x cp {cp}" if cp > 1 else f"dp_shard {dp_shard}"
+    held = (f"their weights sharded by FSDP {expert_fsdp} ({ranks} / ep {ep})" if fsdp and expert_fsdp > 1
+            else f"their weights {'whole on each rank' if tp == 1 else 'not FSDP-sharded'} ({ranks} / ep {ep} = 1)")
     return text + (f"EP {ep}: {facts.num_experts // ep} experts per rank, {held}{split}; tokens travel by all-to-all "
                    f"within each group of {ep} EP ranks" + (" of one TP coordinate" if tp > 1 else ""))

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 
+from torchtitan_lite.protocols.attention_shape import AttentionShape
 from torchtitan_lite.protocols.model import BaseModel
 from torchtitan_lite.protocols.moe_facts import MoEFacts
 
@@ -260,6 +261,10 @@ class ModelSpec:
     args_from_hf(config, flavor_args): the architecture (shapes, experts, rotary settings) comes from the file,
     what it has no field for (balancing, init) from the flavor's args; raises ValueError naming a feature the
     family cannot build. None: the family's models are only built from its flavors."""
+    attention_shape: Callable[[Any], AttentionShape] | None = None
+    """The widths context parallelism gathers and attention keeps (protocols/attention_shape.py), from the family's
+    args, when K and V are expanded inside the block from something smaller (latent attention). None: K and V
+    of kv_heads heads, gathered as they are."""
 
 
 _MODEL_SPECS: dict[str, ModelSpec] = {}
