@@ -10,7 +10,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-GPU_TEST_FILES = ("test_gpu_float8.py", "test_gpu_fsdp.py", "test_gpu_tp.py", "test_gpu_checkpoint.py",
+GPU_TEST_FILES = ("test_gpu_float8.py", "test_gpu_flex_document_mask.py", "test_gpu_fsdp.py", "test_gpu_tp.py",
+                  "test_gpu_checkpoint.py",
                   "test_gpu_grad_scaler.py", "test_gpu_memory_estimate.py", "test_gpu_profiler.py",
                   "test_gpu_moe_experts.py", "test_gpu_blockwise.py")
 
@@ -32,6 +33,6 @@ def test_pytest_m_gpu_skips_every_gpu_test_with_needs_cuda(tmp_path):
     assert files == set(GPU_TEST_FILES)
     # 3 + 2 + 1 float8, 2 FSDP, 1 TP, 1 DCP, 1 scaler, 4 memory cases, 1 profiler, 4 + 2 MoE grouped experts
     # (kernels, blockwise emulation), 1 + 1 blockwise.
-    assert len(skips) == 24
+    assert len(skips) == 29
     last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith("24 skipped"), last
+    assert last.startswith("29 skipped"), last
