@@ -5,11 +5,7 @@ mask bytes and the bytes the K/V gather and its reduce-scatter move."""
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-import os
-import socket
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +18,7 @@ import torchtitan_lite.mesh.sequence_collectives as sequence_collectives
 from torchtitan_lite.components.data.batch import Batch
 from torchtitan_lite.components.data.sequence_layout import model_batch
 from torchtitan_lite.protocols.model_spec import get_model_spec
+from torchtitan_lite.tools.rank_processes import run_on_ranks
 
 BuildMask = Callable[..., torch.Tensor]
 """models/common/attention/mask.py's build_mask, handed in by the script (the core imports no model family)."""
@@ -242,51 +239,8 @@ def measure_case(rank: int, cp: int, case: Case, settings: Settings, build_mask:
                       mask.nbytes if isinstance(mask, torch.Tensor) else 0, first[0], first[1], mb.attention_share)
 
 
-def _rank_entry(rank: int, cp: int, port: int, cases: list[Case], settings: Settings, build_mask: BuildMask,
-                queue: multiprocessing.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cp),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=cp)
-        for case in cases:
-            queue.put((rank, True, measure_case(rank, cp, case, settings, build_mask)))
-    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_cp(cp: int, cases: list[Case], settings: Settings, build_mask: BuildMask, *, timeout_s: float = 1800) -> list[RankResult]:
+def run_cp(cp: int, cases: list[Case], settings: Settings, build_mask: BuildMask, *,
+           timeout_s: float = 1800) -> list[RankResult]:
     """Every rank's result for every case, on ``cp`` forked processes (they inherit the parent's imports)."""
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_entry, args=(rank, cp, port, cases, settings, build_mask, queue), daemon=True)
-             for rank in range(cp)]
-    for p in procs:
-        p.start()
-    results: list[RankResult] = []
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(results) < cp * len(cases):
-            try:
-                rank, ok, payload = queue.get(timeout=min(5.0, max(0.1, deadline - time.monotonic())))
-            except Exception:  # queue.Empty
-                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"cp={cp}: {len(results)} of {cp * len(cases)} results before the ranks "
-                                       f"stopped (exit codes {[p.exitcode for p in procs]})") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"cp={cp} rank {rank} failed:\n{payload}")
-            results.append(payload)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = run_on_ranks(cp, measure_case, cases, settings, build_mask, label=f"cp={cp}", timeout_s=timeout_s)
     return sorted(results, key=lambda r: (cases.index(r.case), r.rank))

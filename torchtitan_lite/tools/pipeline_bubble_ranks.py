@@ -3,11 +3,7 @@ they compute inside each step, and report their timings to the parent process.""
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-import os
-import socket
 import time
-import traceback
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +18,7 @@ from torchtitan_lite.distributed.pipeline.layout import PipelineLayout
 from torchtitan_lite.distributed.pipeline.runner import PipelineRunner
 from torchtitan_lite.protocols.model_spec import get_model_spec
 from torchtitan_lite.tools.pipeline_bubble_theory import equal_split_points
+from torchtitan_lite.tools.rank_processes import run_on_ranks
 
 KINDS = ("forward", "backward", "backward_input", "backward_weight", "loss")
 """What a rank's compute is made of: full backward (1F1B, interleaved) or input and weight backward apart
@@ -196,55 +193,8 @@ def measure_schedule(rank: int, pp: int, schedule: str, settings: Settings) -> R
     return RankResult(pp, schedule, rank, stage_ids, step_s, compute_s, cpu_s, dict(kind_s), dict(kind_count), gpu)
 
 
-def _rank_entry(rank: int, pp: int, port: int, schedules: list[str], settings: Settings,
-                queue: multiprocessing.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(pp),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    try:
-        if settings.device == "cuda":
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if settings.device == "cuda" else "gloo", rank=rank, world_size=pp)
-        for schedule in schedules:
-            queue.put((rank, True, measure_schedule(rank, pp, schedule, settings)))
-    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_pipeline(pp: int, schedules: list[str], settings: Settings, *, timeout_s: float = 1800) -> list[RankResult]:
-    """Every rank's result for every schedule, on ``pp`` forked processes."""
-    # CPU ranks are forked: they inherit the parent's imports of torch and the models. CUDA ranks are spawned,
-    # since a CUDA runtime the imports may have started does not survive a fork.
-    ctx = multiprocessing.get_context("spawn") if settings.device == "cuda" else multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_entry, args=(rank, pp, port, schedules, settings, queue), daemon=True)
-             for rank in range(pp)]
-    for p in procs:
-        p.start()
-    results: list[RankResult] = []
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(results) < pp * len(schedules):
-            try:
-                rank, ok, payload = queue.get(timeout=min(5.0, max(0.1, deadline - time.monotonic())))
-            except Exception:  # queue.Empty
-                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"pp={pp}: {len(results)} of {pp * len(schedules)} results before the ranks "
-                                       f"stopped (exit codes {[p.exitcode for p in procs]})") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"pp={pp} rank {rank} failed:\n{payload}")
-            results.append(payload)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    """Every rank's result for every schedule, on ``pp`` processes (forked on CPU, spawned on CUDA)."""
+    results = run_on_ranks(pp, measure_schedule, schedules, settings, label=f"pp={pp}", device=settings.device,
+                           timeout_s=timeout_s)
     return sorted(results, key=lambda r: (schedules.index(r.schedule), r.rank))
