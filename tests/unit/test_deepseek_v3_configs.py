@@ -78,7 +78,9 @@ def test_fp8_recipe_runs_the_routed_experts_blockwise_with_power_of_2_scales(nam
     assert all(rows[f"layers.{i}.moe.router.gate"].startswith("router gate: float32 in every recipe")
                for i in moe_blocks)
     assert f"128x128 blocks of each expert's weight, {scales}), token groups padded to 128 rows" in text
-    assert "grouped GEMMs emulated: torch" in text and "has no grouped blockwise FP8 GEMM, and torchao 0.18's" in text
+    # Emulated on any device: power-of-2 scales are not torchao's (its blockwise kernels' scales are float32).
+    assert "grouped GEMMs emulated: cpu has no blockwise grouped GEMM kernel" in text
+    assert "power_of_2_scales=true: torchao's blockwise kernels compute float32 scales 448 / amax" in text
     assert "GEMM in the compute dtype (power-of-2 scales are exact in it)" in text
 
 

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 GPU_TEST_FILES = ("test_gpu_float8.py", "test_gpu_flex_document_mask.py", "test_gpu_fsdp.py", "test_gpu_tp.py",
                   "test_gpu_checkpoint.py",
                   "test_gpu_grad_scaler.py", "test_gpu_memory_estimate.py", "test_gpu_profiler.py",
-                  "test_gpu_moe_experts.py", "test_gpu_blockwise.py")
+                  "test_gpu_moe_experts.py", "test_gpu_blockwise.py", "test_gpu_blockwise_experts.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour; on a GPU the tests run")
@@ -32,7 +32,7 @@ def test_pytest_m_gpu_skips_every_gpu_test_with_needs_cuda(tmp_path):
     files = {classname.rsplit(".", 1)[-1] + ".py" for classname, _ in skips}
     assert files == set(GPU_TEST_FILES)
     # 3 + 2 + 1 float8, 2 FSDP, 1 TP, 1 DCP, 1 scaler, 4 memory cases, 1 profiler, 4 + 2 MoE grouped experts
-    # (kernels, blockwise emulation), 1 + 1 blockwise.
-    assert len(skips) == 29
+    # (kernels, blockwise emulation), 1 + 1 blockwise, 3 blockwise experts against torchao's grouped blockwise GEMM.
+    assert len(skips) == 32
     last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith("29 skipped"), last
+    assert last.startswith("32 skipped"), last

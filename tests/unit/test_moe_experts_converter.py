@@ -3,8 +3,10 @@ its kernel choice, its composition with the dense float8 / mx converters, and th
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import re
+import sys
 
 import pytest
 import torch
@@ -154,30 +156,107 @@ def test_the_dense_float8_plan_keeps_the_router_gate_in_float32():
     ("mxfp8", "native", "cuda", (10, 0), True, False, "torchao mxfp8 grouped GEMM kernels"),
     ("mxfp8", "auto", "cuda", None, True, None, "decided on the GPU at launch"),
     ("mxfp8", "emulated", "cuda", (10, 0), True, True, "as kernel='emulated' asks"),
-    # No grouped blockwise GEMM exists: auto emulates on any device, with the reason.
-    ("blockwise", "auto", "cpu", None, True, True, "has no grouped blockwise FP8 GEMM, and torchao 0.18's"),
-    ("blockwise", "auto", "cuda", (9, 0), True, True, "has no grouped blockwise FP8 GEMM, and torchao 0.18's"),
-    ("blockwise", "auto", "cuda", None, True, True, "same tiles and scales, GEMM in float32 (float32 scales)"),
+    # Blockwise: torchao's grouped blockwise GEMM where DeepGEMM runs (deep_gemm '' = usable), else emulated.
+    ("blockwise", "auto", "cpu", None, True, True, "cpu has no blockwise grouped GEMM kernel (it needs an NVIDIA GPU "
+                                                   "of compute capability 9.0+ (Hopper) and deep_gemm)"),
+    ("blockwise", "auto", "cuda", (9, 0), True, False, "torchao's grouped blockwise FP8 GEMM (DeepGEMM) on GPU "
+                                                       "(compute capability 9.0)"),
+    ("blockwise", "auto", "cuda", (8, 9), True, True, "GPU (compute capability 8.9) lacks it (it needs an NVIDIA GPU "
+                                                      "of compute capability 9.0+ (Hopper))"),
+    ("blockwise", "auto", "cuda", None, True, None, "decided on the GPU at launch (torchao's grouped blockwise FP8 "
+                                                    "GEMM (DeepGEMM) on an NVIDIA GPU of compute capability 9.0+"),
+    ("blockwise", "emulated", "cuda", (9, 0), True, True, "as kernel='emulated' asks"),
 ])
 def test_kernel_decision(recipe, kernel, device_type, capability, built, emulate, why):
     decision = decide_grouped_kernel(recipe, kernel, device_type, capability, "GPU", built)
     assert decision.emulate is emulate and why in decision.why
 
 
+NO_DEEP_GEMM = "the deep_gemm package is not installed"
+
+
+@pytest.mark.parametrize("capability, deep_gemm, power_of_2, dtype, why", [
+    ((9, 0), NO_DEEP_GEMM, False, torch.bfloat16, "grouped GEMMs emulated: the deep_gemm package is not installed "
+                                                  "(torchao runs its blockwise grouped GEMMs on DeepGEMM); same tiles "
+                                                  "and scales, GEMM in float32 (float32 scales)"),
+    ((10, 0), "", True, torch.bfloat16, "power_of_2_scales=true: torchao's blockwise kernels compute float32 scales "
+                                        "448 / amax, never powers of 2; same tiles and scales, GEMM in the compute "
+                                        "dtype"),
+    ((9, 0), "", False, torch.float32, "the compute dtype is float32 and the kernel writes bfloat16 only"),
+    # Every reason is named, not just the first.
+    ((8, 0), NO_DEEP_GEMM, True, torch.bfloat16, "lacks it (it needs an NVIDIA GPU of compute capability 9.0+ "
+                                                 "(Hopper)); power_of_2_scales=true"),
+])
+def test_blockwise_emulates_with_each_reason(capability, deep_gemm, power_of_2, dtype, why):
+    decision = decide_grouped_kernel("blockwise", "auto", "cuda", capability, "GPU", power_of_2=power_of_2,
+                                     deep_gemm=deep_gemm, compute_dtype=dtype)
+    assert decision.emulate is True and why in decision.why
+    # Where the GPU lacks sm_90 the deep_gemm probe's answer is not consulted (it is not even run).
+    assert (NO_DEEP_GEMM in decision.why) is (capability >= (9, 0) and bool(deep_gemm))
+
+
 @pytest.mark.parametrize("recipe, device_type, capability, message", [
     ("rowwise", "cpu", None, "needs an NVIDIA GPU with compute capability 9.0+ (Hopper), and this run computes on cpu"),
     ("mxfp8", "cuda", (9, 0), "GPU (compute capability 9.0) lacks them (they need compute capability 10.0+"),
-    ("blockwise", "cuda", (9, 0), f"model_converters.converters[moe_experts].kernel='native' with "
-                                  f"recipe_name='blockwise': torch {torch.__version__.split('+')[0]} has no grouped "
-                                  f"blockwise FP8 GEMM, and torchao 0.18's (prototype/moe_training/blockwise_fp8) runs "
-                                  f"on DeepGEMM (the deep_gemm package, sm_90+), which this converter does not call. "
-                                  f"Use kernel='auto' or kernel='emulated' (both emulate: same tiles and scales, GEMM in "
-                                  f"float32 (float32 scales); slower than BF16), or recipe_name='rowwise' for torchao's "
-                                  f"FP8 grouped GEMM kernels (Hopper)"),
+    ("blockwise", "cpu", None, "model_converters.converters[moe_experts].kernel='native' with recipe_name='blockwise' "
+                               "needs torchao's grouped blockwise FP8 GEMM (DeepGEMM): cpu has no blockwise grouped "
+                               "GEMM kernel (it needs an NVIDIA GPU of compute capability 9.0+ (Hopper) and "
+                               "deep_gemm). Fix: run on an NVIDIA GPU of compute capability 9.0+ (Hopper); or use "
+                               "kernel='auto' or kernel='emulated' to emulate (same tiles and scales, GEMM in float32 "
+                               "(float32 scales); slower than BF16)"),
 ])
 def test_native_without_the_kernels_is_an_error(recipe, device_type, capability, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         decide_grouped_kernel(recipe, "native", device_type, capability, "GPU")
+
+
+def test_native_blockwise_names_what_is_missing_and_the_fix():
+    with pytest.raises(ValueError, match=re.escape(
+            "needs torchao's grouped blockwise FP8 GEMM (DeepGEMM): the deep_gemm package is not installed (torchao "
+            "runs its blockwise grouped GEMMs on DeepGEMM); power_of_2_scales=true: torchao's blockwise kernels "
+            "compute float32 scales 448 / amax, never powers of 2. Fix: install DeepGEMM "
+            "(https://github.com/deepseek-ai/DeepGEMM) built against this torch and CUDA: it compiles CUDA code "
+            "(nvcc), and PyPI's deep_gemm 1.0.0 sdist ships no CUDA headers; set power_of_2_scales=false; or use "
+            "kernel='auto' or kernel='emulated' to emulate (same tiles and scales, GEMM in the compute dtype")):
+        decide_grouped_kernel("blockwise", "native", "cuda", (9, 0), "GPU", power_of_2=True, deep_gemm=NO_DEEP_GEMM)
+    with pytest.raises(ValueError, match=re.escape(
+            "GPU (compute capability 8.0) lacks it (it needs an NVIDIA GPU of compute capability 9.0+ (Hopper)); the "
+            "compute dtype is float32 and the kernel writes bfloat16 only. Fix: run on an NVIDIA GPU of compute "
+            "capability 9.0+ (Hopper); use precision.param_dtype=bfloat16; or use")):
+        decide_grouped_kernel("blockwise", "native", "cuda", (8, 0), "GPU", compute_dtype=torch.float32)
+    decision = decide_grouped_kernel("blockwise", "native", "cuda", (9, 0), "H100")
+    assert decision.emulate is False and decision.why == ("torchao's grouped blockwise FP8 GEMM (DeepGEMM) on H100 "
+                                                          "(compute capability 9.0)")
+
+
+def test_converter_probes_deep_gemm_only_on_hopper_blockwise(monkeypatch, caplog):
+    probes = []
+    monkeypatch.setattr(moe_experts_module, "deep_gemm_missing", lambda: probes.append(1) or NO_DEEP_GEMM)
+    GroupedExpertsConverter.Config(recipe_name="blockwise").build(context=context())  # CPU: no probe
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert GroupedExpertsConverter.Config(recipe_name="blockwise").build(context=context(device_type="cuda")).kernel.emulate
+    assert probes == []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        converter = GroupedExpertsConverter.Config(recipe_name="blockwise").build(context=context(device_type="cuda"))
+    assert converter.kernel.emulate is True and probes == [1]
+    assert caplog.text.count("grouped GEMMs emulated: the deep_gemm package is not installed") == 1
+    monkeypatch.setattr(moe_experts_module, "deep_gemm_missing", lambda: "")
+    converter = GroupedExpertsConverter.Config(recipe_name="blockwise").build(context=context(device_type="cuda"))
+    assert converter.kernel.emulate is False
+    assert "torchao's grouped blockwise FP8 GEMM (DeepGEMM) on NVIDIA H100 80GB HBM3" in converter.settings()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deep_gemm") is not None, reason="deep_gemm is installed here")
+def test_deep_gemm_probe_without_the_package(monkeypatch):
+    # The probe answers from the package index alone: torchao's kernels (which import triton) stay unimported.
+    from torchtitan_lite.components.quantization.blockwise_grouped_kernel import deep_gemm_missing
+
+    monkeypatch.delitem(sys.modules, "torchao.prototype.blockwise_fp8_training.deepgemm_grouped_kernels", raising=False)
+    assert deep_gemm_missing() == NO_DEEP_GEMM
+    assert "torchao.prototype.blockwise_fp8_training.deepgemm_grouped_kernels" not in sys.modules
 
 
 def test_choice_is_logged_once_and_precision_rules(monkeypatch, caplog):

@@ -17,8 +17,10 @@ MXFP8 (``_to_mxfp8_then_scaled_grouped_mm``, RCEIL e8m0 scales): e4m3 elements i
 elements along each GEMM's contraction dim: K for the output, N for the input gradient, and the tokens for
 the weight gradient.
 
-Blockwise FP8 (DeepSeek-V3; emulated only: torch has no grouped blockwise GEMM, torchao 0.18's needs DeepGEMM): each expert's GEMMs
-exactly as the dense blockwise recipe's (blockwise_fp8.py), e4m3 with float32 or power-of-2 scales 448 / amax:
+Blockwise FP8 (DeepSeek-V3; torchao 0.18's ``_to_fp8_blockwise_then_scaled_grouped_mm``, whose GEMMs run on
+DeepGEMM, or its emulation): each expert's GEMMs exactly as the dense blockwise recipe's (blockwise_fp8.py), e4m3
+with float32 scales 448 / amax (torchao's, equal to ours tile for tile: tests/unit/test_blockwise_grouped_tiles.py)
+or, emulated only, power-of-2 ones:
 
 - output ``x @ w_t[e]``: x in 1x128 tiles along K, each expert's weight in 128x128 blocks;
 - input gradient ``g @ w_t[e]^T``: g in 1x128 tiles along N, the same weight blocks;
@@ -32,15 +34,18 @@ every recipe, in plain torch ops with no host synchronisation (the buffer has th
 past the last group are never read).
 
 Emulation quantizes and dequantizes exactly those tiles with torchao's own scale arithmetic (``amax_to_scale``
-with power-of-2 rounding and ``to_fp8_saturated`` for rowwise, ``to_mx`` for MXFP8) and multiplies the
-dequantized operands in the compute dtype with ``torch._grouped_mm``. Every dequantized element is an e4m3
-value times a power of 2, exact in bfloat16 and float32, so emulation differs from the FP8 tensor cores only
-in the order of the float32 accumulation. Blockwise with power-of-2 scales is exact in bfloat16 the same way and
-multiplies in the compute dtype (a bfloat16 grouped GEMM: compiled with its block, no host synchronisation).
-Blockwise float32 scales give dequantized values that bfloat16 cannot hold, so then it multiplies in float32
-(as the dense blockwise emulation does) and writes the compute dtype; torch._grouped_mm's traced form takes
-bfloat16 only, so that GEMM runs eagerly inside compiled blocks, and on a GPU a float32 torch._grouped_mm is
-torch's fallback: one mm per expert, after reading the offsets on the host.
+with power-of-2 rounding and ``to_fp8_saturated`` for rowwise, ``to_mx`` for MXFP8, ``448 / amax`` in float64
+rounded to float32 for blockwise, as torchao's blockwise quantizers) and multiplies the dequantized operands in
+the compute dtype with ``torch._grouped_mm``. Every dequantized element is an e4m3 value times a power of 2, exact
+in bfloat16 and float32, so emulation differs from the FP8 tensor cores only in the order of the float32
+accumulation. Blockwise with power-of-2 scales is exact in bfloat16 the same way and multiplies in the compute
+dtype (a bfloat16 grouped GEMM: compiled with its block, no host synchronisation). Blockwise float32 scales give
+dequantized values that bfloat16 cannot hold, so then it multiplies in float32 (as the dense blockwise emulation
+does, and as DeepGEMM applies float32 scales to float32 partial sums) and writes the compute dtype;
+torch._grouped_mm's traced form takes bfloat16 only, so that GEMM runs eagerly inside compiled blocks, and on a
+GPU a float32 torch._grouped_mm is torch's fallback: one mm per expert, after reading the offsets on the host.
+torchao's own emulated backend (its fallback without DeepGEMM, not used here) rounds each dequantized operand to
+bfloat16 instead (``e4m3 * bfloat16(1 / scale)``), about 2^-8 relative per element.
 """
 from __future__ import annotations
 
@@ -253,6 +258,8 @@ def _eager_emulated_grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offsets: torc
 
 def native_grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor, recipe: str) -> torch.Tensor:
     """torchao's kernels on padded ``x`` (bfloat16 in and out)."""
+    if recipe == "blockwise":
+        return native_blockwise_grouped_mm(x, w_t, offsets)
     if recipe == "rowwise":
         from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
@@ -268,11 +275,30 @@ def native_grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor,
                                             pad_token_groups_for_grouped_mm=False)
 
 
+def native_blockwise_grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor, *,
+                                torchao_emulated: bool = False) -> torch.Tensor:
+    """torchao's grouped blockwise GEMM on padded ``x``: DeepGEMM where torchao's own check passes (the converter
+    chose this path only there), float32 scales 448 / amax. Groups are already padded to 128 rows.
+    ``torchao_emulated``: torchao's emulated backend instead (any CUDA GPU with triton; the GPU tests compare it)."""
+    from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import _to_fp8_blockwise_then_scaled_grouped_mm
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    if w_t.stride(-2) != 1:  # torchao asserts per-expert column-major (the experts pass w.transpose(-2, -1))
+        w_t = w_t.transpose(-2, -1).contiguous().transpose(-2, -1)
+    return _to_fp8_blockwise_then_scaled_grouped_mm(x, w_t, offsets, out_dtype=torch.bfloat16, block_size=BLOCK,
+                                                    pad_token_groups_for_grouped_mm=False,
+                                                    kernel_preference=KernelPreference.EMULATED
+                                                    if torchao_emulated else KernelPreference.AUTO)
+
+
 def quantized_grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offsets: torch.Tensor, *, recipe: str,
                          emulate: bool, power_of_2: bool = False) -> torch.Tensor:
     """x [M, K] @ w_t [E, K, N] per token group in ``recipe``, with the groups padded to its alignment and the
     padding removed from the result. Operands are taken in the compute dtype (the caller casts). ``power_of_2``:
     blockwise scales rounded down to powers of 2."""
+    if power_of_2 and not emulate:
+        raise ValueError("torchao's blockwise kernels compute float32 scales, never powers of 2: power_of_2 needs "
+                         "emulate=True")
     layout = pad_groups(offsets, x.shape[0], GROUP_ALIGNMENT[recipe])
     padded = pad_rows(x, layout)
     if emulate and grouped_tiles(recipe, power_of_2).float32_gemm:

@@ -21,9 +21,9 @@ Recipes (numerics in grouped_gemm.py):
 Kernels (``kernel``): ``auto`` runs torchao's kernels where the GPU and this torchao build have them and
 emulates everywhere else (CPU, older GPUs, a build without the kernels), logging why once; ``native`` makes
 their absence an error; ``emulated`` always emulates (same tiles and scales, GEMM in the compute dtype).
-torch has no grouped blockwise FP8 GEMM and torchao 0.18's runs on DeepGEMM (an optional package this converter
-does not call), so blockwise always emulates (``auto``) and ``native`` is an
-error.
+Blockwise's kernel is torchao 0.18's grouped blockwise GEMM on DeepGEMM (blockwise_grouped_kernel.py): Hopper+,
+the ``deep_gemm`` package, float32 scales and bfloat16 compute; without any of them ``auto`` emulates and
+``native`` is an error naming what is missing and the fix.
 """
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ import torch
 from torch import nn
 
 from torchtitan_lite.components.quantization.blockwise_fp8 import BLOCK, tp_degrees_keeping_blocks
+from torchtitan_lite.components.quantization.blockwise_grouped_kernel import (
+    KERNEL_TEXT,
+    NEED,
+    NEED_TEXT,
+    blockwise_fix,
+    blockwise_kernel_missing,
+    deep_gemm_missing,
+)
 from torchtitan_lite.components.quantization.float8_plan import AUTO_FILTER_SMALL_KN, filter_reason, too_small
 from torchtitan_lite.components.quantization.grouped_gemm import (
     GROUP_ALIGNMENT,
@@ -61,9 +69,6 @@ MIN_TOKENS_PER_EXPERT = 1024
 torchao puts the break-even of its FP8 rowwise grouped GEMMs near 500-1,000 tokens per expert; on an H200
 (2026-11-27, BENCHMARKS.md) Qwen3-30B-A3B's experts (2048 x 768) at 1,024 tokens per expert, compiled, ran
 0.84x of BF16, so the floor is the upper end and the shape rule below applies on top of it."""
-NO_BLOCKWISE_KERNEL = (f"torch {torch.__version__.split('+')[0]} has no grouped blockwise FP8 GEMM, and torchao 0.18's "
-                       f"(prototype/moe_training/blockwise_fp8) runs on DeepGEMM (the deep_gemm package, sm_90+), "
-                       f"which this converter does not call")
 
 
 @dataclass(frozen=True)
@@ -87,21 +92,17 @@ class GroupedKernelDecision:
 
 
 def decide_grouped_kernel(recipe: str, kernel: str, device_type: str, capability: tuple[int, int] | None,
-                          device_name: str = "the GPU", kernels_built: bool = True,
-                          power_of_2: bool = False) -> GroupedKernelDecision:
+                          device_name: str = "the GPU", kernels_built: bool = True, power_of_2: bool = False,
+                          deep_gemm: str = "", compute_dtype: torch.dtype = torch.bfloat16) -> GroupedKernelDecision:
     """Emulate or not for ``recipe`` / ``kernel`` on this device; ValueError when ``kernel='native'`` cannot be
     honoured. ``kernels_built``: this torchao / triton build has the recipe's kernels; ``power_of_2``: blockwise
-    scales rounded to powers of 2 (its emulated GEMM then runs in the compute dtype)."""
+    scales rounded to powers of 2 (its emulated GEMM then runs in the compute dtype); ``deep_gemm``: blockwise
+    only, what ``deep_gemm_missing()`` found lacking ('' when DeepGEMM runs); ``compute_dtype``: the experts'
+    GEMM dtype (blockwise's kernel writes bfloat16 only)."""
     if kernel == "emulated":
         return GroupedKernelDecision(True, "grouped GEMMs emulated, as kernel='emulated' asks")
     if recipe == "blockwise":
-        emulated_how = ("same tiles and scales, GEMM in the compute dtype (power-of-2 scales are exact in it)"
-                        if power_of_2 else "same tiles and scales, GEMM in float32 (float32 scales); slower than BF16")
-        if kernel == "native":
-            raise ValueError(f"{_FIELD}.kernel='native' with recipe_name='blockwise': {NO_BLOCKWISE_KERNEL}. Use "
-                             f"kernel='auto' or kernel='emulated' (both emulate: {emulated_how}), or "
-                             f"recipe_name='rowwise' for torchao's FP8 grouped GEMM kernels (Hopper)")
-        return GroupedKernelDecision(True, f"grouped GEMMs emulated: {NO_BLOCKWISE_KERNEL}; {emulated_how}")
+        return _decide_blockwise(kernel, device_type, capability, device_name, deep_gemm, power_of_2, compute_dtype)
     need = MIN_CAPABILITY[recipe]
     need_text = f"compute capability {need[0]}.{need[1]}+ ({'Hopper' if recipe == 'rowwise' else 'Blackwell'})"
     emulated = "same tiles and scales, GEMM in the compute dtype; slower than BF16"
@@ -125,6 +126,26 @@ def decide_grouped_kernel(recipe: str, kernel: str, device_type: str, capability
     return GroupedKernelDecision(True, f"grouped GEMMs emulated: {missing}; {emulated}")
 
 
+def _decide_blockwise(kernel: str, device_type: str, capability: tuple[int, int] | None, device_name: str,
+                      deep_gemm: str, power_of_2: bool, compute_dtype: torch.dtype) -> GroupedKernelDecision:
+    """``decide_grouped_kernel`` for blockwise: torchao's grouped blockwise GEMM on DeepGEMM, or the emulation."""
+    emulated_how = ("same tiles and scales, GEMM in the compute dtype (power-of-2 scales are exact in it)"
+                    if power_of_2 else "same tiles and scales, GEMM in float32 (float32 scales); slower than BF16")
+    missing = blockwise_kernel_missing(device_type, capability, device_name, deep_gemm, power_of_2, compute_dtype)
+    if not missing and capability is None:
+        return GroupedKernelDecision(None, f"grouped GEMM kernels decided on the GPU at launch ({KERNEL_TEXT} on "
+                                           f"{NEED_TEXT} with deep_gemm installed, else "
+                                           f"{'an error' if kernel == 'native' else 'emulated'})")
+    if not missing:
+        found = f"{device_name} (compute capability {capability[0]}.{capability[1]})"  # type: ignore[index]
+        return GroupedKernelDecision(False, f"{KERNEL_TEXT} on {found}")
+    if kernel == "native":
+        raise ValueError(f"{_FIELD}.kernel='native' with recipe_name='blockwise' needs {KERNEL_TEXT}: "
+                         f"{'; '.join(missing)}. Fix: {blockwise_fix(missing)}; or use kernel='auto' or "
+                         f"kernel='emulated' to emulate ({emulated_how})")
+    return GroupedKernelDecision(True, f"grouped GEMMs emulated: {'; '.join(missing)}; {emulated_how}")
+
+
 def native_kernels_built(recipe: str) -> bool:
     """torchao's kernels for ``recipe`` can run in this process (triton; MXFP8's CUDA extension)."""
     from torch.utils._triton import has_triton
@@ -139,8 +160,8 @@ def native_kernels_built(recipe: str) -> bool:
 
 
 class GroupedExpertsConverter(ModelConverter):
-    """Runs the routed experts' grouped GEMMs in FP8 rowwise, MXFP8 (torchao kernels or their emulation) or
-    blockwise FP8 (emulated)."""
+    """Runs the routed experts' grouped GEMMs in FP8 rowwise, MXFP8 or blockwise FP8 (torchao kernels or their
+    emulation)."""
 
     @dataclass(kw_only=True)
     class Config(ModelConverter.Config):
@@ -154,7 +175,7 @@ class GroupedExpertsConverter(ModelConverter):
         recipe_name: Literal["rowwise", "mxfp8", "blockwise"] = "rowwise"
         """rowwise: FP8 e4m3 with power-of-2 scales per token and per expert output column (Hopper kernels);
         mxfp8: e4m3 in 32-element blocks with e8m0 scales (Blackwell kernels); blockwise: DeepSeek-V3's e4m3 in
-        1x128 tiles and 128x128 weight blocks (emulated everywhere)."""
+        1x128 tiles and 128x128 weight blocks (torchao's DeepGEMM kernels on Hopper with deep_gemm, else emulated)."""
         power_of_2_scales: bool = False
         """Round each tile's scale 448/amax down to a power of two (DeepSeek-V3's choice: scaling is exact).
         recipe_name='blockwise' only: rowwise and mxfp8 scales are powers of two already."""
@@ -195,8 +216,12 @@ class GroupedExpertsConverter(ModelConverter):
         recipe = config.recipe_name
         capability, name = _cuda_device(context.device_type)
         built = native_kernels_built(recipe) if capability is not None and recipe != "blockwise" else True
+        # deep_gemm is probed (imported) only where DeepGEMM could run: blockwise on a Hopper or newer GPU.
+        probe = recipe == "blockwise" and capability is not None and capability >= NEED
         self.kernel = decide_grouped_kernel(recipe, config.kernel, context.device_type, capability, name, built,
-                                            power_of_2=config.power_of_2_scales)
+                                            power_of_2=config.power_of_2_scales,
+                                            deep_gemm=deep_gemm_missing() if probe else "",
+                                            compute_dtype=context.param_dtype)
         self._check_precision()
         self._check_compile()
         self.plan: list[ExpertPlanRow] | None = None
