@@ -66,6 +66,24 @@ def llama3_debug_fp8() -> Trainer.Config:
     return cfg
 
 
+def _fp8_head(cfg: Trainer.Config) -> Trainer.Config:
+    """``cfg`` with its float8 converter's output head converted too: keep_output_hp off and 'output' out of
+    filter_fqns (either one alone keeps the head in high precision)."""
+    (converter,) = cfg.model_converters.converters
+    assert isinstance(converter, Float8LinearConverter.Config), converter
+    converter.keep_output_hp = False
+    converter.filter_fqns = [entry for entry in converter.filter_fqns if entry != "output"]
+    return cfg
+
+
+@register
+def llama3_debug_fp8_head() -> Trainer.Config:
+    """llama3_debug_fp8 with the output head in FP8 tensorwise too, for its accuracy verdict (recipe
+    tensorwise_head). The head's logits feed the softmax over the vocabulary, where FP8 error reaches the loss
+    unabsorbed: it trades accuracy there for speed, so the head stays BF16 by default."""
+    return _fp8_head(llama3_debug_fp8())
+
+
 @register
 def llama3_debug_fp8_rowwise() -> Trainer.Config:
     """llama3_debug_bf16 + FP8 rowwise Linears (output layer kept in BF16)."""
@@ -173,6 +191,14 @@ def llama3_8b_fp8() -> Trainer.Config:
     cfg.compile = CompileConfig(enable=True)
     cfg.model_converters = _fp8("tensorwise", all_gather=True)
     return cfg
+
+
+@register
+def llama3_8b_fp8_head() -> Trainer.Config:
+    """llama3_8b_fp8 with the output head (4096 x 128256) in FP8 tensorwise too: 1.58x faster than BF16 in the
+    H200 layer bench, ~3% of a 17-block proxy step saved. The head's logits feed the softmax over the vocabulary,
+    so it trades accuracy there for speed; off by default (llama3_8b_fp8 keeps the head BF16)."""
+    return _fp8_head(llama3_8b_fp8())
 
 
 @register

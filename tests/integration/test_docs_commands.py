@@ -42,6 +42,8 @@ LONG_RUNNING = {
         "trains 32 runs (tests/unit/test_paired_verdict.py runs the verdict on stubbed runs)",
     "python scripts/loss_compare.py --verdict llama3 --recipes tensorwise --seeds 4 --parallel 2":
         "trains 16 runs (tests/unit/test_paired_verdict.py runs the verdict on stubbed runs)",
+    "python scripts/loss_compare.py --verdict llama3 --recipes tensorwise_head --seeds 4 --parallel 2":
+        "trains 16 runs (tests/unit/test_paired_verdict.py runs the verdict on stubbed runs and checks the arm)",
     "python scripts/loss_compare.py --verdict qwen3_moe --seeds 4 --parallel 2":
         "trains 20 runs (tests/unit/test_paired_verdict.py runs the verdict on stubbed runs)",
     "python scripts/loss_compare.py --verdict deepseek_v3 --fault e5m2_forward --seeds 4 --parallel 2":

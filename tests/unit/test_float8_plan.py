@@ -252,6 +252,24 @@ def test_a_converter_added_on_the_command_line_keeps_the_output_projection_unles
     assert output_row("--model_converters.converters.0.keep_output_hp", "false") == (recipe, "")
 
 
+@pytest.mark.parametrize("name, base, world_size, device_type", [
+    ("llama3_debug_fp8_head", "llama3_debug_fp8", 1, "cpu"), ("llama3_8b_fp8_head", "llama3_8b_fp8", 8, "cuda")])
+def test_the_fp8_head_configs_convert_the_output_projection_and_nothing_else(name, base, world_size, device_type):
+    def plan_of(config: str) -> dict[str, tuple[str | None, str]]:
+        run = resolve_run(DEFAULT_REGISTRY.get(config), world_size=world_size, device_type=device_type,
+                          cuda_available=False)
+        with torch.device("meta"):
+            model = run.model_spec.model_cls(run.model_args)
+        rows = float8_plan(model, run.converters.converters[0].config, output_module=run.model_spec.parallel_plan.output,
+                           blocks=run.model_spec.parallel_plan.blocks)
+        return {r.fqn: (r.recipe, r.reason) for r in rows}
+
+    head, kept = plan_of(name), plan_of(base)
+    assert kept.pop("output") == (None, "filter_fqns entry 'output'")
+    assert head.pop("output") == ("tensorwise", "")
+    assert head == kept
+
+
 def test_plan_summary_counts_recipes_and_skip_reasons_and_names_the_edges():
     rows = [PlanRow("layers.0.attention.wq", 4096, 4096, None, "block 0 of the first 1 (keep_first_blocks_hp)"),
             PlanRow("layers.0.feed_forward.w1", 4096, 14336, None, "block 0 of the first 1 (keep_first_blocks_hp)"),

@@ -40,11 +40,12 @@ def test_plan_gives_each_stage_its_expected_time_in_priority_order_and_cuts_what
     stages = [line for line in lines if line.startswith("# stage ")]
     assert [s.split(":")[0] for s in stages] == [f"# stage {k}" for k in gpu_check.PRIORITY]
     expected = gpu_check_stages.EXPECTED_S
-    # b, c and e fit the default 540 s (130 + 200 + 200); the rest is cut; f and g need two GPUs.
+    # b, c and e fit the default 540 s (130 + 200 + 200); the rest is cut (the FP8 head's stage i too: as a
+    # fourth config of c it would have pushed e out); f and g need two GPUs.
     assert f"(expected ~{expected['b']} s, done by ~130 s; blockwise not timed" in stages[0]
     assert "(expected ~200 s, done by ~330 s)" in stages[1] and "(expected ~200 s, done by ~530 s)" in stages[2]
-    assert all("CUT: expected" in s for s in stages[3:6]) and all("needs 2 GPUs" in s for s in stages[6:])
-    assert lines[0].endswith("--budget 540 s: the stages that fit expect 530 s together; cut for the budget: a, d, h")
+    assert all("CUT: expected" in s for s in stages[3:7]) and all("needs 2 GPUs" in s for s in stages[7:])
+    assert lines[0].endswith("--budget 540 s: the stages that fit expect 530 s together; cut for the budget: a, d, h, i")
     commands = [line for line in lines if not line.startswith("#")]
     assert commands[0].startswith(f"{sys.executable} -m pip install --no-index --no-deps")
     assert ("scripts/float8_layer_bench.py --shapes llama3_8b --recipes tensorwise rowwise rowwise_with_gw_hp "
@@ -73,6 +74,48 @@ def test_the_representative_proxy_keeps_the_head_under_a_tenth_of_the_flops():
         # No network on a GPU machine: the embedded corpus and byte tokens, not the hub corpus and tokenizer.
         assert (cfg.model.n_layers, cfg.training.seq_len, cfg.compile.enable, cfg.activation_checkpoint.mode,
                 cfg.data.dataset, cfg.tokenizer.path) == (17, 8192, True, "selective", "embedded", None)
+
+
+def test_stage_i_times_the_fp8_head_on_stage_c_proxy():
+    stages = _stages()
+    args, overrides = benchmark.parse_args(stages["i"].command[2:])
+    c_args, c_overrides = benchmark.parse_args(stages["c"].command[2:])
+    assert (args.configs, args.baseline, args.steps) == (["llama3_8b_fp8", "llama3_8b_fp8_head"], "llama3_8b_fp8", 30)
+    assert overrides == c_overrides  # the same proxy: 17 blocks, seq 8192, AC, compile, embedded data
+    configs = benchmark._resolve(args.configs, overrides, DEFAULT_REGISTRY)
+    (base,), (head,) = (c.model_converters.converters for c in configs.values())
+    # The two configs differ in the head only.
+    assert (base.keep_output_hp, base.filter_fqns) == (True, ["output", "auto_filter_small_kn"])
+    assert (head.keep_output_hp, head.filter_fqns) == (False, ["auto_filter_small_kn"])
+    assert {k: v for k, v in vars(head).items() if k not in ("keep_output_hp", "filter_fqns")} == \
+        {k: v for k, v in vars(base).items() if k not in ("keep_output_hp", "filter_fqns")}
+
+
+def test_the_proxy_stages_share_one_activation_checkpointing_mode(monkeypatch):
+    from torchtitan_lite.tools import proxy_model
+
+    asked = []
+
+    def fake_fit(mode):
+        def fit(configs, overrides, *, device_bytes, registry):
+            asked.append(configs)
+            return mode, 90.0
+        return fit
+
+    shape = gpu_check.choose_run_shape(2000, "ci")
+    planned = gpu_check.plan(gpu_check.build_stages("python", Path("/out"), shape), "ci", 2000)
+    info = {"memory_bytes": str(141 * 1024**3)}
+    monkeypatch.setattr(proxy_model, "fitting_ac_mode", fake_fit("full"))
+    sized, note = gpu_check_stages.size_proxy(planned, shape, "python", Path("/out"), info)
+    assert asked == [["llama3_8b", "llama3_8b_fp8", "llama3_8b_fp8_rowwise", "llama3_8b_fp8_head"]]
+    for stage, _ in sized:
+        assert stage.command[stage.command.index("--activation_checkpoint.mode") + 1] == "full", stage.key
+    assert note == "stages c and i: estimated peak 90.0 GiB with AC full on this card's 141 GiB (--estimate-memory)"
+    monkeypatch.setattr(proxy_model, "fitting_ac_mode", fake_fit(None))
+    assert gpu_check_stages.size_proxy(planned, shape, "python", Path("/out"), info)[0] == []
+    alone = gpu_check.plan(gpu_check.build_stages("python", Path("/out"), shape), "i", 2000)
+    assert gpu_check_stages.size_proxy(alone, shape, "python", Path("/out"), info)[1].startswith(
+        "stage i left out: its estimated peak with full activation checkpointing, 90.0 GiB")
 
 
 def test_the_proxy_is_sized_to_the_card_by_the_memory_estimate():
@@ -171,6 +214,22 @@ def test_figures_from_stage_outputs(tmp_path):
     cut_short = "float8 Linear forward+backward on H200\nmeasured wq, wo: bfloat16 1.0 ms\nmeasured wk, wv: bfloat16 0.5 ms\n"
     assert figures.layer_bench_figure(tmp_path, cut_short) == (
         False, "no result table in the log; 2 'measured ...' line(s) in it from before it stopped")
+
+
+def test_the_head_figure_is_the_step_ratio_without_stage_c_targets(tmp_path):
+    assert figures.head_figure(tmp_path, "") == (False, "no benchmark rows (see i_fp8_head.log)")
+    row = dict(tokens_per_s_device=20000.0, tflops_device=650.0, mfu_percent=65.5, peak_memory_gib=72.3, compile_s=18.0)
+    (tmp_path / "i_benchmark.json").write_text(json.dumps({"rows": [dict(row, config="llama3_8b_fp8", speedup=1.0)]}))
+    assert figures.head_figure(tmp_path, "") == (False, "no row for llama3_8b_fp8_head in i_benchmark.json")
+    (tmp_path / "i_benchmark.json").write_text(json.dumps({"rows": [
+        dict(row, config="llama3_8b_fp8", speedup=1.0),
+        dict(row, config="llama3_8b_fp8_head", speedup=1.034, tokens_per_s_device=20680.0)]}))
+    ok, figure = figures.head_figure(tmp_path, "")
+    assert ok and figure == (
+        "llama3_8b_fp8: 20,000 tok/s, 650 TFLOP/s, MFU 65.5%, 72.3 GiB, compile 18 s, 1.00x; "
+        "llama3_8b_fp8_head: 20,680 tok/s, 650 TFLOP/s, MFU 65.5%, 72.3 GiB, compile 18 s, 1.03x; "
+        "the FP8 head makes the step 1.034x as fast as the BF16 head")
+    assert "target" not in figure  # llama3_8b_fp8 is the baseline here, not a config judged against BF16
 
 
 INFO = dict(gpus="1", device="NVIDIA H100 80GB HBM3", driver="570.1", cuda="13.0", torch="2.11.0", torchao="0.18.0",
@@ -303,7 +362,7 @@ def test_pipeline_stages_are_skipped_with_the_reason_on_one_gpu(tmp_path, monkey
     """On a one-GPU machine stages f and g do not run, say why, and leave the exit status to the others."""
     stages = list(_stages(tmp_path).values())
     assert [s.key for s in stages if gpu_check.skip_reason(s, 2) is None] == list(gpu_check.PRIORITY)
-    assert [s.key for s in stages if gpu_check.skip_reason(s, 1) is None] == list("bceadh")
+    assert [s.key for s in stages if gpu_check.skip_reason(s, 1) is None] == list("bceadhi")
     assert gpu_check.skip_reason(_stages(tmp_path)["f"], 1) == (
         "skipped: needs 2 GPUs (one per pipeline rank), this machine has 1; run it on a machine with 2 or more")
 

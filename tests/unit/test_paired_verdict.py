@@ -108,6 +108,40 @@ def test_verdict_cli_report_and_exit_status(tmp_path, monkeypatch, capsys):
     assert "llama3: tensorwise PASS, rowwise FAIL" in capsys.readouterr().out
 
 
+def _arms_run(monkeypatch, argv):
+    """The arms ``argv`` trains (names -> configs), training stubbed."""
+    seen = {}
+
+    def fake_train(args, arms, overrides):
+        seen.update((arm.name, arm.config) for arm in arms)
+        stats = {arm.name: {str(s): 4.6 + 0.05 * s + (0.3 if arm.fault else 0.0) for s in range(args.seeds)}
+                 for arm in arms}
+        return stats, {arm.name: [1.0] * args.seeds for arm in arms}
+
+    monkeypatch.setattr(fp8_verdict, "train_arms", fake_train)
+    fp8_verdict.main(argv)
+    return seen
+
+
+def test_the_fp8_head_is_an_arm_of_its_own_and_the_default_verdict_keeps_its_arms(tmp_path, monkeypatch):
+    common = ["--verdict", "llama3", "--seeds", "2", "--dump-root", str(tmp_path)]
+    default = _arms_run(monkeypatch, common)
+    assert list(default) == ["fp32", "bf16", "fault-round_toward_zero-tensorwise", "tensorwise", "rowwise", "mxfp8",
+                             "blockwise", "fp16"]
+    head = _arms_run(monkeypatch, [*common, "--recipes", "tensorwise_head"])
+    assert list(head)[3:] == ["tensorwise_head"] and head["tensorwise_head"] == "llama3_debug_fp8_head"
+
+
+def test_every_verdict_arm_is_a_registered_config():
+    import config_registry
+    from torchtitan_lite.tools.fp8_verdict_setups import SETUPS
+
+    names = set(config_registry.names())
+    for setup in SETUPS.values():
+        assert {setup.reference, setup.baseline, *setup.recipes.values()} <= names, setup.family
+        assert set(setup.default_recipes) <= set(setup.recipes) and setup.fault_recipe in setup.recipes
+
+
 def test_verdict_cli_refuses_bad_input(capsys):
     with pytest.raises(SystemExit):
         fp8_verdict.main(["--verdict", "gpt2"])

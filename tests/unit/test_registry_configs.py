@@ -16,7 +16,7 @@ from torchtitan_lite.trainer import Trainer
 REQUIRED = ["llama3_debug", "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b", "llama3_405b",
             "llama3_debug_bf16", "llama3_debug_fp16", "llama3_debug_fp8", "llama3_debug_fp8_rowwise",
             "llama3_8b_fp8", "llama3_8b_fp8_rowwise", "llama3_70b_fp8", "llama3_405b_fp8", "llama3_8b_128k",
-            "llama3_8b_128k_fp8"]
+            "llama3_8b_128k_fp8", "llama3_debug_fp8_head", "llama3_8b_fp8_head"]
 
 
 def test_required_configs_are_registered():
@@ -61,6 +61,23 @@ def test_no_shipped_config_warns_about_itself(name, device_type, caplog):
     with caplog.at_level(logging.WARNING):
         resolve_run(config_registry.get(name), world_size=8, device_type=device_type, cuda_available=False)
     assert COMPILE_WARNING not in caplog.text
+
+
+@pytest.mark.parametrize("name, base", [("llama3_debug_fp8_head", "llama3_debug_fp8"), ("llama3_8b_fp8_head", "llama3_8b_fp8")])
+def test_the_fp8_head_configs_differ_from_their_base_in_the_head_only(name, base):
+    import dataclasses
+
+    (head,), (kept,) = (config_registry.get(n).model_converters.converters for n in (name, base))
+    assert "output" in kept.filter_fqns and kept.keep_output_hp  # the base keeps the head BF16 twice over
+    assert dataclasses.replace(kept, keep_output_hp=False, filter_fqns=[f for f in kept.filter_fqns if f != "output"]) == head
+    cfg, base_cfg = config_registry.get(name), config_registry.get(base)
+    base_cfg.model_converters, base_cfg.job.dump_folder = cfg.model_converters, cfg.job.dump_folder
+    assert cfg == base_cfg  # the plan that follows: tests/unit/test_float8_plan.py
+    # docs/mixed_precision.md's flags turn the base config into this one.
+    rest = "[]" if base == "llama3_debug_fp8" else "auto_filter_small_kn"
+    flags = ["--model_converters.converters.0.keep_output_hp", "false", "--model_converters.converters.0.filter_fqns", rest]
+    by_flags = parse_cli(["--config", base, *flags], registry=DEFAULT_REGISTRY).config
+    assert by_flags.model_converters == config_registry.get(name).model_converters
 
 
 def test_a_user_config_that_runs_fp8_uncompiled_on_gpus_is_warned(caplog):

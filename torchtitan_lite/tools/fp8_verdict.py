@@ -53,7 +53,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         argv, overrides = argv[:split], argv[split + 1:]
     parser = argparse.ArgumentParser(prog="loss_compare.py --verdict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--verdict", required=True, metavar="FAMILY", help="model family: llama3, qwen3_moe, deepseek_v3")
-    parser.add_argument("--recipes", nargs="+", default=None, help="recipes to judge (default: all of the family's)")
+    parser.add_argument("--recipes", nargs="+", default=None,
+                        help="recipes to judge (default: the family's default ones, e.g. all of llama3's but "
+                             "tensorwise_head)")
     parser.add_argument("--fault", default=None, help="planted fault of the fault arm (default: the family's)")
     parser.add_argument("--seeds", type=int, default=4, help="seeds 0..K-1 per arm (K >= 2; default 4)")
     parser.add_argument("--delta", type=float, default=None, help="δ in nats (default: the family's, see the report)")

@@ -26,6 +26,9 @@ a. ``pytest -m gpu tests/gpu``: the tests that exist only for CUDA.
 d. ``scripts/loss_compare.py --seeds 3``: llama3_debug_bf16 vs llama3_debug_fp8 over three seeds.
 h. The 8B width cut to 4 blocks (head 31% of the FLOPs), compiled: kept as a labelled extra for comparison
    with earlier runs.
+i. ``scripts/benchmark.py`` on stage c's proxy: llama3_8b_fp8 against llama3_8b_fp8_head (the output head in
+   FP8 tensorwise too), one round, unprofiled: what the FP8 head gains on the step. An extra, after c's
+   three configs, because a fourth config in c would push e out of the default budget.
 f, g. Pipeline parallelism on 2 GPUs (skipped, with the reason, on a machine with fewer).
 
 With ``--wheels DIR`` the wheels in DIR (scripts/fetch_gpu_wheels.sh) are installed first, offline. Targets
@@ -257,7 +260,7 @@ def markdown_section(results: list[StageResult], info: dict[str, str], command: 
     for name, heading in (("c_benchmark.md", None), ("c_expected.md", "Expected against measured (stage c)"),
                           ("e_benchmark.md", None), ("e_profiles.md", "Where the MoE step's time goes (stage e)"),
                           ("d_loss_compare.md", "Loss comparison (stage d)"),
-                          ("h_benchmark.md", None)):
+                          ("h_benchmark.md", None), ("i_benchmark.md", None)):
         path = out / name
         if path.exists():
             lines += ["", f"### {heading}" if heading else "", path.read_text().strip()]

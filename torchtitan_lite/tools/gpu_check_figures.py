@@ -11,6 +11,8 @@ from pathlib import Path
 
 BENCH_CONFIGS = ("llama3_8b", "llama3_8b_fp8", "llama3_8b_fp8_rowwise")
 """Stage c's configs, the BF16 baseline first."""
+HEAD_CONFIGS = ("llama3_8b_fp8", "llama3_8b_fp8_head")
+"""Stage i's configs: FP8 tensorwise with the output head in BF16 (the baseline), then with the head in FP8 too."""
 PP_GPUS = 2
 """GPUs the pipeline stages (f, g) need: one per pipeline rank."""
 TARGET_SPEEDUPS = {"llama3_8b_fp8": 1.25, "llama3_8b_fp8_rowwise": 1.08, "qwen3_moe_30b_a3b_fp8": 1.0,
@@ -73,13 +75,28 @@ def benchmark_rows_figure(path: Path) -> tuple[bool, str]:
     if not path.exists():
         return False, f"no benchmark rows (see {path.name.replace('.json', '.log')})"
     rows = {r["config"]: r for r in json.loads(path.read_text())["rows"]}
-    parts = []
-    for name, r in rows.items():
-        mfu = "MFU n/a" if r["mfu_percent"] is None else f"MFU {r['mfu_percent']:.1f}%"
-        compile_s = "" if r["compile_s"] is None else f", compile {r['compile_s']:.0f} s"
-        parts.append(f"{name}: {r['tokens_per_s_device']:,.0f} tok/s, {r['tflops_device']:.0f} TFLOP/s, {mfu}, "
-                     f"{r['peak_memory_gib']:.1f} GiB{compile_s}, {r['speedup']:.2f}x")
-    return True, "; ".join(parts) + "; " + targets(rows)
+    return True, "; ".join(row_text(name, r) for name, r in rows.items()) + "; " + targets(rows)
+
+
+def row_text(name: str, r: dict) -> str:
+    mfu = "MFU n/a" if r["mfu_percent"] is None else f"MFU {r['mfu_percent']:.1f}%"
+    compile_s = "" if r["compile_s"] is None else f", compile {r['compile_s']:.0f} s"
+    return (f"{name}: {r['tokens_per_s_device']:,.0f} tok/s, {r['tflops_device']:.0f} TFLOP/s, {mfu}, "
+            f"{r['peak_memory_gib']:.1f} GiB{compile_s}, {r['speedup']:.2f}x")
+
+
+def head_figure(out: Path, log: str) -> tuple[bool, str]:
+    """Stage i: both configs' rows and the step speedup of the FP8 head over the BF16 one. No speed target, and
+    not the targets of stage c: llama3_8b_fp8 is this stage's baseline (1.00x by definition), not BF16's rival."""
+    path = out / "i_benchmark.json"
+    if not path.exists():
+        return False, "no benchmark rows (see i_fp8_head.log)"
+    rows = {r["config"]: r for r in json.loads(path.read_text())["rows"]}
+    if missing := [name for name in HEAD_CONFIGS if name not in rows]:
+        return False, f"no row for {', '.join(missing)} in {path.name}"
+    speedup = rows[HEAD_CONFIGS[1]]["speedup"]
+    return True, ("; ".join(row_text(name, rows[name]) for name in HEAD_CONFIGS)
+                  + f"; the FP8 head makes the step {speedup:.3f}x as fast as the BF16 head")
 
 
 def targets(rows: dict[str, dict]) -> str:

@@ -10,9 +10,11 @@ from pathlib import Path
 
 from torchtitan_lite.tools.gpu_check_figures import (
     BENCH_CONFIGS,
+    HEAD_CONFIGS,
     PP_GPUS,
     benchmark_figure,
     bubble_figure,
+    head_figure,
     layer_bench_figure,
     loss_figure,
     pp_train_figure,
@@ -20,14 +22,15 @@ from torchtitan_lite.tools.gpu_check_figures import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-PRIORITY = "bceadhfg"
+PRIORITY = "bceadhifg"
 """Run order: the layer bench, the representative proxy, the MoE proxy, the CUDA tests, the loss check, the
-4-block proxy, then the 2-GPU stages."""
-EXPECTED_S = {"a": 150, "b": 130, "c": 200, "d": 120, "e": 200, "h": 125, "f": 90, "g": 150}
+4-block proxy, the FP8 output head on the representative proxy, then the 2-GPU stages."""
+EXPECTED_S = {"a": 150, "b": 130, "c": 200, "d": 120, "e": 200, "h": 125, "i": 130, "f": 90, "g": 150}
 """Seconds each stage is expected to take on an H200, from its recorded runs (BENCHMARKS.md), rounded up:
 b 119 s, c 181 s (one round), e 145 s, a 138 s (121 s of tests, blockwise left out), h 118 s on 2026-11-27
 22:17-22:33 UTC; d 59 s for one seed on 2026-11-27 07:33 UTC (three seeds side by side: not yet recorded). e has
-since gained a third config (the speed-filtered one, which trains like BF16: ~45 s more, an estimate)."""
+since gained a third config (the speed-filtered one, which trains like BF16: ~45 s more, an estimate). i is an
+estimate, not yet recorded: two configs on stage c's proxy, one round, no profile, at c's ~60 s per config."""
 BLOCKWISE_S = 420
 """Added to stage b's expected time when it times the blockwise Linear: torchao's Triton quantization
 kernels autotune ~100 s per new shape (H200, 2026-11-27), four 8B shapes."""
@@ -42,7 +45,9 @@ MOE_BENCH_LAYERS = 2
 MOE_BATCH = 4
 """Sequences of 4096 per step in stage e: 16,384 tokens x top-8 / 128 experts = 1,024 tokens per expert,
 where FP8 rowwise grouped GEMMs break even (torchao); one sequence gives 256."""
-STAGE_KEYS = "abcdefgh"
+STAGE_KEYS = "abcdefghi"
+PROXY_STAGES = {"c": BENCH_CONFIGS, "i": HEAD_CONFIGS}
+"""The stages on the representative proxy, with their configs: one activation checkpointing mode fits them all."""
 PP_BUBBLE_ARGS = ("--flavor", "8B", "--n-layers", "8", "--seq-len", "1024", "--microbatch-size", "1",
                   "--n-microbatches", "8")
 """Stage g's model: 8B-width blocks (a ~9 ms forward per block at 1024 tokens in float32 on an H100), so
@@ -100,6 +105,10 @@ def build_stages(python: str, out: Path, shape: RunShape) -> list[Stage]:
     # The published configs read the Llama 3 / Qwen3 tokenizer and a streamed hub corpus; a GPU machine without
     # network has neither, and throughput does not depend on which tokens flow.
     recipes = [*LAYER_RECIPES, *(["blockwise"] if shape.blockwise else [])]
+    proxy = ["--model.n_layers", str(shape.proxy_layers), "--training.seq_len", str(PROXY_SEQ_LEN),
+             "--training.local_batch_size", "1", "--activation_checkpoint.mode", shape.proxy_ac,
+             "--compile.enable", "true", *dense_data]
+    proxy_title = f"llama3_8b width, {shape.proxy_layers} blocks, seq {PROXY_SEQ_LEN}"
     stages = {
         "b": Stage("b", "float8_layer_bench", "float8 Linear bench, llama3_8b shapes, compiled",
                    [python, str(scripts / "float8_layer_bench.py"), "--shapes", "llama3_8b", "--recipes", *recipes,
@@ -114,12 +123,8 @@ def build_stages(python: str, out: Path, shape: RunShape) -> list[Stage]:
                     "--warmup", "3", "--steps", str(PROXY_STEPS), "--repeats", "2",
                     "--time-budget", str(int(EXPECTED_S["c"] * 0.9)),
                     "--profile-steps", str(PROXY_PROFILE_STEPS), "--profile-dir", str(out / "c_profiles"),
-                    "--model.n_layers", str(shape.proxy_layers), "--training.seq_len", str(PROXY_SEQ_LEN),
-                    "--training.local_batch_size", "1", "--activation_checkpoint.mode", shape.proxy_ac,
-                    "--compile.enable", "true", *dense_data,
-                    "--title", f"llama3_8b width, {shape.proxy_layers} blocks, seq {PROXY_SEQ_LEN}",
-                    "--out-md", str(out / "c_benchmark.md"), "--json-out", str(out / "c_benchmark.json"),
-                    "--logs", str(out / "c_logs")],
+                    *proxy, "--title", proxy_title, "--out-md", str(out / "c_benchmark.md"),
+                    "--json-out", str(out / "c_benchmark.json"), "--logs", str(out / "c_logs")],
                    EXPECTED_S["c"], expectation_figure),
         "e": Stage("e", "moe_benchmark", f"MoE proxy: Qwen3-30B-A3B width x {MOE_BENCH_LAYERS} blocks, seq 4096 x "
                                          f"{MOE_BATCH} (1,024 tokens per expert), compiled",
@@ -151,6 +156,7 @@ def build_stages(python: str, out: Path, shape: RunShape) -> list[Stage]:
                     *dense_data, "--title", f"llama3_8b width, {SMALL_PROXY_LAYERS} layers, seq 8192",
                     "--out-md", str(out / "h_benchmark.md"), "--json-out", str(out / "h_benchmark.json"),
                     "--logs", str(out / "h_logs")], EXPECTED_S["h"], benchmark_figure("h_benchmark.json")),
+        "i": head_stage(python, out, shape, proxy, proxy_title),
         "f": Stage("f", "pp_train", f"pipeline parallelism, llama3_debug, PP {PP_GPUS} x 1F1B, 20 steps",
                    ["env", f"NGPU={PP_GPUS}", str(REPO / "run_train.sh"), "--config", "llama3_debug", "--parallelism.pp",
                     str(PP_GPUS), "--parallelism.pipeline_schedule", "1F1B", "--training.steps", "20",
@@ -163,6 +169,19 @@ def build_stages(python: str, out: Path, shape: RunShape) -> list[Stage]:
                     str(out / "g_pipeline_bubble.json")], EXPECTED_S["g"], bubble_figure, gpus=PP_GPUS),
     }
     return [stages[k] for k in PRIORITY]
+
+
+def head_stage(python: str, out: Path, shape: RunShape, proxy: list[str], proxy_title: str) -> Stage:
+    """Stage i: the FP8 output head's share of the step, on stage c's proxy. An extra stage rather than a fourth
+    config of stage c: c's ~60 s per config would take c to ~260 s, and b + c + e (530 s) would no longer fit
+    the default budget (540 s). One round and no profile: the figure is one step-time ratio."""
+    return Stage("i", "fp8_head", f"extra: FP8 output head, {' vs '.join(HEAD_CONFIGS)} on stage c's proxy (8B width "
+                                  f"x {shape.proxy_layers} blocks, seq {PROXY_SEQ_LEN}, AC {shape.proxy_ac}), compiled",
+                 [python, str(REPO / "scripts" / "benchmark.py"), "--configs", *HEAD_CONFIGS, "--baseline",
+                  HEAD_CONFIGS[0], "--warmup", "3", "--steps", str(PROXY_STEPS), *proxy,
+                  "--title", f"FP8 output head: {proxy_title}", "--out-md", str(out / "i_benchmark.md"),
+                  "--json-out", str(out / "i_benchmark.json"), "--logs", str(out / "i_logs")],
+                 EXPECTED_S["i"], head_figure)
 
 
 def expectation_figure(out: Path, log: str) -> tuple[bool, str]:
@@ -216,24 +235,28 @@ def plan(stages: list[Stage], keys: str, budget_s: int) -> list[tuple[Stage, boo
 
 def size_proxy(planned: list[tuple[Stage, bool]], shape: RunShape, python: str, out: Path,
                info: dict[str, str]) -> tuple[list[tuple[Stage, bool]], str]:
-    """Stage c's activation checkpointing chosen by the memory estimate against this card (selective, else
-    full); the stage is left out, with the reason, when neither fits."""
-    if not any(s.key == "c" for s, _ in planned) or "memory_bytes" not in info:
+    """The representative proxy's activation checkpointing (stages c and i) chosen by the memory estimate of
+    their configs against this card (selective, else full); the stages are left out, with the reason, when
+    neither fits."""
+    keys = [s.key for s, _ in planned if s.key in PROXY_STAGES]
+    if not keys or "memory_bytes" not in info:
         return planned, ""
     from config_registry import DEFAULT_REGISTRY
     from torchtitan_lite.tools.proxy_model import fitting_ac_mode
 
-    stage_c = next(s for s, _ in planned if s.key == "c")
-    i = stage_c.command.index("--model.n_layers")
-    overrides = stage_c.command[i:stage_c.command.index("--title")]
-    mode, peak = fitting_ac_mode(list(BENCH_CONFIGS), [o for o in overrides], device_bytes=int(info["memory_bytes"]),
+    first = next(s for s, _ in planned if s.key in keys)
+    i = first.command.index("--model.n_layers")
+    overrides = first.command[i:first.command.index("--title")]
+    configs = list(dict.fromkeys(c for k in keys for c in PROXY_STAGES[k]))
+    mode, peak = fitting_ac_mode(configs, [o for o in overrides], device_bytes=int(info["memory_bytes"]),
                                  registry=DEFAULT_REGISTRY)
     card = f"{int(info['memory_bytes']) / 1024**3:.0f} GiB"
+    label = "stage " + keys[0] if len(keys) == 1 else "stages " + " and ".join(keys)
     if mode is None:
-        return ([(s, f) for s, f in planned if s.key != "c"],
-                f"stage c left out: its estimated peak with full activation checkpointing, {peak:.1f} GiB, does not "
-                f"fit this card's {card}")
+        return ([(s, f) for s, f in planned if s.key not in keys],
+                f"{label} left out: {'its' if len(keys) == 1 else 'their'} estimated peak with full activation "
+                f"checkpointing, {peak:.1f} GiB, does not fit this card's {card}")
     if mode != shape.proxy_ac:
-        planned = [(build_stages(python, out, dataclasses.replace(shape, proxy_ac=mode))[PRIORITY.index("c")], f)
-                   if s.key == "c" else (s, f) for s, f in planned]
-    return planned, f"stage c: estimated peak {peak:.1f} GiB with AC {mode} on this card's {card} (--estimate-memory)"
+        rebuilt = {s.key: s for s in build_stages(python, out, dataclasses.replace(shape, proxy_ac=mode))}
+        planned = [(rebuilt[s.key] if s.key in keys else s, f) for s, f in planned]
+    return planned, f"{label}: estimated peak {peak:.1f} GiB with AC {mode} on this card's {card} (--estimate-memory)"
