@@ -1,6 +1,7 @@
 """MoE grouped experts on CUDA: the bf16 grouped GEMM against the per-expert loop, and torchao's FP8 rowwise
 (Hopper) / MXFP8 (Blackwell) grouped GEMM kernels against the emulation the CPU runs, forward and both backward
-GEMMs, with empty and odd-sized token groups; the blockwise emulation (no kernel exists) on CUDA against the CPU."""
+GEMMs, with empty and odd-sized token groups; the blockwise emulation on CUDA against the CPU (torchao's
+blockwise kernel path: test_gpu_blockwise_experts.py)."""
 from __future__ import annotations
 
 import pytest

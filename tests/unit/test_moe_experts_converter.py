@@ -249,11 +249,15 @@ def test_converter_probes_deep_gemm_only_on_hopper_blockwise(monkeypatch, caplog
     assert "torchao's grouped blockwise FP8 GEMM (DeepGEMM) on NVIDIA H100 80GB HBM3" in converter.settings()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deep_gemm") is not None, reason="deep_gemm is installed here")
 def test_deep_gemm_probe_without_the_package(monkeypatch):
     # The probe answers from the package index alone: torchao's kernels (which import triton) stay unimported.
+    # The index is made to lack deep_gemm, so the case runs (and means the same) where the package is installed.
+    from torchtitan_lite.components.quantization import blockwise_grouped_kernel
     from torchtitan_lite.components.quantization.blockwise_grouped_kernel import deep_gemm_missing
 
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(blockwise_grouped_kernel.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deep_gemm" else find_spec(name, *a))
     monkeypatch.delitem(sys.modules, "torchao.prototype.blockwise_fp8_training.deepgemm_grouped_kernels", raising=False)
     assert deep_gemm_missing() == NO_DEEP_GEMM
     assert "torchao.prototype.blockwise_fp8_training.deepgemm_grouped_kernels" not in sys.modules
