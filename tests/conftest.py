@@ -11,10 +11,15 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 # Hermetic: the suite never reads or writes a user's caches (the measured CPU peak, tokenized data, the hub's
-# files); it gets its own, removed when the session ends. Subprocesses inherit these.
+# files, compiled kernels); it gets its own, removed when the session ends. Subprocesses inherit these.
 _SUITE_CACHE = tempfile.mkdtemp(prefix="ttl-suite-cache-")
 os.environ["TORCHTITAN_LITE_CACHE"] = os.path.join(_SUITE_CACHE, "torchtitan_lite")
 os.environ["HF_HOME"] = os.path.join(_SUITE_CACHE, "hf")
+# inductor's compiled kernels and Triton's too (a user's /tmp/torchinductor_$USER would make compile tests pass on
+# kernels built by other code and time them warm): shared by the session's tests and launches, cold at its start,
+# as in a fresh CI machine.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_SUITE_CACHE, "inductor")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_SUITE_CACHE, "triton")
 
 import models  # noqa: E402, F401
 

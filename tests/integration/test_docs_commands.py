@@ -79,7 +79,9 @@ LONG_RUNNING = {
     "--job.dump_folder outputs/qwen3_moe_from_seed":
         "trains from the seed",
     "./run_train.sh": "trains llama3_debug for 200 steps (minutes)",
-    "scripts/run_tests.sh": "the whole test suite",
+    "scripts/run_tests.sh": "the default test suite (.ci/run runs it)",
+    "scripts/run_tests.sh -m slow": "the slow cases only (tests/unit/test_run_tests_selection.py checks the selection)",
+    'scripts/run_tests.sh -m ""': "every case (tests/unit/test_run_tests_selection.py checks the selection)",
     "./run_train.sh --config llama3_debug --training.steps 50 --optimizer.lr 1e-3": "trains 50 steps",
     "./run_train.sh --config llama3_debug --config-file my_overrides.toml": "trains; needs the user's file",
     "NPROC=2 ./run_train.sh --config llama3_debug_fp8 --parallelism.dp_shard 2": "trains on 2 processes",
@@ -320,6 +322,19 @@ def test_commands_run_elsewhere_are_documented_and_run_there_with_their_argument
         values = [w for w in command.split()[1:] if not w.startswith("--") and not w.startswith("./")]
         missing = [w for w in flags + values if w not in text]
         assert not missing, f"{test} no longer runs {command!r}: {missing} not in it"
+        # ... in the default suite: a test of that file not marked slow names the command's world size.
+        world = env.group(0).split("=")[1].split()[0] if env else None
+        assert world is None or world in default_tests_source(REPO / test), f"only slow tests of {test} run {command!r}"
+
+
+def default_tests_source(path: Path) -> str:
+    """The source of the test functions of ``path`` that scripts/run_tests.sh runs by default (not marked slow)."""
+    import ast
+
+    source = path.read_text()
+    tests = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+    return "\n".join(ast.get_source_segment(source, node) or "" for node in tests
+                     if not any("slow" in ast.unparse(d) for d in node.decorator_list))
 
 
 def test_quick_documented_commands_run_as_written(bare_python, checkout):

@@ -64,9 +64,9 @@ def test_70b_fp8_on_64_gpus_with_tp_8(cli):
     assert _peak_gib(out) < 80
 
 
-@pytest.mark.slow
 def test_405b_fp8_on_512_gpus_with_tp_8_and_hsdp_fits_80_gib(cli):
-    """The layout the README recommends for 405B: TP 8 within a node, HSDP 4 x 16 across nodes."""
+    """The layout the README recommends for 405B: TP 8 within a node, HSDP 4 x 16 across nodes (its documented
+    dry-run command, which test_docs_commands.py leaves to this test)."""
     out = _dry_run(cli, "llama3_405b_fp8", 512, "--parallelism.tp", "8", "--parallelism.dp_replicate", "4")
     assert "dry run: rank 0 of 512, HSDP 4x16 + TP 8" in out
     assert "FP8 plan: 882 of 883 Linear layers run in FP8" in out
