@@ -331,3 +331,22 @@ def test_another_scalar_can_be_compared(runs, tmp_path, capsys):
     assert f"{runs['far']}: mean |gap| 0.0000" in capsys.readouterr().out
     assert _main(["--runs", runs["base"], runs["far"], "--tag", "val/loss", "--out", tmp_path / "l.png"]) == 2
     assert "has no 'val/loss' scalar" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", ["llama3_debug", "llama3_debug_fp8"])
+def test_the_train_command_of_a_real_config_parses_to_a_run_logging_every_step_where_the_script_reads(config, tmp_path):
+    # The default suite's cover of test_two_real_configs_end_to_end (slow, two real trainings): the command the
+    # script launches is accepted by the real config and resolves to TensorBoard scalars every step, no
+    # checkpoints, in the folder read_losses reads. That train.py writes train/loss there is the integration
+    # tests' (tests/integration/_cli.py read_scalars).
+    from config_registry import DEFAULT_REGISTRY
+    from torchtitan_lite.config import parse_cli
+
+    dump = tmp_path / "run"
+    cmd = runs_mod.train_command(config, dump, steps=3, overrides=["--model.n_layers", "1"], nproc=1)
+    parsed = parse_cli(cmd[2:], registry=DEFAULT_REGISTRY).config
+    m = parsed.metrics
+    assert (m.log_freq, m.enable_tensorboard, m.rank_0_only, parsed.training.steps, parsed.checkpoint.enable,
+            parsed.model.n_layers) == (1, True, True, 3, False, 1)
+    (Path(parsed.job.dump_folder) / m.save_tb_folder).mkdir(parents=True)  # where train.py's writer puts it
+    assert runs_mod.tensorboard_folder(dump) == dump / m.save_tb_folder

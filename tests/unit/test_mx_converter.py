@@ -229,3 +229,27 @@ def test_compiled_mx_block_matches_eager(backend):
         return
     eager, compiled = grads(False), grads(True)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+def test_inductor_compiles_the_mx_cast_like_eager_or_the_converter_refuses():
+    # The default suite's cover of test_compiled_mx_block_matches_eager[inductor] (slow: a whole block's forward
+    # and backward through inductor): the MX cast alone (to MXFP8 and back, the graph inductor could not write on
+    # torch 2.11) compiled by inductor gives eager's values bit for bit, and the converter then accepts
+    # compile.enable=true on CPU; where it cannot be compiled the converter refuses.
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
+
+    if inductor_cpu_mx_cast_error() is not None:
+        with pytest.raises(ValueError, match=r"compile\.enable=true on CPU needs torch 2\.13"):
+            MXLinearConverter.Config().build(context=context(compile_model=True))
+        return
+    MXLinearConverter.Config().build(context=context(compile_model=True))
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        scale, data = to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+        return data.to(torch.bfloat16).reshape(-1, 32) * get_fp_scale(scale).reshape(-1, 1).to(torch.bfloat16)
+
+    x = torch.randn(8, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3)) * 10
+    eager, compiled = cast(x), torch.compile(cast, backend="inductor", fullgraph=True)(x)
+    assert not torch.equal(eager, x.reshape(-1, 32))  # the cast rounds: a pass-through could not match by accident
+    assert torch.equal(eager, compiled)

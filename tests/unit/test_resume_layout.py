@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +143,33 @@ def test_a_resume_needs_steps_left_to_train():
     with pytest.raises(ValueError, match=r"^the checkpoint in out/checkpoint is at step 10, beyond training.steps=8: "
                                          r"resuming it would train nothing\. Set --training.steps above 10"):
         check_steps_ahead(10, 8, "out/checkpoint")
+
+
+@pytest.mark.parametrize("reported", [None, "1"])
+def test_workers_say_the_resume_changes_only_where_run_train_sh_has_not(monkeypatch, caplog, reported):
+    # The default suite's cover of test_check_resume.py's launch through run_train.sh (slow): its check before
+    # torchrun prints these lines, then exports RESUME_REPORTED_ENV so that the workers stay silent.
+    from types import SimpleNamespace
+
+    from torchtitan_lite.components.data.layout import RESUME_REPORTED_ENV
+    from torchtitan_lite.trainer_setup import report_resumed_layout
+
+    if reported is None:
+        monkeypatch.delenv(RESUME_REPORTED_ENV, raising=False)
+    else:
+        monkeypatch.setenv(RESUME_REPORTED_ENV, reported)
+    run = SimpleNamespace(data_layout=lambda data: TP2)
+    with caplog.at_level("INFO"):
+        report_resumed_layout(FSDP2, run, None, step=20, data_loaded=True, global_batch_set=False)
+    said = [r.getMessage() for r in caplog.records]
+    changes = [m for m in said if "continues from 2 on 1" in m or "global batch changes on resume" in m]
+    assert len(changes) == (2 if reported is None else 0), said
+
+
+def test_run_train_sh_marks_the_resume_reported_after_its_check_and_before_torchrun():
+    from torchtitan_lite.components.data.layout import RESUME_REPORTED_ENV
+
+    script = (Path(__file__).resolve().parents[2] / "run_train.sh").read_text()
+    check, export, launch = (script.index("--check-config"), script.index(f"export {RESUME_REPORTED_ENV}=1"),
+                             script.index("torchrun_graceful.sh"))
+    assert check < export < launch
