@@ -182,7 +182,7 @@ BLOCKWISE_RUNS = [Run(tp=2, steps=1, model="deepseek_v3_128", blockwise=True), R
                   Run(tp=2, steps=1, model="deepseek_v3_128", blockwise=True, float8_keep_hp=DOWN_PROJECTIONS)]
 
 
-@pytest.mark.slow
+# In the default suite: the only run of blockwise FP8 with DeepSeek-V3's replicated down-projections under TP (~7-12 s).
 def test_tp2_blockwise_fp8_with_replicated_down_projections_trains_like_one_process_and_float32_does_not():
     blockwise, fp32, down_projections_hp = run_ranks(train_runs, 2, BLOCKWISE_RUNS)[0]
     hp_ref = reference(BLOCKWISE_RUNS[2])
