@@ -7,6 +7,7 @@ and reads the same global batches (tests/distributed/_llama_steps.py), so a pipe
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +123,7 @@ def train(rank: int, world_size: int, run: PPRun) -> dict:
         for i in range(resolved.n_microbatches):
             first = (dims.dp_rank * resolved.n_microbatches + i) * rows
             inputs, labels = global_inputs[first:first + rows], global_labels[first:first + rows]
-            with log or _nothing(), precision.autocast(), loss_parallel_context(resolved.loss_parallel):
+            with log or contextlib.nullcontext(), precision.autocast(), loss_parallel_context(resolved.loss_parallel):
                 loss = runner.step(inputs, labels, global_tokens=global_tokens)
             loss_total += local_loss(loss)
         grad_norm = clip_grad_norm_(params, MAX_NORM, pp_mesh=dims.pp_mesh)
@@ -130,7 +131,7 @@ def train(rank: int, world_size: int, run: PPRun) -> dict:
         if log is not None:
             out["collectives"]["fwd_bwd"] = list(log.calls)
             log = CollectiveLog()
-        with log or _nothing():
+        with log or contextlib.nullcontext():
             optimizers.step()
         if log is not None:
             out["collectives"]["optimizer"] = list(log.calls)
@@ -143,14 +144,6 @@ def train(rank: int, world_size: int, run: PPRun) -> dict:
     out["tp_sharded"] = any(getattr(p, "device_mesh", None) is not None and "tp" in (p.device_mesh.mesh_dim_names or ())
                             for p in params)
     return out
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def train_runs(rank: int, world_size: int, runs: list[PPRun]) -> list[dict]:

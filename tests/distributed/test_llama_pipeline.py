@@ -4,7 +4,7 @@ PP 2; compiled, fully checkpointed stages. One launch per world size (4 ranks: t
 compiled run), one 1-rank launch for the references; 3 steps each. The end-to-end runs through run_train.sh
 (tests/integration/test_train_pipeline.py, marked slow) cover the same features with the trainer itself.
 
-Measured on a 2-core AMD EPYC CPU, max relative loss difference over the 3 steps:
+Measured on this project's 2-core CPU test machine, max relative loss difference over the 3 steps:
   float8 PP 2 x FSDP 2 against float8 on one process with the same 1-sample micro-batches: 8.1e-6
     (the same casts; a last-bit change of a weight can move a tensor's amax and so its whole float8 rounding);
     float8 against float32 on one process: 4.2e-4, so FP8_RTOL = 1e-4 tells them apart (asserted);
