@@ -139,6 +139,8 @@ def test_interleaved_1f1b_trains_as_one_process(seed, reference, tmp_path):
 
 @pytest.mark.slow
 def test_tp2_x_pp2_on_4_ranks_trains_as_one_process(seed, reference, tmp_path):
+    """The default suite's cheap counterpart: tests/distributed/test_llama_pipeline.py::
+    test_tp2_x_pp2_on_4_ranks_trains_as_one_process (the trainer's build and step, in process)."""
     run = train(tmp_path, [*seed, "--training.steps", "3", "--parallelism.pp", "2", "--parallelism.tp", "2"], nproc=4)
     assert set(run["train/loss"]) == {1, 2, 3}
     assert max_rel_diff(run["train/loss"], reference["train/loss"]) <= FP32_RTOL
@@ -163,7 +165,9 @@ def test_fp16_loss_scaling_skips_and_scales_as_one_process(seed, tmp_path):
 def test_pp2_x_fsdp2_float8_with_the_fp8_all_gather_trains_as_fsdp2(seed, tmp_path):
     """float8 tensorwise with FP8 all-gather and precomputed scales, per stage. The dynamic scales follow the
     activations of each forward, so the pipeline's micro-batches (2 samples) are FSDP 2's accumulation
-    micro-batches (2 samples, 2 per step): the same casts, the same documents per rank."""
+    micro-batches (2 samples, 2 per step): the same casts, the same documents per rank. The default suite's
+    cheap counterpart, with the all-gathers and the precompute checked on the wire: tests/distributed/
+    test_llama_pipeline.py::test_pp2_x_fsdp2_float8_with_the_fp8_all_gather_and_precomputed_scales_trains_as_one_process."""
     fp8 = [*seed, "--model_converters.converters.0.enable_fsdp_float8_all_gather",
            "true", "--model_converters.converters.0.precompute_float8_dynamic_scale_for_fsdp", "true",
            "--training.steps", "3", "--parallelism.dp_shard", "2"]
@@ -179,7 +183,9 @@ def test_pp2_x_fsdp2_float8_with_the_fp8_all_gather_trains_as_fsdp2(seed, tmp_pa
 def test_pp2_with_compile_and_full_ac_trains_as_one_process(seed, reference, tmp_path):
     """Compiled, fully checkpointed stages against the eager one-process reference: in float32 inductor's
     fusions, like the order of sums, move only last bits (measured 6.1e-8 relative over the 3 steps, within
-    FP32_RTOL)."""
+    FP32_RTOL). The default suite's cheap counterpart (aot_eager: dynamo and AOT autograd through the checkpoint
+    wrapper, no code generation; inductor under PP is tested only here): tests/distributed/test_llama_pipeline.py::
+    test_pp2_with_compile_and_full_ac_trains_as_one_process."""
     pp = train(tmp_path, [*seed, "--compile.enable", "true", "--activation_checkpoint.mode", "full",
                           "--training.steps", "3", "--parallelism.pp", "2"], nproc=2)
     assert set(pp["train/loss"]) == {1, 2, 3}
