@@ -12,6 +12,6 @@ cd "$root"
 # The default selection leaves out the `slow` cases; any -m of the caller replaces it.
 select=(-m "not slow")
 for a in "$@"; do
-  case "$a" in -m|-m*|--markexpr|--markexpr=*) select=();; esac
+  case "$a" in -m*|--markexpr*) select=();; esac
 done
 exec "$py" -m pytest -q -p no:cacheprovider --durations=15 ${select[@]+"${select[@]}"} "$@"

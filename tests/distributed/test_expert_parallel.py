@@ -20,14 +20,11 @@ import pytest
 import torch
 from _harness import run_ranks
 from _moe_ep_steps import Run, collectives_of_one_step, run_single, train_runs
+from _rel_diff import rel_diff
 
 FP32_RTOL = 1e-6
 GRAD_NORM_RTOL = 2e-6
 STEPS = 20
-
-
-def _rel_diff(values, reference) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
 
 
 TWO_RANKS = {
@@ -62,8 +59,8 @@ def _reference(world_size: int) -> dict:
 def test_expert_parallel_float32_losses_and_gradients_match_one_process(world_size, name):
     got, ref = _launch(world_size)[name][0], _reference(world_size)
     assert len(got["losses"]) == STEPS
-    assert _rel_diff(got["losses"], ref["losses"]) <= FP32_RTOL, (got["losses"], ref["losses"])
-    assert _rel_diff(got["grad_norms"], ref["grad_norms"]) <= GRAD_NORM_RTOL
+    assert rel_diff(got["losses"], ref["losses"]) <= FP32_RTOL, (got["losses"], ref["losses"])
+    assert rel_diff(got["grad_norms"], ref["grad_norms"]) <= GRAD_NORM_RTOL
     # Expert gradients are SUMMED over the ranks that sent tokens (all-to-all backward) and over efsdp /
     # dp_replicate (FSDP): a missing or doubled contribution would be off by a factor, not by rounding.
     assert set(got["first_grads"]) == set(ref["first_grads"])
@@ -86,7 +83,7 @@ def test_expert_bias_is_the_same_on_every_rank_and_as_on_one_process(world_size,
 def test_negative_control_dropping_the_tokens_sent_to_another_rank_is_detected():
     got = _launch(2)["ep2_drops_remote_tokens"][0]
     ref = _reference(2)
-    assert _rel_diff(got["losses"], ref["losses"][:3]) > 50 * FP32_RTOL
+    assert rel_diff(got["losses"], ref["losses"][:3]) > 50 * FP32_RTOL
 
 
 def _exchanges_of_one_step(rank: int, world_size: int) -> dict[str, dict[str, int]]:
@@ -138,8 +135,8 @@ def test_expert_parallel_with_compile_and_full_ac_matches_one_process_bf16():
         assert rel <= BF16_FIRST_GRAD_RTOL, (param, rel)
     for param, grad in compiled_full_ac["first_grads"].items():
         torch.testing.assert_close(grad, compiled["first_grads"][param], rtol=0, atol=0, msg=param)
-    assert _rel_diff(compiled["losses"][:10], reference["losses"][:10]) < BF16_FIRST_10_RTOL
-    assert _rel_diff(fp32["losses"][:10], reference["losses"][:10]) > BF16_FIRST_10_RTOL
-    assert _rel_diff(compiled["losses"], reference["losses"]) < BF16_20_STEPS_RTOL
+    assert rel_diff(compiled["losses"][:10], reference["losses"][:10]) < BF16_FIRST_10_RTOL
+    assert rel_diff(fp32["losses"][:10], reference["losses"][:10]) > BF16_FIRST_10_RTOL
+    assert rel_diff(compiled["losses"], reference["losses"]) < BF16_20_STEPS_RTOL
     # Full checkpointing replays the forward's routing and exchanges: the same numbers to the bit.
     assert compiled_full_ac["losses"] == compiled["losses"]

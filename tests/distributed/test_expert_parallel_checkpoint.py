@@ -10,6 +10,7 @@ import pytest
 import torch
 from _harness import run_ranks
 from _moe_ep_steps import Run, load_and_continue, save_after
+from _rel_diff import rel_diff
 
 SAVED_AT = 3
 EP2 = Run(dp_shard=2, ep=2)
@@ -44,10 +45,6 @@ def _assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.T
         assert torch.equal(got[name], value), name
 
 
-def _rel_diff(values, reference) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
-
-
 def test_the_saved_state_holds_the_global_experts_and_a_moved_bias(checkpoints):
     state = checkpoints["ranks"][0]["ep2_saved"]["state"]
     assert state["layers.0.moe.experts.w1"].shape == (4, 32, 64)  # all 4 experts, not a rank's 2
@@ -59,17 +56,17 @@ def test_ep2_checkpoint_loads_with_ep1_and_on_one_process_with_identical_weights
         saved = rank_results["ep2_saved"]
         _assert_same_state(rank_results["ep1_from_ep2"]["state"], saved["state"])
         # Weights, biases and Adam moments resharded: the next steps train as the EP 2 run does.
-        assert _rel_diff(rank_results["ep1_from_ep2"]["next"]["losses"], saved["next"]["losses"]) <= FP32_RTOL
+        assert rel_diff(rank_results["ep1_from_ep2"]["next"]["losses"], saved["next"]["losses"]) <= FP32_RTOL
     saved = checkpoints["ranks"][0]["ep2_saved"]
     _assert_same_state(checkpoints["one_process_from_ep2"]["state"], saved["state"])
-    assert _rel_diff(checkpoints["one_process_from_ep2"]["next"]["losses"], saved["next"]["losses"]) <= FP32_RTOL
+    assert rel_diff(checkpoints["one_process_from_ep2"]["next"]["losses"], saved["next"]["losses"]) <= FP32_RTOL
 
 
 def test_ep1_checkpoint_loads_with_ep2_with_identical_weights_and_biases(checkpoints):
     for rank_results in checkpoints["ranks"]:
         saved = rank_results["ep1_saved"]
         _assert_same_state(rank_results["ep2_from_ep1"]["state"], saved["state"])
-        assert _rel_diff(rank_results["ep2_from_ep1"]["next"]["losses"], saved["next"]["losses"]) <= FP32_RTOL
+        assert rel_diff(rank_results["ep2_from_ep1"]["next"]["losses"], saved["next"]["losses"]) <= FP32_RTOL
 
 
 def test_resume_with_ep2_is_exact(checkpoints):

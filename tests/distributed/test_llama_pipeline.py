@@ -18,6 +18,7 @@ import functools
 import torch
 from _harness import run_ranks
 from _llama_pp_steps import PPRun, train_runs
+from _rel_diff import rel_diff
 
 FP32_RTOL = 1e-6
 FP8_RTOL = 1e-4
@@ -42,16 +43,12 @@ def _launch(world_size: int) -> dict[str, list[dict]]:
     return {name: [rank_results[i] for rank_results in per_rank] for i, name in enumerate(runs)}
 
 
-def _rel_diff(values, reference) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
-
-
 def _check_losses(results: list[dict], reference: dict, rtol: float, *, grad_norms: bool = True) -> None:
     got = results[0]
     assert all(r["losses"] == got["losses"] for r in results)  # every rank holds the last stage's loss
-    assert _rel_diff(got["losses"], reference["losses"]) <= rtol, (got["losses"], reference["losses"])
+    assert rel_diff(got["losses"], reference["losses"]) <= rtol, (got["losses"], reference["losses"])
     if grad_norms:
-        assert _rel_diff(got["grad_norms"], reference["grad_norms"]) <= 10 * rtol, (got["grad_norms"],
+        assert rel_diff(got["grad_norms"], reference["grad_norms"]) <= 10 * rtol, (got["grad_norms"],
                                                                                      reference["grad_norms"])
 
 
@@ -59,7 +56,7 @@ def test_pp2_x_fsdp2_float8_with_the_fp8_all_gather_and_precomputed_scales_train
     results, refs = _launch(4)["pp2_fsdp2_fp8"], _references()
     _check_losses(results, refs["fp8"], FP8_RTOL)
     # The tolerance tells float8 from float32: float32 on one process misses it.
-    assert _rel_diff(refs["fp32"]["losses"], refs["fp8"]["losses"]) > FP8_RTOL
+    assert rel_diff(refs["fp32"]["losses"], refs["fp8"]["losses"]) > FP8_RTOL
     for rank in results:
         fwd_bwd, optimizer = rank["collectives"]["fwd_bwd"], rank["collectives"]["optimizer"]
         # Each stage's block is all-gathered once per step (never resharded under a pipeline), as raw float8 bytes.

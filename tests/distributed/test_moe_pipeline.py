@@ -20,6 +20,7 @@ import pytest
 import torch
 from _harness import run_ranks
 from _moe_pp_steps import PPRun, train, train_runs
+from _rel_diff import rel_diff
 
 from models.common.moe.router_stats import merge_router_stats
 
@@ -42,10 +43,6 @@ FOUR_RANKS = {
     # Without checkpointing (with it, refused: tests/unit/test_pipeline_moe.py).
     "ZBVZeroBubble_ep2": PPRun(pp=2, dp_shard=2, ep=2, schedule="ZBVZeroBubble"),
 }
-
-
-def _rel_diff(values, reference) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
 
 
 @functools.cache
@@ -74,8 +71,8 @@ def test_pipeline_moe_float32_matches_one_process(world_size, name):
     results, ref = _launch(world_size)[name], _reference()
     got = results[0]
     assert all(r["losses"] == got["losses"] for r in results)  # every rank logs the last stage's loss
-    assert _rel_diff(got["losses"], ref["losses"]) <= FP32_RTOL, (got["losses"], ref["losses"])
-    assert _rel_diff(got["grad_norms"], ref["grad_norms"]) <= GRAD_NORM_RTOL
+    assert rel_diff(got["losses"], ref["losses"]) <= FP32_RTOL, (got["losses"], ref["losses"])
+    assert rel_diff(got["grad_norms"], ref["grad_norms"]) <= GRAD_NORM_RTOL
     routers = _merged(results, "router_grads")
     assert set(routers) == set(ref["router_grads"])
     for param, grad in routers.items():

@@ -26,6 +26,7 @@ from _llama_steps import (
     layout_runs,
     single_process_results,
 )
+from _rel_diff import rel_diff
 
 # fp32: a layout only changes the order of float32 sums (reduce-scatter of per-rank partial gradients,
 # TP partial products); measured differences stay below 3e-7 relative over 10 AdamW steps, so 1e-5
@@ -71,17 +72,13 @@ GRAD_BOUND = {
 }
 
 
-def _rel_diff(values, reference) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fp32_losses_grad_norms_and_first_gradients_match_single_process(layout):
     run = layout_runs(layout)["fp32"]
     got, ref = layout_results(layout)["fp32"], single_process_results(run.single_process())
     assert len(got["losses"]) == 10
-    assert _rel_diff(got["losses"], ref["losses"]) < FP32_RTOL, (got["losses"], ref["losses"])
-    assert _rel_diff(got["grad_norms"], ref["grad_norms"]) < FP32_RTOL
+    assert rel_diff(got["losses"], ref["losses"]) < FP32_RTOL, (got["losses"], ref["losses"])
+    assert rel_diff(got["grad_norms"], ref["grad_norms"]) < FP32_RTOL
     # Gradients are SUMMED over data-parallel ranks: averaging would scale them by 1/dp, which Adam's
     # scale invariance would hide from the losses but not from this comparison.
     assert set(got["first_grads"]) == set(ref["first_grads"])
@@ -134,7 +131,7 @@ def test_other_low_precision_variants_match_single_process_and_fail_without_it(l
 def test_other_float32_variants_match_single_process(layout, variant):
     run = layout_runs(layout)[variant]
     got, ref = layout_results(layout)[variant], single_process_results(run.single_process())
-    assert _rel_diff(got["losses"], ref["losses"]) < FP32_RTOL, (got["losses"], ref["losses"])
+    assert rel_diff(got["losses"], ref["losses"]) < FP32_RTOL, (got["losses"], ref["losses"])
 
 
 @pytest.mark.parametrize("variant, block_all_gathers", [
